@@ -1,0 +1,110 @@
+"""Orbax checkpoints of policy weights, and loading a model from either format.
+
+A jaxagent checkpoint directory is an Orbax `CheckpointManager` directory whose steps hold at least the items
+`params` (the model's parameters as a pure dict) and `model_config` (the HF-style `config.json` dict). The
+trainer adds its own items (optimizer, data iterator, RNG, …) to the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+import models
+
+PARAMS = "params"
+MODEL_CONFIG = "model_config"
+
+
+def is_hf_dir(path: str | Path) -> bool:
+  path = Path(path)
+  return (path / "config.json").is_file() and (
+      any(path.glob("*.safetensors")) or (path / models._hf.INDEX_FILE).is_file())
+
+
+def latest_step(path: str | Path) -> int | None:
+  """The latest complete step of an Orbax checkpoint directory, or None."""
+  path = Path(path)
+  if not path.is_dir():
+    return None
+  with ocp.CheckpointManager(path.resolve(), options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
+    return mngr.latest_step()
+
+
+def save_model(model: models.Transformer, directory: str | Path, step: int = 0) -> Path:
+  """Writes `model` as step `step` of an Orbax checkpoint directory (blocking)."""
+  directory = Path(directory).resolve()
+  _, state = nnx.split(model)
+  hf_config = models.config_to_hf(model.config, dtype=jnp.dtype(model.dtype).name)
+  with ocp.CheckpointManager(directory) as mngr:
+    mngr.save(step, args=ocp.args.Composite(**{
+        PARAMS: ocp.args.StandardSave(nnx.to_pure_dict(state)),
+        MODEL_CONFIG: ocp.args.JsonSave(hf_config)}), force=True)
+    mngr.wait_until_finished()
+  return directory
+
+
+def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
+               rules: models.Rules = models.DEFAULT_RULES, step: int | None = None) -> models.Transformer:
+  """Loads a model from an HF directory or a jaxagent (Orbax) checkpoint directory.
+
+  Args:
+    path: HF checkpoint directory, or Orbax checkpoint directory (latest step unless `step`).
+    dtype: parameter dtype after loading.
+    mesh: place parameters on this mesh by `rules` (restored directly into their shardings).
+  """
+  path = Path(path)
+  if is_hf_dir(path):
+    return models.from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
+  if not path.is_dir():
+    raise models.CheckpointError(f"{path}: no such checkpoint directory")
+  directory = path.resolve()
+  with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+      raise models.CheckpointError(
+          f"{path}: neither an HF checkpoint (config.json + *.safetensors) nor an Orbax checkpoint "
+          "directory with a complete step")
+    try:
+      hf_config = mngr.restore(step, args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))[
+          MODEL_CONFIG]
+    except Exception as e:  # orbax raises several types for a missing item
+      raise models.CheckpointError(f"{directory}/{step}: no readable {MODEL_CONFIG!r} item ({e})") from None
+    config = models.config_from_hf(hf_config, source=f"{directory}/{step}/{MODEL_CONFIG}")
+    abstract = nnx.eval_shape(lambda: models.Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    if mesh is not None:
+      shardings = models.state_shardings(state, mesh, rules)
+      target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s[...]),
+                            state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    else:
+      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device), state,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+    target = nnx.to_pure_dict(target)
+    try:
+      params = mngr.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))[
+          PARAMS]
+    except (ValueError, KeyError, FileNotFoundError) as e:
+      raise models.CheckpointError(
+          f"{directory}/{step}/{PARAMS}: does not match {MODEL_CONFIG} ({type(e).__name__}: {e})") from None
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
+
+
+def read_model_config(path: str | Path) -> dict[str, Any]:
+  """The HF-style config dict stored with a checkpoint (either format)."""
+  path = Path(path)
+  if is_hf_dir(path):
+    return json.loads((path / "config.json").read_text())
+  directory = path.resolve()
+  with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
+    step = mngr.latest_step()
+    return mngr.restore(step, args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))[MODEL_CONFIG]

@@ -1,0 +1,80 @@
+"""`jaxagent` command line: thin wrappers over the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+  parser.add_argument("config", nargs=None if required else "?",
+                      help="YAML file, or the name of a config in launch/configs/")
+  parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config value, e.g. --set generate.max_new_tokens=8 (repeatable)")
+
+
+def _cmd_config(args) -> int:
+  from jaxagent import config as config_lib
+  print(config_lib.dump(config_lib.load(args.config, args.overrides)), end="")
+  return 0
+
+
+def _cmd_demo(args) -> int:
+  from jaxagent import config as config_lib
+  from jaxagent import demo
+  demo.run(config_lib.load(args.config, args.overrides))
+  return 0
+
+
+def _cmd_convert(args) -> int:
+  import jax.numpy as jnp
+
+  import models
+  from jaxagent import checkpoint
+
+  src, dst = Path(args.src), Path(args.dst)
+  to = args.to or ("orbax" if checkpoint.is_hf_dir(src) else "hf")
+  model = checkpoint.load_model(src, dtype=jnp.dtype(args.dtype))
+  if to == "orbax":
+    out = checkpoint.save_model(model, dst)
+  else:
+    out = models.save_pretrained(model, dst)
+  print(f"{src} -> {out} ({to}, {model.config.model_type}, {model.config.num_params():,} parameters)")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="jaxagent", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("config", help="print a config after defaults and overrides (validates it)")
+  _add_config_args(p, required=False)
+  p.set_defaults(func=_cmd_config)
+
+  p = sub.add_parser("demo", help="tiny model through init, HF save, Orbax convert, restore, KV-cache decode")
+  _add_config_args(p)
+  p.set_defaults(func=_cmd_demo)
+
+  p = sub.add_parser("convert", help="HF checkpoint directory <-> jaxagent (Orbax) checkpoint")
+  p.add_argument("src", help="HF directory (config.json + *.safetensors) or Orbax checkpoint directory")
+  p.add_argument("dst", help="output directory")
+  p.add_argument("--to", choices=("orbax", "hf"), help="output format (default: the other one)")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.set_defaults(func=_cmd_convert)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  from jaxagent.config import ConfigError
+  import models
+  try:
+    return args.func(args)
+  except (ConfigError, models.CheckpointError, models.UnsupportedModelError) as e:
+    print(f"jaxagent {args.command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

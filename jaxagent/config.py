@@ -1,0 +1,290 @@
+"""One typed configuration tree: nested frozen dataclasses loaded from YAML plus `a.b.c=value` overrides.
+
+Everything is validated at load time. Errors name the full key path, the bad value and what is valid; an
+unknown key gets the closest known key as a suggestion. Ranges and choices live in field metadata
+(`field(..., ge=0, choices=...)`); `choices` may be a callable returning a registry's names, so swappable
+maths is validated when the config loads, not when step 500 first calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypeVar, Union
+
+import yaml
+
+import models
+
+T = TypeVar("T")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "launch" / "configs"
+
+
+class ConfigError(ValueError):
+  """A configuration value is unknown, of the wrong type or out of range."""
+
+
+def field(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+          le: float | None = None, lt: float | None = None,
+          choices: Iterable[Any] | Callable[[], Iterable[Any]] | None = None, help: str = "") -> Any:
+  """A dataclass field with validation metadata; mutable defaults (dataclasses) are copied per instance."""
+  metadata = dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, help=help)
+  if dataclasses.is_dataclass(default):
+    return dataclasses.field(default_factory=lambda: default, metadata=metadata)
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections. Later subsystems add theirs here; every field has a default so a YAML file lists only changes.
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  name: str = field("run", help="run name; the run directory is <root>/<name>-<timestamp>")
+  root: str = field("runs", help="parent directory of run directories")
+  seed: int = field(0, ge=0, help="global seed: every RNG stream is derived from it")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  path: str | None = field(None, help="HF checkpoint directory or jaxagent checkpoint; None: init from `init`")
+  init: models.ModelConfig = field(models.ModelConfig(), help="architecture when initializing from scratch")
+  tokenizer: str = field("byte", help="'byte' or a local HF tokenizer directory")
+  dtype: Literal["float32", "bfloat16"] = field("float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = field(-1, ge=-1, help="-1: all remaining devices")
+  fsdp: int = field(1, ge=-1)
+  tensor: int = field(1, ge=-1)
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    bad = [k for k, v in sizes.items() if v == 0]
+    if bad:
+      raise ConfigError(f"mesh.{bad[0]}=0: sizes are positive, or -1 to infer")
+    if sum(v == -1 for v in sizes.values()) > 1:
+      raise ConfigError(f"mesh: at most one axis may be -1, got {sizes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+  prompt: str = field("Hello", help="prompt text for `jaxagent generate` and the demo")
+  max_new_tokens: int = field(32, ge=1)
+  temperature: float = field(0.0, ge=0.0, help="0: greedy")
+  top_k: int = field(0, ge=0, help="0: off")
+  top_p: float = field(1.0, gt=0.0, le=1.0)
+  seed: int = field(0, ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  run: RunConfig = field(RunConfig())
+  model: ModelSection = field(ModelSection())
+  mesh: MeshConfig = field(MeshConfig())
+  generate: GenerateConfig = field(GenerateConfig())
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading.
+
+
+def _type_name(tp: Any) -> str:
+  if isinstance(tp, type):
+    return tp.__name__
+  return str(tp).replace("typing.", "")
+
+
+def _check_range(value: Any, meta: Mapping[str, Any], where: str) -> None:
+  for key, op, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                        ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+    bound = meta.get(key)
+    if bound is not None and not op(value, bound):
+      raise ConfigError(f"{where}={value!r}: must be {word} {bound}")
+  choices = meta.get("choices")
+  if choices is not None:
+    valid = list(choices() if callable(choices) else choices)
+    if value not in valid:
+      close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise ConfigError(f"{where}={value!r}: not one of {valid}{hint}")
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+  origin = typing.get_origin(tp)
+  if tp is Any:
+    return value
+  if origin in (Union, types.UnionType):
+    options = typing.get_args(tp)
+    if value is None:
+      if type(None) in options:
+        return None
+      raise ConfigError(f"{where}=None: expected {_type_name(tp)}")
+    errors = []
+    for option in (o for o in options if o is not type(None)):
+      try:
+        return _convert(option, value, where)
+      except ConfigError as e:
+        errors.append(str(e))
+    raise ConfigError(f"{where}={value!r}: expected {_type_name(tp)}")
+  if origin is Literal:
+    valid = typing.get_args(tp)
+    if value not in valid:
+      close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise ConfigError(f"{where}={value!r}: not one of {list(valid)}{hint}")
+    return value
+  if dataclasses.is_dataclass(tp):
+    return _build(tp, value, where)
+  if origin is tuple:
+    args = typing.get_args(tp)
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{where}={value!r}: expected a list")
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if len(args) != len(value):
+      raise ConfigError(f"{where}={value!r}: expected {len(args)} items")
+    return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+  if origin is dict:
+    key_tp, value_tp = typing.get_args(tp)
+    if not isinstance(value, Mapping):
+      raise ConfigError(f"{where}={value!r}: expected a mapping")
+    return types.MappingProxyType({_convert(key_tp, k, f"{where}.{k}"): _convert(value_tp, v, f"{where}.{k}")
+                                   for k, v in value.items()})
+  if tp is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{where}={value!r}: expected true or false")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{where}={value!r}: expected an integer")
+    return value
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{where}={value!r}: expected a number")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{where}={value!r}: expected a string")
+    return value
+  if tp is type(None):
+    if value is not None:
+      raise ConfigError(f"{where}={value!r}: expected null")
+    return None
+  raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
+
+
+def _build(cls: type[T], data: Any, where: str) -> T:
+  if isinstance(data, cls):
+    return data
+  if data is None:
+    data = {}
+  if not isinstance(data, Mapping):
+    raise ConfigError(f"{where or 'config'}={data!r}: expected a mapping of {cls.__name__} fields")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+  for key in data:
+    if key not in fields:
+      close = difflib.get_close_matches(str(key), list(fields), n=1)
+      hint = f"; did you mean {_join(where, close[0])!r}?" if close else ""
+      raise ConfigError(f"unknown key {_join(where, key)!r}{hint} (valid keys: {sorted(fields)})")
+  kwargs = {}
+  for name, f in fields.items():
+    if name not in data:
+      continue
+    key = _join(where, name)
+    value = _convert(hints[name], data[name], key)
+    if value is not None:
+      _check_range(value, f.metadata, key)
+    kwargs[name] = value
+  try:
+    return cls(**kwargs)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"{where or 'config'}: {e}") from None
+
+
+def _join(prefix: str, key: Any) -> str:
+  return f"{prefix}.{key}" if prefix else str(key)
+
+
+def from_dict(data: Mapping[str, Any], cls: type[T] = Config) -> T:
+  """Validates `data` into `cls`; raises `ConfigError` naming the key path."""
+  return _build(cls, data, "")
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+  """Applies `a.b.c=value` strings (values parsed as YAML) to a nested dict, returning a new dict."""
+  import copy  # pylint: disable=g-import-not-at-top
+
+  data = copy.deepcopy(data)
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r}: expected key.path=value")
+    key, raw = item.split("=", 1)
+    try:
+      value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+      raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+      child = node.get(part)
+      if not isinstance(child, dict):
+        child = {}
+        node[part] = child
+      node = child
+    node[parts[-1]] = value
+  return data
+
+
+def resolve_path(name_or_path: str | Path) -> Path:
+  """A YAML path, or the name of a shipped config in `launch/configs/` (with or without `.yaml`)."""
+  path = Path(name_or_path)
+  if path.is_file():
+    return path
+  for candidate in (CONFIG_DIR / path.name, CONFIG_DIR / f"{path.name}.yaml"):
+    if candidate.is_file():
+      return candidate
+  shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+  raise ConfigError(f"config {str(name_or_path)!r} not found; shipped configs: {shipped}")
+
+
+def load(name_or_path: str | Path | None = None, overrides: Sequence[str] = (),
+         cls: type[T] = Config) -> T:
+  """Loads a YAML config (or the defaults when None) and applies overrides."""
+  data: dict[str, Any] = {}
+  if name_or_path is not None:
+    path = resolve_path(name_or_path)
+    try:
+      data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+      raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+      raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+  data = apply_overrides(data, overrides)
+  try:
+    return from_dict(data, cls)
+  except ConfigError as e:
+    where = f"{resolve_path(name_or_path)}: " if name_or_path is not None else ""
+    raise ConfigError(f"{where}{e}") from None
+
+
+def to_dict(config: Any) -> Any:
+  """Plain nested dicts/lists (YAML-ready) of a config tree."""
+  if dataclasses.is_dataclass(config):
+    return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+  if isinstance(config, Mapping):
+    return {k: to_dict(v) for k, v in config.items()}
+  if isinstance(config, (list, tuple)):
+    return [to_dict(v) for v in config]
+  return config
+
+
+def dump(config: Any) -> str:
+  return yaml.safe_dump(to_dict(config), sort_keys=False)

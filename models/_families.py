@@ -1,0 +1,170 @@
+"""Registry: HF `model_type` -> family, and conversion between HF `config.json` and `ModelConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Callable
+
+from models._config import ModelConfig, RopeScaling
+
+
+class UnsupportedModelError(ValueError):
+  """A checkpoint asks for an architecture or option this package does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How one HF architecture maps onto `ModelConfig`.
+
+  Attributes:
+    model_type: HF `model_type` string.
+    architecture: HF class written to `config.json["architectures"]`.
+    flags: derives the family-specific switches (biases, qk-norm) from the HF dict.
+  """
+
+  model_type: str
+  architecture: str
+  flags: Callable[[dict[str, Any]], dict[str, bool]]
+  description: str
+
+
+def _llama_flags(hf: dict[str, Any]) -> dict[str, bool]:
+  bias = bool(hf.get("attention_bias", False))
+  return dict(attention_bias=bias, attention_out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)),
+              qk_norm=False)
+
+
+def _qwen2_flags(hf: dict[str, Any]) -> dict[str, bool]:
+  return dict(attention_bias=True, attention_out_bias=False, mlp_bias=False, qk_norm=False)
+
+
+def _qwen3_flags(hf: dict[str, Any]) -> dict[str, bool]:
+  bias = bool(hf.get("attention_bias", False))
+  return dict(attention_bias=bias, attention_out_bias=bias, mlp_bias=False, qk_norm=True)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> None:
+  if family.model_type in _FAMILIES:
+    raise ValueError(f"model_type {family.model_type!r} is already registered")
+  _FAMILIES[family.model_type] = family
+
+
+register_family(Family("llama", "LlamaForCausalLM", _llama_flags,
+                       "Llama 2/3.x: GQA, RoPE (default/linear/llama3), RMSNorm, SwiGLU"))
+register_family(Family("qwen2", "Qwen2ForCausalLM", _qwen2_flags,
+                       "Qwen2/2.5: Llama layout with q/k/v biases"))
+register_family(Family("qwen3", "Qwen3ForCausalLM", _qwen3_flags,
+                       "Qwen3: Llama layout with per-head q/k RMSNorm"))
+
+
+def families() -> dict[str, Family]:
+  """All registered families by `model_type`."""
+  return dict(_FAMILIES)
+
+
+def get_family(model_type: str, *, source: str = "config") -> Family:
+  try:
+    return _FAMILIES[model_type]
+  except KeyError:
+    close = difflib.get_close_matches(str(model_type), list(_FAMILIES), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise UnsupportedModelError(
+        f"{source}: unknown model_type {model_type!r}{hint}; supported: {sorted(_FAMILIES)}") from None
+
+
+def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+  params = hf.get("rope_parameters") or {}
+  legacy = hf.get("rope_scaling") or {}
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  spec = dict(params or legacy)
+  rope_type = spec.get("rope_type", spec.get("type", "default"))
+  if rope_type == "default":
+    return theta, None
+  valid = ("default", "linear", "llama3")
+  if rope_type not in valid:
+    raise UnsupportedModelError(f"{source}: rope_type {rope_type!r} is not supported; valid: {valid}")
+  fields = {f.name for f in dataclasses.fields(RopeScaling)}
+  kwargs = {k: v for k, v in spec.items() if k in fields}
+  kwargs["rope_type"] = rope_type
+  return theta, RopeScaling(**kwargs)
+
+
+def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+  """Builds a `ModelConfig` from an HF `config.json` dict; unsupported options are errors."""
+  family = get_family(hf.get("model_type"), source=source)
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported; valid: 'silu'")
+  if hf.get("use_sliding_window"):
+    raise UnsupportedModelError(f"{source}: use_sliding_window=true is not supported; set it to false")
+  missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads") if k not in hf]
+  if missing:
+    raise UnsupportedModelError(f"{source}: missing required keys {missing}")
+  heads = int(hf["num_attention_heads"])
+  theta, scaling = _rope_from_hf(hf, source)
+  eos = hf.get("eos_token_id")
+  return ModelConfig(
+      model_type=family.model_type,
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=int(hf["hidden_size"]),
+      intermediate_size=int(hf["intermediate_size"]),
+      num_hidden_layers=int(hf["num_hidden_layers"]),
+      num_attention_heads=heads,
+      num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+      head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+      bos_token_id=hf.get("bos_token_id"),
+      eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+      pad_token_id=hf.get("pad_token_id"),
+      **family.flags(hf),
+  )
+
+
+def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, Any]:
+  """The HF `config.json` dict (transformers 5 layout) for `config`."""
+  family = get_family(config.model_type)
+  expected = family.flags({"attention_bias": config.attention_bias, "mlp_bias": config.mlp_bias})
+  actual = {k: getattr(config, k) for k in expected}
+  if expected != actual:
+    raise UnsupportedModelError(
+        f"{config.model_type}: flags {actual} cannot be expressed in an HF config (expected {expected})")
+  rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+  if config.rope_scaling is not None:
+    rope.update(dataclasses.asdict(config.rope_scaling))
+  hf = {
+      "architectures": [family.architecture],
+      "model_type": config.model_type,
+      "vocab_size": config.vocab_size,
+      "hidden_size": config.hidden_size,
+      "intermediate_size": config.intermediate_size,
+      "num_hidden_layers": config.num_hidden_layers,
+      "num_attention_heads": config.num_attention_heads,
+      "num_key_value_heads": config.num_key_value_heads,
+      "head_dim": config.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": config.rms_norm_eps,
+      "rope_parameters": rope,
+      "tie_word_embeddings": config.tie_word_embeddings,
+      "max_position_embeddings": config.max_position_embeddings,
+      "bos_token_id": config.bos_token_id,
+      "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple)
+                      else config.eos_token_id,
+      "pad_token_id": config.pad_token_id,
+      "dtype": dtype,
+  }
+  if config.model_type in ("llama", "qwen3"):
+    hf["attention_bias"] = config.attention_bias
+  if config.model_type == "llama":
+    hf["mlp_bias"] = config.mlp_bias
+  if config.model_type in ("qwen2", "qwen3"):
+    hf["use_sliding_window"] = False
+  return hf

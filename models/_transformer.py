@@ -1,0 +1,240 @@
+"""Decoder-only transformer in Flax NNX (Llama 3.x, Qwen2/2.5, Qwen3).
+
+Shape letters: B batch, T new tokens, S cache slots, D embed, N query heads, K kv heads, G = N // K,
+H head dim, F mlp, V vocab, L layers. Every parameter names logical axes only (`sharding_names`);
+`models.sharding` maps them to a mesh with one rules table.
+
+Attention masking has one rule for every case (full forward, padded batches, packing, KV cache):
+a query in segment s at slot i sees key slot j iff `segment[j] == s`, `segment[j] != 0` and `j <= i`.
+Segment 0 marks padding (left, right or in the middle of a cache after a ragged extend).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models._config import ModelConfig
+from models._rope import apply_rope, inverse_frequencies
+
+_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
+           init=_INIT) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=axes, eager_sharding=False)
+
+
+def _ones(shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any) -> nnx.Param:
+  return nnx.Param(jnp.ones(shape, dtype), sharding_names=axes, eager_sharding=False)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, dtype), sharding_names=axes, eager_sharding=False)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Key/value cache shared by all rows; a slot is written for every row at once.
+
+  Attributes:
+    k: per layer, [B, S, K, H] keys (RoPE already applied).
+    v: per layer, [B, S, K, H] values.
+    segment_ids: int32[B, S]; 0 = empty or padding slot.
+    index: int32[] next slot to write. Callers keep `index + T <= S` (the sampler enforces it).
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  segment_ids: jax.Array
+  index: jax.Array
+
+  @classmethod
+  def init(cls, config: ModelConfig, batch: int, size: int, dtype: Any = jnp.float32) -> "KVCache":
+    shape = (batch, size, config.num_key_value_heads, config.head_dim)
+    layers = config.num_hidden_layers
+    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+               v=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+               segment_ids=jnp.zeros((batch, size), jnp.int32),
+               index=jnp.zeros((), jnp.int32))
+
+  @property
+  def size(self) -> int:
+    return self.segment_ids.shape[1]
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, *, dtype: Any, axes: tuple[str, ...] = ("norm",)):
+    self.scale = _ones((dim,), axes, dtype)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...] * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
+    d, n, k, h = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                  config.head_dim)
+    self.num_groups = n // k
+    self.w_q_dnh = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
+    self.w_k_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+    self.w_v_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+    self.w_o_nhd = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype)
+    if config.attention_bias:
+      self.b_q_nh = _zeros((n, h), ("q_heads", "head_dim"), dtype)
+      self.b_k_kh = _zeros((k, h), ("kv_heads", "head_dim"), dtype)
+      self.b_v_kh = _zeros((k, h), ("kv_heads", "head_dim"), dtype)
+    if config.attention_out_bias:
+      self.b_o_d = _zeros((d,), ("norm",), dtype)
+    if config.qk_norm:
+      self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
+      self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
+    self.config = config
+
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None):
+    """Returns (output [B, T, D], (k_cache, v_cache, cache_segment_ids) or None)."""
+    cfg = self.config
+    q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.w_q_dnh[...])
+    k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.w_k_dkh[...])
+    v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.w_v_dkh[...])
+    if cfg.attention_bias:
+      q_btnh += self.b_q_nh[...]
+      k_btkh += self.b_k_kh[...]
+      v_btkh += self.b_v_kh[...]
+    if cfg.qk_norm:
+      q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+    q_btnh = apply_rope(q_btnh, positions_bt, inv_freq)
+    k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
+
+    t = x_btd.shape[1]
+    if kv is None:
+      keys_bskh, values_bskh, key_seg_bs, start = k_btkh, v_btkh, segment_ids_bt, 0
+      new_kv = None
+    else:
+      k_cache, v_cache, key_seg_bs, start = kv
+      keys_bskh = jax.lax.dynamic_update_slice(k_cache, k_btkh.astype(k_cache.dtype), (0, start, 0, 0))
+      values_bskh = jax.lax.dynamic_update_slice(v_cache, v_btkh.astype(v_cache.dtype), (0, start, 0, 0))
+      new_kv = (keys_bskh, values_bskh)
+    s = keys_bskh.shape[1]
+
+    query_slot_t = start + jnp.arange(t)
+    visible_bts = ((key_seg_bs[:, None, :] == segment_ids_bt[:, :, None])
+                   & (key_seg_bs[:, None, :] != 0)
+                   & (jnp.arange(s)[None, None, :] <= query_slot_t[None, :, None]))
+
+    b, _, n, h = q_btnh.shape
+    q_btkgh = q_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h)
+    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, keys_bskh.astype(q_btkgh.dtype),
+                              preferred_element_type=jnp.float32) * (h ** -0.5)
+    logits_bkgts = jnp.where(visible_bts[:, None, None], logits_bkgts, jnp.finfo(jnp.float32).min)
+    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(x_btd.dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, values_bskh.astype(x_btd.dtype))
+    out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), self.w_o_nhd[...])
+    if cfg.attention_out_bias:
+      out_btd += self.b_o_d[...]
+    return out_btd, new_kv
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
+    d, f = config.hidden_size, config.intermediate_size
+    self.w_gate_df = _param(rngs, (d, f), ("embed", "mlp"), dtype)
+    self.w_up_df = _param(rngs, (d, f), ("embed", "mlp"), dtype)
+    self.w_down_fd = _param(rngs, (f, d), ("mlp", "embed"), dtype)
+    self.bias = config.mlp_bias
+    if self.bias:
+      self.b_gate_f = _zeros((f,), ("mlp",), dtype)
+      self.b_up_f = _zeros((f,), ("mlp",), dtype)
+      self.b_down_d = _zeros((d,), ("norm",), dtype)
+
+  def __call__(self, x_btd):
+    gate_btf = x_btd @ self.w_gate_df[...]
+    up_btf = x_btd @ self.w_up_df[...]
+    if self.bias:
+      gate_btf += self.b_gate_f[...]
+      up_btf += self.b_up_f[...]
+    out_btd = (jax.nn.silu(gate_btf) * up_btf) @ self.w_down_fd[...]
+    if self.bias:
+      out_btd += self.b_down_d[...]
+    return out_btd
+
+
+class Block(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    self.attn = Attention(config, dtype=dtype, rngs=rngs)
+    self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv):
+    attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv)
+    x_btd = x_btd + attn_btd
+    return x_btd + self.mlp(self.mlp_norm(x_btd)), new_kv
+
+
+class Transformer(nnx.Module):
+  """A causal language model. `model(tokens)` -> float32 logits [B, T, V].
+
+  Args (of `__call__`):
+    tokens_bt: int32[B, T].
+    positions_bt: int32[B, T] RoPE positions; default `0..T-1` (plus `cache.index` with a cache).
+      Left-padded rows pass their own positions (e.g. `cumsum(mask) - 1`).
+    segment_ids_bt: int32[B, T]; 0 = padding; tokens attend only within their segment. Default all 1.
+    cache: optional `KVCache`; the T new tokens are written at `cache.index` and attend to the cache.
+
+  Returns:
+    logits [B, T, V] in float32, or `(logits, cache)` when a cache was given.
+  """
+
+  def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    v, d = config.vocab_size, config.hidden_size
+    self.config = config
+    self.dtype = dtype
+    self.embed_vd = _param(rngs, (v, d), ("vocab", "embed"), dtype)
+    self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs)
+                            for _ in range(config.num_hidden_layers)])
+    self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+    if not config.tie_word_embeddings:
+      self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
+
+  def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
+               cache: KVCache | None = None):
+    b, t = tokens_bt.shape
+    start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+    if positions_bt is None:
+      positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids_bt is None:
+      segment_ids_bt = jnp.ones((b, t), jnp.int32)
+    segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+    if cache is not None:
+      cache_seg_bs = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, start))
+
+    inv_freq = inverse_frequencies(self.config)  # static: folded into the compiled program
+    x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      with jax.named_scope(f"layer_{i}"):
+        kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start)
+        x_btd, layer_kv = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv)
+      if layer_kv is not None:
+        new_k.append(layer_kv[0])
+        new_v.append(layer_kv[1])
+    x_btd = self.final_norm(x_btd)
+    unembed_dv = (self.embed_vd[...].T if self.config.tie_word_embeddings
+                  else self.w_unembed_dv[...])
+    logits_btv = jnp.einsum("btd,dv->btv", x_btd, unembed_dv, preferred_element_type=jnp.float32)
+    if cache is None:
+      return logits_btv
+    return logits_btv, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs,
+                               index=start + t)
