@@ -1,0 +1,21 @@
+"""Environments: API, built-in envs, worker server and pools. Never imports JAX or jaxagent.
+
+Public API:
+  Task, Observation, StepResult, Verdict, Verifier, Env, EnvSpec, ActionParser, Call, InvalidActionRule
+  TERMINATIONS, OUTCOMES, OUTCOME_CODES, get(name), names(), register(spec)
+"""
+
+from envs._api import (CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION,
+                       INVALID_ACTION_RULES, MAX_TURNS, OUTCOME_CODES, OUTCOMES, PARSER_REJECTED,
+                       RETRIES_EXHAUSTED, SPLITS, TERMINATIONS, TURN_BUDGET_EXHAUSTED, ActionParser, Call, Env,
+                       EnvError, EnvSpec, InvalidAction, InvalidActionRule, Observation, ParseError, StepResult,
+                       Task, Verdict, Verifier, source_version)
+from envs._registry import get, names, register
+from envs.builtin import calculator as _calculator
+from envs.builtin import faults as _faults
+from envs.builtin import gridworld as _gridworld
+from envs.builtin import guess as _guess
+
+for _m in (_calculator, _guess, _gridworld, _faults):
+  register(_m.SPEC)
+del _m

@@ -1,0 +1,59 @@
+"""Fault injection for tests of workers and pools: `ok`, `echo TEXT`, `sleep SECONDS`, `hang`, `crash`,
+`raise`, `big BYTES`, `done`.
+
+Not a task: it exists so every failure mode a real env can have is reproducible on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction, Observation,
+                       StepResult, Task)
+
+
+class FaultEnv(Env):
+  name = "faults"
+  description = "fault injection for tests: ok, echo, sleep, hang, crash, raise, big, done"
+  parser = ActionParser(tools=("ok", "echo", "sleep", "hang", "crash", "raise", "big", "done"), max_chars=64)
+
+  def __init__(self, max_turns: int = 64, **kwargs):
+    super().__init__(max_turns=max_turns, **kwargs)
+
+  def _reset(self, task: Task, seed: int) -> str:
+    self.count = 0
+    return f"faults {task.id} seed {seed}"
+
+  def _step(self, call: Call) -> StepResult:
+    self.count += 1
+    if call.name == "hang":
+      time.sleep(3600)
+    if call.name == "sleep":
+      time.sleep(float(call.arg))
+    if call.name == "crash":
+      os._exit(17)
+    if call.name == "raise":
+      raise EnvError("injected tool fault")
+    if call.name == "big":
+      try:
+        n = int(call.arg)
+      except ValueError:
+        raise InvalidAction(f"big needs a byte count, got {call.arg!r}") from None
+      return StepResult(Observation("x" * n), {}, False, None, {})
+    if call.name == "done":
+      return StepResult(Observation("bye"), {"outcome": 1.0}, True, COMPLETED, dict(outcome=COMPLETED))
+    text = call.arg if call.name == "echo" else f"ok {self.count}"
+    return StepResult(Observation(text), {}, False, None, {})
+
+
+def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
+  return [Task(id=f"fault-{split}-{seed}-{i}", split=split, payload={}, version="0") for i in range(n)]
+
+
+def demo(task: Task, seed: int = 0) -> list[str]:
+  return ["ok", "echo hi", "done"]
+
+
+SPEC = EnvSpec(name="faults", description=FaultEnv.description, make=FaultEnv, tasks=tasks, demo=demo,
+               version_sources=(FaultEnv,))

@@ -1,0 +1,131 @@
+"""Env API and the deterministic built-ins: demos solve every split, splits are template-isolated, replay."""
+
+import ast
+import pathlib
+
+import pytest
+
+import envs
+
+DETERMINISTIC = ("calculator", "guess", "gridworld")
+
+
+def test_envs_package_never_imports_jax():
+  for path in pathlib.Path(envs.__file__).parent.rglob("*.py"):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+          [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      for n in names:
+        assert n.split(".")[0] not in ("jax", "jaxlib", "jaxagent", "flax", "models"), f"{path}: imports {n}"
+
+
+def test_termination_strings_match_the_trajectory_contract():
+  assert envs.TERMINATIONS == ("completed", "max_turns", "context_exhausted", "turn_budget_exhausted",
+                               "invalid_action", "parser_rejected", "env_error", "env_timeout",
+                               "retries_exhausted", "cancelled")
+  assert envs.OUTCOME_CODES["ok"] == 0 and len(set(envs.OUTCOME_CODES.values())) == len(envs.OUTCOMES)
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+@pytest.mark.parametrize("split", envs.SPLITS)
+def test_demos_solve_every_task(name, split):
+  spec = envs.get(name)
+  for seed, task in enumerate(spec.tasks(split, 12, 0)):
+    env = spec.make()
+    env.reset(task, seed)
+    for action in spec.demo(task, seed):
+      result = env.step(action)
+    assert result.done and result.termination == envs.COMPLETED and result.reward_components["outcome"] == 1.0
+    assert result.info["passed"] is True
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_splits_are_isolated_by_template(name):
+  spec = envs.get(name)
+  key = {"calculator": "template", "gridworld": "layout", "guess": "high"}[name]
+  templates = {split: {t.payload[key] for t in spec.tasks(split, 40, 1)} for split in envs.SPLITS}
+  assert templates["train"].isdisjoint(templates["tune"]) and templates["train"].isdisjoint(templates["eval"])
+  assert templates["tune"].isdisjoint(templates["eval"])
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_replay_is_deterministic(name):
+  spec = envs.get(name)
+  for task in spec.tasks("train", 8, 2):
+    runs = []
+    for _ in range(2):
+      env = spec.make()
+      obs = [env.reset(task, 5).text]
+      obs += [env.step(a).observation.text for a in spec.demo(task, 5)]
+      runs.append(obs)
+    assert runs[0] == runs[1]
+  assert spec.version == envs.get(name).version and len(spec.version) == 12
+
+
+def test_calculator_actions_are_short_and_regular():
+  spec = envs.get("calculator")
+  env = spec.make()
+  task = spec.tasks("train", 1, 0)[0]
+  assert env.reset(task, 0).text == task.payload["question"]
+  assert env.step("calc 12*7").observation.text == "84"
+  assert env.step("calc (3+4)*2").observation.text == "14"
+  result = env.step("answer 0")
+  assert result.done and result.termination == "completed" and result.info["passed"] is False
+  assert all(len(a) <= 16 for t in spec.tasks("train", 50, 0) for a in spec.demo(t))
+  with pytest.raises(ValueError, match="max_operand=1"):
+    envs.builtin.calculator.tasks("train", 1, 0, max_operand=1)
+
+
+@pytest.mark.parametrize("rule", envs.INVALID_ACTION_RULES)
+@pytest.mark.parametrize("action,kind", [("CALC 1+1\nx", "parser_rejected"), ("calc __import__('os')", "invalid_action"),
+                                         ("fly away", "invalid_action")])
+def test_invalid_action_rules(rule, action, kind):
+  env = envs.get("calculator").make(invalid_action=envs.InvalidActionRule(rule, penalty=0.5))
+  env.reset(envs.get("calculator").tasks("train", 1, 0)[0], 0)
+  result = env.step(action)
+  assert result.info["rule"] == rule and result.observation.text.startswith("error:")
+  if rule == "terminate":
+    assert result.done and result.termination == kind and result.outcome == kind
+  else:
+    assert not result.done and result.outcome == f"{kind}_continued"
+    assert result.reward_components["validity"] == (-0.5 if rule == "penalty" else 0.0)
+    assert env.step("calc 1+1").observation.text == "2"   # the episode goes on
+
+
+def test_bad_rule_and_split_name_the_valid_values():
+  with pytest.raises(ValueError, match="'ignore'.*error_observation"):
+    envs.InvalidActionRule("ignore")
+  with pytest.raises(ValueError, match="'test'"):
+    envs.Task("x", "test", {}, "0")
+  with pytest.raises(KeyError, match="did you mean 'calculator'"):
+    envs.get("calculater")
+
+
+def test_observation_cap_flags_truncation():
+  env = envs.get("faults").make(max_obs_bytes=100)
+  env.reset(envs.get("faults").tasks("train", 1, 0)[0], 0)
+  result = env.step("big 10000000")
+  assert result.observation.truncated and result.observation.original_size == 10_000_000
+  assert len(result.observation.text) == 100
+
+
+def test_max_turns_and_env_error():
+  spec = envs.get("faults")
+  env = spec.make(max_turns=2)
+  env.reset(spec.tasks("train", 1, 0)[0], 0)
+  assert not env.step("ok").done
+  assert env.step("ok").termination == "max_turns"
+  env.reset(spec.tasks("train", 1, 0)[0], 0)
+  assert env.step("raise").termination == "env_error"
+
+
+def test_guess_budget_is_not_completion():
+  spec = envs.get("guess")
+  task = spec.tasks("train", 1, 0)[0]
+  env = spec.make()
+  env.reset(task, 0)
+  target = envs.builtin.guess.secret(task, 0)
+  wrong = 1 if target != 1 else 2
+  results = [env.step(f"guess {wrong}") for _ in range(envs.builtin.guess.budget(16))]
+  assert results[-1].termination == "turn_budget_exhausted" and not any(r.done for r in results[:-1])
