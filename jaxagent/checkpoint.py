@@ -80,14 +80,11 @@ def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None 
     config = models.config_from_hf(hf_config, source=f"{directory}/{step}/{MODEL_CONFIG}")
     abstract = nnx.eval_shape(lambda: models.Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    if mesh is not None:
-      shardings = models.state_shardings(state, mesh, rules)
-      target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s[...]),
-                            state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    else:
-      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-      target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device), state,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(
+            v.shape, v.dtype, sharding=device if mesh is None else models.variable_sharding(v, mesh, rules)),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     target = nnx.to_pure_dict(target)
     try:
       params = mngr.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))[

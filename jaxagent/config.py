@@ -124,12 +124,14 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
       if type(None) in options:
         return None
       raise ConfigError(f"{where}=None: expected {_type_name(tp)}")
-    errors = []
-    for option in (o for o in options if o is not type(None)):
+    candidates = [o for o in options if o is not type(None)]
+    if len(candidates) == 1:  # Optional[X]: X's own error is the precise one
+      return _convert(candidates[0], value, where)
+    for option in candidates:
       try:
         return _convert(option, value, where)
-      except ConfigError as e:
-        errors.append(str(e))
+      except ConfigError:
+        pass
     raise ConfigError(f"{where}={value!r}: expected {_type_name(tp)}")
   if origin is Literal:
     valid = typing.get_args(tp)

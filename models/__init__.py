@@ -10,7 +10,7 @@ from models._families import (Family, UnsupportedModelError, config_from_hf, con
                               get_family, register_family)
 from models._hf import CheckpointError, from_pretrained, hf_tensors, read_config, save_pretrained
 from models._sharding import (DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec, make_mesh, shard_model,
-                              state_shardings)
+                              state_shardings, variable_sharding)
 from models._tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from models._transformer import KVCache, Transformer
 
@@ -19,5 +19,5 @@ __all__ = [
     "ModelConfig", "RopeScaling", "Rules", "Tokenizer", "Transformer", "UnsupportedModelError",
     "config_from_hf", "config_to_hf", "families", "from_pretrained", "get_family", "hf_tensors",
     "load_tokenizer", "logical_to_spec", "make_mesh", "read_config", "register_family", "save_pretrained",
-    "shard_model", "state_shardings",
+    "shard_model", "state_shardings", "variable_sharding",
 ]

@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from models._config import ModelConfig
 from models._families import config_from_hf, config_to_hf
-from models._sharding import DEFAULT_RULES, Rules, state_shardings
+from models._sharding import DEFAULT_RULES, Rules, variable_sharding
 from models._transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -166,30 +166,27 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: 
   tensors = _TensorIndex(path)
   abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
-  shardings = state_shardings(state, mesh, rules) if mesh is not None else None
-  sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
 
   used: set[str] = set()
   values = {}
   for key, variable in nnx.to_flat_state(state):
     try:
-      name, to_ours, _ = _hf_mapping(key, config)
+      name, to_ours, to_hf = _hf_mapping(key, config)
     except KeyError:
       raise CheckpointError(f"no HF name for parameter {'.'.join(map(str, key))}") from None
     raw = tensors.get(name)
     used.add(name)
-    array = np.asarray(to_ours(raw)) if raw.ndim else raw
-    if array.shape != variable.shape:
-      to_hf = _hf_mapping(key, config)[2]
-      expected = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(variable.shape, jnp.float32)).shape
+    expected = jax.eval_shape(lambda x, f=to_hf: f(x), jax.ShapeDtypeStruct(variable.shape, jnp.float32)).shape
+    if tuple(raw.shape) != tuple(expected):
       raise CheckpointError(
           f"{tensors.files[name]}: tensor {name!r} has shape {tuple(raw.shape)}; "
           f"{path / 'config.json'} implies {tuple(expected)}")
+    array = np.asarray(to_ours(raw))
     array = array.astype(dtype)
     if mesh is None:
       values[key] = jnp.asarray(array)
     else:
-      sharding = sharding_of[key][...]
+      sharding = variable_sharding(variable, mesh, rules)
       values[key] = jax.make_array_from_callback(array.shape, sharding, lambda idx, a=array: a[idx])
   unexpected = sorted(n for n in tensors.files if n not in used and not _IGNORED.match(n)
                       and not (config.tie_word_embeddings and n == "lm_head.weight"))

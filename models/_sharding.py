@@ -60,14 +60,16 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
   return PartitionSpec(*spec)
 
 
+def variable_sharding(variable: nnx.Variable, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """The `NamedSharding` of one (concrete or abstract) variable from its logical axis names."""
+  axes = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
+  return NamedSharding(mesh, logical_to_spec(axes, variable.shape, mesh, rules))
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
   """A tree like `state` (concrete or abstract) holding each variable's `NamedSharding`."""
-
-  def one(variable):
-    axes = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
-    return variable.replace(NamedSharding(mesh, logical_to_spec(axes, variable.shape, mesh, rules)))
-
-  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map(lambda v: v.replace(variable_sharding(v, mesh, rules)), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:

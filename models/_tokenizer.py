@@ -95,7 +95,8 @@ class HFTokenizer:
     return int(token_id)
 
   def apply_chat_template(self, messages: list[dict[str, str]], **kwargs) -> list[int]:
-    return list(self.hf.apply_chat_template(messages, tokenize=True, **kwargs))
+    out = self.hf.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:

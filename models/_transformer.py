@@ -1,7 +1,7 @@
 """Decoder-only transformer in Flax NNX (Llama 3.x, Qwen2/2.5, Qwen3).
 
 Shape letters: B batch, T new tokens, S cache slots, D embed, N query heads, K kv heads, G = N // K,
-H head dim, F mlp, V vocab, L layers. Every parameter names logical axes only (`sharding_names`);
+H head dim, F mlp, V vocab, L layers. Every parameter names logical axes only (`out_sharding`);
 `models.sharding` maps them to a mesh with one rules table.
 
 Attention masking has one rule for every case (full forward, padded batches, packing, KV cache):
@@ -26,15 +26,15 @@ _INIT = nnx.initializers.normal(stddev=0.02)
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
            init=_INIT) -> nnx.Param:
-  return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=axes, eager_sharding=False)
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
 def _ones(shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any) -> nnx.Param:
-  return nnx.Param(jnp.ones(shape, dtype), sharding_names=axes, eager_sharding=False)
+  return nnx.Param(jnp.ones(shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
 def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any) -> nnx.Param:
-  return nnx.Param(jnp.zeros(shape, dtype), sharding_names=axes, eager_sharding=False)
+  return nnx.Param(jnp.zeros(shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
 @flax.struct.dataclass

@@ -1,0 +1,65 @@
+"""Parity: our NNX models vs transformers (PyTorch) on tiny random checkpoints, max |Δlogit| <= 1e-4."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+import models
+from tests import hf_reference as ref
+
+TOL = 1e-4  # fixed; never loosened to pass
+
+
+@pytest.fixture(scope="module", params=sorted(ref.SPECS))
+def checkpoint(request, tmp_path_factory):
+  family, overrides = ref.SPECS[request.param]
+  torch_model = ref.make_hf_model(family, **overrides)
+  path = ref.save_hf_model(torch_model, tmp_path_factory.mktemp(request.param))
+  return request.param, torch_model, path
+
+
+def test_logits_match_transformers_on_a_padded_batch(checkpoint):
+  name, torch_model, path = checkpoint
+  model = models.from_pretrained(path)
+  tokens, mask, positions = ref.padded_batch()
+  expected = ref.reference_logits(torch_model, tokens, mask, positions)
+  got = np.asarray(model(jnp.asarray(tokens, jnp.int32), positions_bt=jnp.asarray(positions, jnp.int32),
+                         segment_ids_bt=jnp.asarray(mask, jnp.int32)))
+  valid = mask.astype(bool)
+  assert got.dtype == np.float32 and got.shape == expected.shape
+  assert np.abs(expected).max() > 0.5, "reference logits too small for a meaningful comparison"
+  err = np.abs(got - expected)[valid].max()
+  assert err <= TOL, f"{name}: max |Δlogit| {err:.3g} > {TOL}"
+
+
+def test_default_positions_match_transformers(checkpoint):
+  _, torch_model, path = checkpoint
+  model = models.from_pretrained(path)
+  tokens = np.random.default_rng(1).integers(0, ref.VOCAB, (2, 40))  # past llama3's 16-token original ctx
+  err = np.abs(np.asarray(model(jnp.asarray(tokens, jnp.int32))) - ref.reference_logits(torch_model, tokens))
+  assert err.max() <= TOL
+
+
+def test_round_trip_through_save_pretrained(checkpoint, tmp_path):
+  name, torch_model, path = checkpoint
+  model = models.from_pretrained(path)
+  out = models.save_pretrained(model, tmp_path / "out", max_shard_bytes=60_000)  # forces an index
+  assert (out / models._hf.INDEX_FILE).is_file()
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+  assert type(reloaded) is type(torch_model)
+  tokens, mask, positions = ref.padded_batch(seed=2)
+  a = ref.reference_logits(torch_model, tokens, mask, positions)
+  b = ref.reference_logits(reloaded, tokens, mask, positions)
+  assert np.abs(a - b)[mask.astype(bool)].max() <= TOL, name
+  # And back into ours from the sharded (indexed) checkpoint.
+  again = models.from_pretrained(out)
+  got = np.asarray(again(jnp.asarray(tokens, jnp.int32), positions_bt=jnp.asarray(positions, jnp.int32),
+                         segment_ids_bt=jnp.asarray(mask, jnp.int32)))
+  assert np.abs(got - a)[mask.astype(bool)].max() <= TOL
+
+
+def test_registry_covers_the_families():
+  assert {"llama", "qwen2", "qwen3"} <= set(models.families())
+  for family in models.families().values():
+    assert family.architecture.endswith("ForCausalLM")

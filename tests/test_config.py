@@ -1,0 +1,77 @@
+"""Typed config: shipped YAMLs load; bad keys, types and ranges fail at load time with the key path."""
+
+import pytest
+import yaml
+
+from jaxagent import cli
+from jaxagent import config as config_lib
+from jaxagent.config import ConfigError
+
+SHIPPED = sorted(config_lib.CONFIG_DIR.glob("*.yaml"))
+
+
+def test_there_are_shipped_configs():
+  assert any(p.stem == "tiny_cpu" for p in SHIPPED)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_yaml_loads_and_round_trips(path):
+  config = config_lib.load(path)
+  assert isinstance(config, config_lib.Config)
+  raw = yaml.safe_load(path.read_text())
+  for section, values in raw.items():  # every key written in the file took effect
+    loaded = config_lib.to_dict(getattr(config, section))
+    for key, value in values.items():
+      if not isinstance(value, dict):
+        assert loaded[key] == value, f"{path.name}: {section}.{key}"
+  assert config_lib.from_dict(yaml.safe_load(config_lib.dump(config))) == config
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("generate.temprature=0.5", r"unknown key 'generate\.temprature'; did you mean 'generate\.temperature'"),
+    ("model.init.hiden_size=8", r"unknown key 'model\.init\.hiden_size'; did you mean 'model\.init\.hidden_size'"),
+    ("modle.path=x", r"unknown key 'modle'; did you mean 'model'"),
+    ("generate.max_new_tokens=ten", r"generate\.max_new_tokens='ten': expected an integer"),
+    ("generate.max_new_tokens=0", r"generate\.max_new_tokens=0: must be >= 1"),
+    ("generate.top_p=1.5", r"generate\.top_p=1\.5: must be <= 1\.0"),
+    ("generate.temperature=true", r"generate\.temperature=True: expected a number"),
+    ("model.dtype=float16", r"model\.dtype='float16': not one of \['float32', 'bfloat16'\]"),
+    ("mesh.fsdp=0", r"mesh\.fsdp=0"),
+    ("mesh.fsdp=-1", r"at most one axis may be -1"),
+    ("model.init.num_key_value_heads=3", r"model\.init: .*multiple of num_key_value_heads \(3\)"),
+    ("model.init.rope_scaling.rope_type=yarn", r"model\.init\.rope_scaling\.rope_type='yarn': not one of"),
+    ("run.seed", r"expected key\.path=value"),
+])
+def test_bad_values_name_the_key_and_what_is_valid(override, pattern):
+  with pytest.raises(ConfigError, match=pattern):
+    config_lib.load("tiny_cpu", [override])
+
+
+def test_error_names_the_file(tmp_path):
+  path = tmp_path / "bad.yaml"
+  path.write_text("generate:\n  max_new_tokns: 3\n")
+  with pytest.raises(ConfigError, match=r"bad\.yaml: unknown key 'generate\.max_new_tokns'"):
+    config_lib.load(path)
+
+
+def test_overrides_are_typed():
+  config = config_lib.load("tiny_cpu", ["generate.temperature=0.7", "model.init.rope_scaling.rope_type=llama3",
+                                        "model.init.rope_scaling.factor=8", "run.name=x"])
+  assert config.generate.temperature == 0.7
+  assert config.model.init.rope_scaling.rope_type == "llama3"
+  assert config.model.init.rope_scaling.factor == 8.0 and isinstance(config.model.init.rope_scaling.factor, float)
+  assert config.run.name == "x"
+  with pytest.raises(Exception):
+    config.run.name = "y"  # frozen
+
+
+def test_unknown_config_name_lists_shipped():
+  with pytest.raises(ConfigError, match="shipped configs: .*tiny_cpu"):
+    config_lib.load("tiny_gpu_typo")
+
+
+def test_cli_reports_config_errors(capsys):
+  assert cli.main(["config", "tiny_cpu", "--set", "generate.temprature=1"]) == 2
+  assert "did you mean 'generate.temperature'" in capsys.readouterr().err
+  assert cli.main(["config", "tiny_cpu", "--set", "generate.max_new_tokens=5"]) == 0
+  assert "max_new_tokens: 5" in capsys.readouterr().out
