@@ -1,0 +1,34 @@
+"""Algorithms: advantage estimators and masked policy / value losses, as pure jitted functions.
+
+    out = algos.get_advantage("grpo")(rewards_ns, mask_ns, group_ids_n, gamma=1.0)
+    normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation="token-mean")
+    logp_bt = algos.next_token_logprobs(model(batch.tokens), batch.tokens, batch.loss_mask)
+    loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, batch.loss_mask,
+                                      normalizer, **algos.policy_loss_kwargs(config.algo))
+"""
+
+from jaxagent.algos._advantages import (ADVANTAGES, AdvantageOutput, discounted_returns, gae, get_advantage,
+                                        grpo_scalar, register_advantage, rloo_scalar, trajectory_returns)
+from jaxagent.algos._losses import (AGGREGATIONS, KL_ESTIMATORS, AllMaskedError, aggregate, entropy,
+                                    loss_normalizer, next_token_entropy, next_token_logprobs, policy_loss,
+                                    token_logprobs, value_loss)
+
+
+def policy_loss_kwargs(algo) -> dict:
+  """The static keyword arguments of `policy_loss` from an `AlgoConfig`."""
+  return dict(aggregation=algo.aggregation, ratio_level=algo.ratio_level, eps_low=algo.eps_low,
+              eps_high=algo.eps_high, dual_clip=algo.dual_clip, kl_estimator=algo.kl_estimator,
+              kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef)
+
+
+def advantage_kwargs(algo) -> dict:
+  """The static keyword arguments of a registered advantage estimator from an `AlgoConfig`."""
+  return dict(gamma=algo.gamma, lam=algo.gae_lambda, eps=algo.adv_eps, scale_std=algo.scale_std)
+
+
+__all__ = [
+    "ADVANTAGES", "AGGREGATIONS", "AdvantageOutput", "AllMaskedError", "KL_ESTIMATORS", "advantage_kwargs",
+    "aggregate", "discounted_returns", "entropy", "gae", "get_advantage", "grpo_scalar", "loss_normalizer",
+    "next_token_entropy", "next_token_logprobs", "policy_loss", "policy_loss_kwargs", "register_advantage",
+    "rloo_scalar", "token_logprobs", "trajectory_returns", "value_loss",
+]

@@ -1,0 +1,239 @@
+"""Advantage estimators (DESIGN.md §2.6): pure jittable functions, registered by name.
+
+Every registered estimator has the signature
+
+    fn(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+       eps=1e-6, scale_std=True) -> AdvantageOutput
+
+Shape letters: N trajectories, S steps (turns). `rewards_ns` holds per-step rewards with the terminal reward
+folded into the last valid step; `mask_ns` marks valid steps (a prefix of each row); `group_ids_n` are dense
+group indices in [0, N) (trajectories of one task). Values at masked steps are never read (they may be NaN).
+Outputs are per step: trajectory-level estimators (grpo, rloo) broadcast their scalar over the valid steps.
+
+Each estimator also returns the number of groups whose trajectory returns are all equal (no learning signal
+for group-relative estimators); they are counted, never hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@flax.struct.dataclass
+class AdvantageOutput:
+  """advantages: float32[N, S] (0 at masked steps); returns: float32[N, S] discounted return-to-go;
+  zero_variance_groups: int32[] groups (with at least one valid trajectory) whose returns are all equal."""
+  advantages: jax.Array
+  returns: jax.Array
+  zero_variance_groups: jax.Array
+
+
+AdvantageFn = Callable[..., AdvantageOutput]
+ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+  """Registers an estimator under `name` (validated by `AlgoConfig.advantage` at config load)."""
+  def wrap(fn: AdvantageFn) -> AdvantageFn:
+    if name in ADVANTAGES:
+      raise ValueError(f"advantage estimator {name!r} is already registered")
+    ADVANTAGES[name] = fn
+    return fn
+  return wrap
+
+
+def get_advantage(name: str) -> AdvantageFn:
+  try:
+    return ADVANTAGES[name]
+  except KeyError:
+    raise KeyError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGES)}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks.
+
+
+@functools.partial(jax.jit, static_argnames=("gamma",))
+def discounted_returns(rewards_ns: jax.Array, mask_ns: jax.Array, bootstrap_n: jax.Array | None = None,
+                       *, gamma: float = 1.0) -> jax.Array:
+  """Return-to-go `G_t = r_t + γ G_{t+1}` per valid step (reverse `lax.scan`); 0 at masked steps.
+
+  Args:
+    rewards_ns: float[N, S] per-step rewards.
+    mask_ns: bool[N, S] valid steps. Masked steps are skipped (the carry passes through them).
+    bootstrap_n: float[N] value after the last valid step (truncated episodes); default 0.
+    gamma: discount.
+  Returns:
+    float32[N, S].
+  """
+  mask_ns = mask_ns.astype(bool)
+  r_ns = jnp.where(mask_ns, rewards_ns, 0.0).astype(jnp.float32)
+  g0_n = jnp.zeros(r_ns.shape[0], jnp.float32) if bootstrap_n is None else bootstrap_n.astype(jnp.float32)
+
+  def step(g_n, xs):
+    r_n, m_n = xs
+    g_new = r_n + gamma * g_n
+    return jnp.where(m_n, g_new, g_n), jnp.where(m_n, g_new, 0.0)
+
+  _, g_sn = lax.scan(step, g0_n, (r_ns.T, mask_ns.T), reverse=True)
+  return g_sn.T
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "lam"))
+def gae(rewards_ns: jax.Array, values_ns: jax.Array, mask_ns: jax.Array,
+        bootstrap_n: jax.Array | None = None, *, gamma: float = 1.0, lam: float = 1.0
+        ) -> tuple[jax.Array, jax.Array]:
+  """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438) as a reverse `lax.scan`.
+
+  `δ_t = r_t + γ V_{t+1} − V_t`, `A_t = δ_t + γλ A_{t+1}`; after the last valid step `V = bootstrap` (0 for a
+  terminal state) and `A = 0`. Masked steps are skipped: the carry passes through them unchanged.
+
+  Returns:
+    (advantages float32[N, S], returns float32[N, S] = A + V), both 0 at masked steps.
+  """
+  mask_ns = mask_ns.astype(bool)
+  r_ns = jnp.where(mask_ns, rewards_ns, 0.0).astype(jnp.float32)
+  v_ns = jnp.where(mask_ns, values_ns, 0.0).astype(jnp.float32)
+  n = r_ns.shape[0]
+  v0_n = jnp.zeros(n, jnp.float32) if bootstrap_n is None else bootstrap_n.astype(jnp.float32)
+
+  def step(carry, xs):
+    next_v_n, next_a_n = carry
+    r_n, v_n, m_n = xs
+    delta_n = r_n + gamma * next_v_n - v_n
+    a_n = delta_n + gamma * lam * next_a_n
+    carry = (jnp.where(m_n, v_n, next_v_n), jnp.where(m_n, a_n, next_a_n))
+    return carry, jnp.where(m_n, a_n, 0.0)
+
+  _, a_sn = lax.scan(step, (v0_n, jnp.zeros(n, jnp.float32)), (r_ns.T, v_ns.T, mask_ns.T), reverse=True)
+  a_ns = a_sn.T
+  return a_ns, jnp.where(mask_ns, a_ns + v_ns, 0.0)
+
+
+def _group_stats(x_n, group_ids_n, valid_n):
+  """Per-trajectory group count, mean, population variance, and `all equal` flag (segment reductions)."""
+  n = x_n.shape[0]
+  x_n = jnp.where(valid_n, x_n, 0.0)
+  w_n = valid_n.astype(jnp.float32)
+  count_g = jax.ops.segment_sum(w_n, group_ids_n, num_segments=n)
+  mean_g = jax.ops.segment_sum(x_n, group_ids_n, num_segments=n) / jnp.maximum(count_g, 1.0)
+  dev_n = jnp.where(valid_n, x_n - mean_g[group_ids_n], 0.0)
+  var_g = jax.ops.segment_sum(dev_n * dev_n, group_ids_n, num_segments=n) / jnp.maximum(count_g, 1.0)
+  # Exact equality, not `std == 0`: a float mean of equal values need not equal them bit for bit.
+  hi_g = jax.ops.segment_max(jnp.where(valid_n, x_n, -jnp.inf), group_ids_n, num_segments=n)
+  lo_g = jax.ops.segment_min(jnp.where(valid_n, x_n, jnp.inf), group_ids_n, num_segments=n)
+  flat_g = (count_g > 0) & (hi_g == lo_g)
+  return count_g, mean_g, var_g, flat_g
+
+
+def _broadcast_steps(adv_n, mask_ns):
+  return jnp.where(mask_ns, adv_n[:, None], 0.0).astype(jnp.float32)
+
+
+def trajectory_returns(rewards_ns, mask_ns, bootstrap_n=None, *, gamma=1.0):
+  """R(τ) = Σ_t γ^t r_t (+ γ^T bootstrap): the return-to-go at step 0. float32[N]."""
+  return discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "scale_std"))
+def grpo_scalar(returns_n: jax.Array, group_ids_n: jax.Array, valid_n: jax.Array | None = None, *,
+                eps: float = 1e-6, scale_std: bool = True) -> tuple[jax.Array, jax.Array]:
+  """GRPO (Shao et al. 2024, arXiv:2402.03300): `(R − mean_g) / (std_g + ε)`, population std.
+
+  `scale_std=False` drops the division (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783). Groups whose returns are
+  all equal get exactly 0 (not `tiny / ε`) and are counted.
+
+  Returns:
+    (advantages float32[N], zero_variance_groups int32[]).
+  """
+  valid_n = jnp.ones(returns_n.shape, bool) if valid_n is None else valid_n.astype(bool)
+  r_n = returns_n.astype(jnp.float32)
+  _, mean_g, var_g, flat_g = _group_stats(r_n, group_ids_n, valid_n)
+  centered_n = r_n - mean_g[group_ids_n]
+  adv_n = centered_n / (jnp.sqrt(var_g[group_ids_n]) + eps) if scale_std else centered_n
+  adv_n = jnp.where(valid_n & ~flat_g[group_ids_n], adv_n, 0.0)
+  return adv_n, flat_g.sum().astype(jnp.int32)
+
+
+@jax.jit
+def rloo_scalar(returns_n: jax.Array, group_ids_n: jax.Array, valid_n: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): `R_i − mean_{j≠i, j∈g} R_j`.
+
+  Singleton groups have no baseline and get 0; groups with all-equal returns get exactly 0; both counted
+  as zero-variance groups.
+
+  Returns:
+    (advantages float32[N], zero_variance_groups int32[]).
+  """
+  valid_n = jnp.ones(returns_n.shape, bool) if valid_n is None else valid_n.astype(bool)
+  r_n = jnp.where(valid_n, returns_n, 0.0).astype(jnp.float32)
+  count_g, _, _, flat_g = _group_stats(r_n, group_ids_n, valid_n)
+  total_g = jax.ops.segment_sum(r_n, group_ids_n, num_segments=r_n.shape[0])
+  k_n = count_g[group_ids_n]
+  others_mean_n = (total_g[group_ids_n] - r_n) / jnp.maximum(k_n - 1.0, 1.0)
+  adv_n = jnp.where(valid_n & (k_n > 1) & ~flat_g[group_ids_n], r_n - others_mean_n, 0.0)
+  return adv_n, flat_g.sum().astype(jnp.int32)
+
+
+def _zero_variance_groups(returns_n, group_ids_n, valid_n):
+  return _group_stats(returns_n.astype(jnp.float32), group_ids_n, valid_n)[3].sum().astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered estimators (uniform signature).
+
+
+_STATIC = ("gamma", "lam", "eps", "scale_std")
+
+
+@register_advantage("grpo")
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _grpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+          eps=1e-6, scale_std=True) -> AdvantageOutput:
+  del values_ns, lam
+  mask_ns = mask_ns.astype(bool)
+  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
+  adv_n, zero = grpo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1), eps=eps, scale_std=scale_std)
+  return AdvantageOutput(_broadcast_steps(adv_n, mask_ns), g_ns, zero)
+
+
+@register_advantage("rloo")
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _rloo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+          eps=1e-6, scale_std=True) -> AdvantageOutput:
+  del values_ns, lam, eps, scale_std
+  mask_ns = mask_ns.astype(bool)
+  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
+  adv_n, zero = rloo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1))
+  return AdvantageOutput(_broadcast_steps(adv_n, mask_ns), g_ns, zero)
+
+
+@register_advantage("gae")
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _gae(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+         eps=1e-6, scale_std=True) -> AdvantageOutput:
+  del eps, scale_std
+  if values_ns is None:
+    raise ValueError("gae needs values_ns (value estimates per step)")
+  mask_ns = mask_ns.astype(bool)
+  adv_ns, ret_ns = gae(rewards_ns, values_ns, mask_ns, bootstrap_n, gamma=gamma, lam=lam)
+  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
+  return AdvantageOutput(adv_ns, ret_ns, _zero_variance_groups(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1)))
+
+
+@register_advantage("returns")
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _returns(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+             eps=1e-6, scale_std=True) -> AdvantageOutput:
+  """REINFORCE: the advantage is the discounted return-to-go itself (no baseline)."""
+  del values_ns, lam, eps, scale_std
+  mask_ns = mask_ns.astype(bool)
+  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
+  return AdvantageOutput(g_ns, g_ns, _zero_variance_groups(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1)))

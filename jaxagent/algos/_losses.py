@@ -1,0 +1,312 @@
+"""Masked policy-gradient / PPO losses (DESIGN.md §2.2), value loss, and token log-prob helpers.
+
+Shape letters: B rows, T tokens, V vocab. Everything is aligned with the token stream: position `t` of
+`logp_bt` is `log π(z_t | z_<t)` (use `next_token_logprobs` to get it from a model's logits).
+
+Masking rule: every input is passed through `jnp.where(mask, x, safe)` before use, so values at masked
+positions (garbage tokens, NaN or Inf log-probs/logits) change neither the loss nor any gradient, and the
+gradient at masked positions is exactly zero. Multiplying by a 0 mask would not do: `0 * NaN = NaN`.
+
+Aggregation and micro-batching: the loss is `Σ_j w_j ℓ_j / normalizer`, where the per-token weight `w_j` only
+depends on the token's own sequence and `normalizer` is computed ONCE over the whole batch with
+`loss_normalizer` and passed in. Hence the gradient of a batch equals the sum of its micro-batches' gradients
+(sequences are never split across micro-batches). Modes (Yu et al. 2025 DAPO, arXiv:2503.14476; Liu et al.
+2025 Dr. GRPO, arXiv:2503.20783):
+  token-mean              w = m,        normalizer = Σ m                  (all loss tokens weigh the same)
+  seq-mean-token-mean     w = m / |s|,  normalizer = #sequences with loss (each sequence weighs the same)
+  seq-mean-token-sum-norm w = m,        normalizer = #sequences · L      (L: a constant, no length bias)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+class AllMaskedError(ValueError):
+  """The batch has no loss token; its loss is undefined (skip it explicitly)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# KL estimators (Schulman 2020, "Approximating KL divergence"), of KL(π_θ || π_ref) from samples of π_θ.
+# Argument: log_r = log π_ref(z) − log π_θ(z).
+
+KL_ESTIMATORS = {
+    "k1": lambda log_r: -log_r,
+    "k2": lambda log_r: 0.5 * log_r * log_r,
+    "k3": lambda log_r: jnp.expm1(log_r) - log_r,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs and entropy from logits.
+
+
+def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array, mask_bt: jax.Array | None = None
+                   ) -> jax.Array:
+  """`log_softmax(logits)[b, t, tokens[b, t]]` in float32 (no shift: `logits[:, t]` scores `tokens[:, t]`).
+
+  With `mask_bt`, masked positions see logits 0 and token 0, so NaN/Inf logits or out-of-range tokens there
+  give a finite 0-gradient result.
+  """
+  logits_btv = logits_btv.astype(jnp.float32)
+  if mask_bt is not None:
+    logits_btv = jnp.where(mask_bt[..., None], logits_btv, 0.0)
+    tokens_bt = jnp.where(mask_bt, tokens_bt, 0)
+  logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
+  return jnp.take_along_axis(logp_btv, tokens_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _shift(logits_btv, tokens_bt, mask_bt):
+  # logits at t-1 predict token t; position 0 has no prediction (and is never a loss token).
+  pad = jnp.zeros_like(logits_btv[:, :1])
+  logits_btv = jnp.concatenate([pad, logits_btv[:, :-1]], axis=1)
+  if mask_bt is not None:
+    mask_bt = mask_bt.at[:, 0].set(False)
+  return logits_btv, mask_bt
+
+
+def next_token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array, mask_bt: jax.Array | None = None
+                        ) -> jax.Array:
+  """`log π(z_t | z_<t)` aligned with `tokens_bt`, from a causal model's `logits_btv = model(tokens_bt)`."""
+  logits_btv, mask_bt = _shift(logits_btv, tokens_bt, mask_bt)
+  return token_logprobs(logits_btv, tokens_bt, mask_bt)
+
+
+def entropy(logits_btv: jax.Array, mask_bt: jax.Array | None = None) -> jax.Array:
+  """Entropy of `softmax(logits)` per position, float32[B, T] (no shift); -inf logits are fine."""
+  logits_btv = logits_btv.astype(jnp.float32)
+  if mask_bt is not None:
+    logits_btv = jnp.where(mask_bt[..., None], logits_btv, 0.0)
+  logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
+  p_btv = jnp.exp(logp_btv)
+  # Where p == 0 use log p := 0 so that 0 · (−inf) never appears, in the value or in the gradient.
+  return -jnp.sum(p_btv * jnp.where(p_btv > 0, logp_btv, 0.0), axis=-1)
+
+
+def next_token_entropy(logits_btv: jax.Array, mask_bt: jax.Array | None = None) -> jax.Array:
+  """Entropy of the distribution that sampled `z_t`, aligned with the tokens (see `next_token_logprobs`)."""
+  logits_btv, mask_bt = _shift(logits_btv, None, mask_bt)
+  return entropy(logits_btv, mask_bt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequences and aggregation.
+
+
+def _sequence_ids(mask_bt, segment_ids_bt):
+  """Flat sequence index per token: row-major (row, segment); segment_ids None means one sequence per row."""
+  b, t = mask_bt.shape
+  seg_bt = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
+  seg_bt = jnp.clip(seg_bt, 0, t)
+  return jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + seg_bt, b * (t + 1)
+
+
+def _segment_sum_per_token(x_bt, ids_bt, num):
+  total = jax.ops.segment_sum(x_bt.reshape(-1), ids_bt.reshape(-1), num_segments=num)
+  return total[ids_bt]
+
+
+def loss_normalizer(loss_mask_bt, segment_ids_bt=None, *, aggregation: Aggregation = "token-mean",
+                    norm_length: int | None = None, allow_empty: bool = False) -> np.float32:
+  """The loss denominator for the WHOLE batch (host side, numpy); pass it to every micro-batch's loss.
+
+  Args:
+    loss_mask_bt: bool[B, T] of the whole batch.
+    segment_ids_bt: int[B, T] packed sequence ids (0 = padding); None: one sequence per row.
+    aggregation: one of `AGGREGATIONS`.
+    norm_length: L for `seq-mean-token-sum-norm` (a constant, e.g. the max response length); default T.
+    allow_empty: return 0 (the loss then reports `skipped=1` and has zero gradient) instead of raising.
+  Raises:
+    AllMaskedError: no token has loss_mask = 1 (and allow_empty is False).
+  """
+  mask = np.asarray(loss_mask_bt).astype(bool)
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"aggregation={aggregation!r}: not one of {list(AGGREGATIONS)}")
+  n_tokens = int(mask.sum())
+  if n_tokens == 0:
+    if allow_empty:
+      return np.float32(0.0)
+    raise AllMaskedError(f"all {mask.size} positions have loss_mask=0: the loss is undefined; skip this batch")
+  if aggregation == "token-mean":
+    return np.float32(n_tokens)
+  b, t = mask.shape
+  seg = np.ones((b, t), np.int64) if segment_ids_bt is None else np.asarray(segment_ids_bt).astype(np.int64)
+  flat = (np.arange(b)[:, None] * (t + 1) + seg)[mask]
+  n_seq = len(np.unique(flat))
+  if aggregation == "seq-mean-token-mean":
+    return np.float32(n_seq)
+  length = t if norm_length is None else norm_length
+  if length < 1:
+    raise ValueError(f"norm_length={norm_length}: must be >= 1")
+  return np.float32(n_seq * length)
+
+
+def _token_weights(mask_bt, segment_ids_bt, aggregation):
+  m_bt = mask_bt.astype(jnp.float32)
+  if aggregation in ("token-mean", "seq-mean-token-sum-norm"):
+    return m_bt
+  if aggregation == "seq-mean-token-mean":
+    ids_bt, num = _sequence_ids(mask_bt, segment_ids_bt)
+    n_bt = _segment_sum_per_token(m_bt, ids_bt, num)
+    return jnp.where(mask_bt, 1.0 / jnp.maximum(n_bt, 1.0), 0.0)
+  raise ValueError(f"aggregation={aggregation!r}: not one of {list(AGGREGATIONS)}")
+
+
+def aggregate(loss_bt: jax.Array, loss_mask_bt: jax.Array, normalizer: jax.Array, *,
+              segment_ids_bt: jax.Array | None = None, aggregation: Aggregation = "token-mean") -> jax.Array:
+  """`Σ w ℓ / normalizer`; 0 (with zero gradient) when normalizer == 0. Masked ℓ may be NaN/Inf."""
+  mask_bt = loss_mask_bt.astype(bool)
+  w_bt = _token_weights(mask_bt, segment_ids_bt, aggregation)
+  total = jnp.sum(jnp.where(mask_bt, w_bt * jnp.where(mask_bt, loss_bt, 0.0), 0.0))
+  normalizer = jnp.asarray(normalizer, jnp.float32)
+  return jnp.where(normalizer > 0, total / jnp.where(normalizer > 0, normalizer, 1.0), 0.0)
+
+
+def _masked_mean(x_bt, mask_bt, count):
+  return jnp.sum(jnp.where(mask_bt, x_bt, 0.0)) / jnp.maximum(count, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses.
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "aggregation", "ratio_level", "eps_low", "eps_high", "dual_clip", "kl_estimator", "kl_coef",
+    "entropy_coef"))
+def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.Array,
+                loss_mask_bt: jax.Array, normalizer: jax.Array, *, segment_ids_bt: jax.Array | None = None,
+                ref_logp_bt: jax.Array | None = None, entropy_bt: jax.Array | None = None,
+                aggregation: Aggregation = "token-mean", ratio_level: Literal["token", "sequence"] = "token",
+                eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+                kl_estimator: str = "k3", kl_coef: float = 0.0, entropy_coef: float = 0.0
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped policy-gradient loss (PPO, Schulman et al. 2017) with reference-KL and entropy terms.
+
+  Per loss token: `ρ = π_θ/π_old`, `ℓ = max(−Â ρ, −Â clip(ρ, 1−ε_low, 1+ε_high))`; with `dual_clip = c > 1`
+  (Ye et al. 2020, arXiv:1912.09729) `ℓ = min(ℓ, −c Â)` where `Â < 0`. `ratio_level="sequence"` uses the
+  GSPO ratio (Zheng et al. 2025, arXiv:2507.18071): the geometric mean of token ratios over the sequence,
+  applied to every token of it (GSPO-token form: value `s_i`, gradient `s_i ∇log π(z_t)`). Then
+  `ℓ += kl_coef · KL_est(π_θ‖π_ref) − entropy_coef · H`, aggregated by `aggregate`.
+
+  Args:
+    logp_bt: float[B, T] log π_θ of the taken tokens (differentiated).
+    old_logp_bt: float[B, T] log-probs of the policy that sampled them (behavior / old policy).
+    advantages_bt: float[B, T] per-token advantages.
+    loss_mask_bt: bool[B, T]; only these positions count. Anything may sit elsewhere (NaN, Inf).
+    normalizer: scalar from `loss_normalizer` over the whole batch; 0 means skip (loss 0, zero gradient).
+    segment_ids_bt: int[B, T] packed sequence ids (0 = pad); None: one sequence per row.
+    ref_logp_bt: float[B, T] reference log-probs; needed when kl_coef > 0.
+    entropy_bt: float[B, T] policy entropy per position (e.g. `next_token_entropy`); needed when
+      entropy_coef > 0, and reported when given.
+    aggregation, ratio_level, eps_low, eps_high, dual_clip, kl_estimator, kl_coef, entropy_coef: see above.
+  Returns:
+    (loss scalar, metrics): loss_tokens, skipped, clip_fraction, ratio_mean/min/max, approx_kl (k3 between
+    old and current policy), entropy, kl (when a reference is given), pg_loss; means over this call's loss
+    tokens.
+  """
+  mask_bt = loss_mask_bt.astype(bool)
+  if kl_coef > 0 and ref_logp_bt is None:
+    raise ValueError("kl_coef > 0 needs ref_logp_bt")
+  if entropy_coef > 0 and entropy_bt is None:
+    raise ValueError("entropy_coef > 0 needs entropy_bt")
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip={dual_clip}: must be > 1")
+  if kl_estimator not in KL_ESTIMATORS:
+    raise ValueError(f"kl_estimator={kl_estimator!r}: not one of {sorted(KL_ESTIMATORS)}")
+
+  logp_bt = jnp.where(mask_bt, logp_bt, 0.0).astype(jnp.float32)
+  old_bt = jnp.where(mask_bt, old_logp_bt, 0.0).astype(jnp.float32)
+  adv_bt = jnp.where(mask_bt, advantages_bt, 0.0).astype(jnp.float32)
+  token_log_ratio_bt = logp_bt - old_bt
+
+  if ratio_level == "token":
+    log_ratio_bt = token_log_ratio_bt
+  elif ratio_level == "sequence":
+    ids_bt, num = _sequence_ids(mask_bt, segment_ids_bt)
+    n_bt = _segment_sum_per_token(mask_bt.astype(jnp.float32), ids_bt, num)
+    seq_log_ratio_bt = _segment_sum_per_token(token_log_ratio_bt, ids_bt, num) / jnp.maximum(n_bt, 1.0)
+    log_ratio_bt = jax.lax.stop_gradient(seq_log_ratio_bt) + logp_bt - jax.lax.stop_gradient(logp_bt)
+  else:
+    raise ValueError(f"ratio_level={ratio_level!r}: not 'token' or 'sequence'")
+  log_ratio_bt = jnp.where(mask_bt, log_ratio_bt, 0.0)
+  ratio_bt = jnp.exp(log_ratio_bt)
+
+  unclipped_bt = -adv_bt * ratio_bt
+  clipped_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - eps_low, 1.0 + eps_high)
+  pg_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  is_clipped_bt = clipped_bt > unclipped_bt
+  if dual_clip is not None:
+    dual_bt = -adv_bt * dual_clip
+    is_dual_bt = (adv_bt < 0) & (pg_bt > dual_bt)
+    pg_bt = jnp.where(adv_bt < 0, jnp.minimum(pg_bt, dual_bt), pg_bt)
+    is_clipped_bt = is_clipped_bt | is_dual_bt
+
+  loss_bt = pg_bt
+  metrics = {}
+  if ref_logp_bt is not None:
+    ref_bt = jnp.where(mask_bt, ref_logp_bt, 0.0).astype(jnp.float32)
+    kl_bt = KL_ESTIMATORS[kl_estimator](ref_bt - logp_bt)
+    if kl_coef > 0:
+      loss_bt = loss_bt + kl_coef * kl_bt
+  if entropy_bt is not None:
+    ent_bt = jnp.where(mask_bt, entropy_bt, 0.0).astype(jnp.float32)
+    if entropy_coef > 0:
+      loss_bt = loss_bt - entropy_coef * ent_bt
+
+  agg = functools.partial(aggregate, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
+  loss = agg(loss_bt, mask_bt, normalizer)
+
+  sg = jax.lax.stop_gradient
+  count = jnp.sum(mask_bt.astype(jnp.float32))
+  r_bt = sg(ratio_bt)
+  any_tokens = count > 0
+  metrics.update(
+      loss_tokens=count,
+      skipped=(jnp.asarray(normalizer) <= 0).astype(jnp.float32),
+      pg_loss=sg(agg(pg_bt, mask_bt, normalizer)),
+      clip_fraction=_masked_mean(is_clipped_bt.astype(jnp.float32), mask_bt, count),
+      ratio_mean=_masked_mean(r_bt, mask_bt, count),
+      ratio_min=jnp.where(any_tokens, jnp.min(jnp.where(mask_bt, r_bt, jnp.inf)), 0.0),
+      ratio_max=jnp.where(any_tokens, jnp.max(jnp.where(mask_bt, r_bt, -jnp.inf)), 0.0),
+      approx_kl=_masked_mean(KL_ESTIMATORS["k3"](-sg(token_log_ratio_bt)), mask_bt, count),
+  )
+  if ref_logp_bt is not None:
+    metrics["kl"] = _masked_mean(sg(kl_bt), mask_bt, count)
+  if entropy_bt is not None:
+    metrics["entropy"] = _masked_mean(sg(ent_bt), mask_bt, count)
+  return loss, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("aggregation", "clip_eps"))
+def value_loss(values_bt: jax.Array, old_values_bt: jax.Array, returns_bt: jax.Array, loss_mask_bt: jax.Array,
+               normalizer: jax.Array, *, segment_ids_bt: jax.Array | None = None,
+               aggregation: Aggregation = "token-mean", clip_eps: float | None = 0.2
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped value loss `½ max((V − R)², (V_old + clip(V − V_old, ±ε) − R)²)` (PPO); no clip if ε is None.
+
+  Returns:
+    (loss scalar, metrics: value_clip_fraction, value_error (mean |V − R|)).
+  """
+  mask_bt = loss_mask_bt.astype(bool)
+  v_bt = jnp.where(mask_bt, values_bt, 0.0).astype(jnp.float32)
+  old_bt = jnp.where(mask_bt, old_values_bt, 0.0).astype(jnp.float32)
+  ret_bt = jnp.where(mask_bt, returns_bt, 0.0).astype(jnp.float32)
+  err_bt = jnp.square(v_bt - ret_bt)
+  if clip_eps is None:
+    loss_bt, clipped_bt = 0.5 * err_bt, jnp.zeros_like(mask_bt)
+  else:
+    v_clip_bt = old_bt + jnp.clip(v_bt - old_bt, -clip_eps, clip_eps)
+    err_clip_bt = jnp.square(v_clip_bt - ret_bt)
+    loss_bt, clipped_bt = 0.5 * jnp.maximum(err_bt, err_clip_bt), err_clip_bt > err_bt
+  loss = aggregate(loss_bt, mask_bt, normalizer, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
+  count = jnp.sum(mask_bt.astype(jnp.float32))
+  return loss, {"value_clip_fraction": _masked_mean(clipped_bt.astype(jnp.float32), mask_bt, count),
+                "value_error": _masked_mean(jax.lax.stop_gradient(jnp.abs(v_bt - ret_bt)), mask_bt, count)}

@@ -1,0 +1,197 @@
+"""Token assembly: trajectories -> one fixed-shape, padded, masked `Batch` (host side, numpy).
+
+Token-in, token-out (DESIGN.md §2.1): the batch is made of the recorded stream `Trajectory.tokens` — the
+tokens the sampler produced and the observation tokens it appended — copied, never re-tokenized. Lengths are
+padded up to one of a few bucket sizes (and rows up to a fixed count) so jitted consumers see a handful of
+shapes and do not recompile every step. A trajectory longer than the largest bucket is an error, never
+silently truncated.
+
+Shape letters: B rows, T bucket length, N trajectories, S steps (turns).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import flax.struct
+import numpy as np
+
+from jaxagent.trajectory import PAD_ROLE, Trajectory
+
+DEFAULT_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@flax.struct.dataclass
+class Batch:
+  """A training batch; a pytree (all leaves `[B, T]` arrays).
+
+  Attributes:
+    tokens: int32[B, T] the recorded token stream; `pad_id` at padding.
+    positions: int32[B, T] position within its sequence (restarts at 0 in each packed segment; 0 at padding).
+    segment_ids: int32[B, T] 1, 2, … per sequence in a row; 0 = padding (the models' attention rule).
+    loss_mask: bool[B, T] the recorded loss mask; False at padding.
+    roles: int8[B, T] `Role` per token; `PAD_ROLE` (-1) at padding.
+    behavior_logprobs: float32[B, T] behavior log-prob of sampled tokens; 0 elsewhere.
+    advantages: float32[B, T] per-token advantage on loss tokens; 0 elsewhere.
+    policy_versions: int32[B, T] behavior policy version of sampled tokens; -1 elsewhere.
+    trajectory_index: int32[B, T] index of the source trajectory in the input list; -1 at padding.
+  """
+  tokens: np.ndarray
+  positions: np.ndarray
+  segment_ids: np.ndarray
+  loss_mask: np.ndarray
+  roles: np.ndarray
+  behavior_logprobs: np.ndarray
+  advantages: np.ndarray
+  policy_versions: np.ndarray
+  trajectory_index: np.ndarray
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return tuple(self.tokens.shape)
+
+
+def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
+  """The smallest bucket >= length; ValueError when none is."""
+  fits = [b for b in sorted(buckets) if b >= length]
+  if not fits:
+    raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}; raise the bucket or the "
+                     "context budget (trajectories are never truncated here)")
+  return fits[0]
+
+
+def group_indices(trajectories: Sequence[Trajectory]) -> np.ndarray:
+  """Dense int32 group index per trajectory (first-seen order of `group_id`), for the advantage estimators."""
+  index: dict[str, int] = {}
+  return np.array([index.setdefault(t.group_id, len(index)) for t in trajectories], np.int32)
+
+
+def advantage_inputs(trajectories: Sequence[Trajectory], *, steps: int | None = None, gamma: float = 1.0
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per-step rewards for the registered estimators: `(rewards_ns float32, mask_ns bool, group_ids_n int32)`.
+
+  Step t is turn t with reward `turns[t].reward`; the terminal reward `r_T^term` is added to the last step
+  as `γ · r_T^term`, so the discounted return at step 0 is `Σ γ^t r_t + γ^T r_T^term` (DESIGN.md §2.1).
+  A trajectory without turns has no valid step. `steps` pads S to a fixed size (default: the max turn count).
+  """
+  n_turns = [len(t.turns) for t in trajectories]
+  s = max(n_turns, default=0) if steps is None else steps
+  if max(n_turns, default=0) > s:
+    raise ValueError(f"a trajectory has {max(n_turns)} turns > steps={s}")
+  rewards = np.zeros((len(trajectories), max(s, 1)), np.float32)
+  mask = np.zeros_like(rewards, bool)
+  for i, t in enumerate(trajectories):
+    for j, turn in enumerate(t.turns):
+      rewards[i, j] = turn.reward
+    if t.turns:
+      rewards[i, len(t.turns) - 1] += gamma * t.reward.terminal
+      mask[i, :len(t.turns)] = True
+  return rewards, mask, group_indices(trajectories)
+
+
+def _token_advantages(t: Trajectory, adv, level: str, i: int) -> np.ndarray:
+  out = np.zeros(len(t), np.float32)
+  if adv is None:
+    return out
+  if level == "trajectory":
+    out[:] = float(adv)
+  elif level == "turn":
+    adv = np.asarray(adv, np.float32)
+    if adv.ndim != 1 or adv.shape[0] < len(t.turns):
+      raise ValueError(f"trajectory {i}: per-turn advantages of shape {adv.shape} for {len(t.turns)} turns")
+    for j, turn in enumerate(t.turns):
+      start, stop = turn.action.span
+      out[start:stop] = adv[j]
+  elif level == "token":
+    adv = np.asarray(adv, np.float32)
+    if adv.shape != (len(t),):
+      raise ValueError(f"trajectory {i}: per-token advantages of shape {adv.shape}, expected ({len(t)},)")
+    out[:] = adv
+  else:
+    raise ValueError(f"level={level!r}: not 'trajectory', 'turn' or 'token'")
+  return np.where(t.loss_mask, out, 0.0).astype(np.float32)
+
+
+def _token_versions(t: Trajectory) -> np.ndarray:
+  out = np.where(np.isfinite(t.behavior_logprobs), t.policy_version, -1).astype(np.int32)
+  for turn in t.turns:
+    start, stop = turn.action.span
+    out[start:stop] = np.where(out[start:stop] >= 0, turn.policy_version, -1)
+  return out
+
+
+def _pack(lengths: Sequence[int], length: int) -> list[list[int]]:
+  """First-fit decreasing: rows of trajectory indices whose lengths sum to <= length."""
+  rows: list[list[int]] = []
+  free: list[int] = []
+  for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+    for r, room in enumerate(free):
+      if lengths[i] <= room:
+        rows[r].append(i)
+        free[r] -= lengths[i]
+        break
+    else:
+      rows.append([i])
+      free.append(length - lengths[i])
+  return rows
+
+
+def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarray | None = None, *,
+             level: Literal["trajectory", "turn", "token"] = "trajectory",
+             buckets: Sequence[int] = DEFAULT_BUCKETS, length: int | None = None, rows: int | None = None,
+             pad_id: int = 0, pack: bool = False) -> Batch:
+  """Copies recorded token streams into a padded `Batch`.
+
+  Args:
+    trajectories: the records; their `tokens`/`roles`/`loss_mask`/`behavior_logprobs` are used verbatim.
+    advantages: per trajectory, by `level`: "trajectory" a scalar (e.g. GRPO), "turn" one value per turn
+      (e.g. `AdvantageOutput.advantages[i]`, spread over that turn's action span), "token" one per token.
+      Only loss tokens keep a non-zero advantage. None: zeros.
+    buckets: allowed lengths T; the batch uses the smallest that fits (ignored when `length` is given).
+    length: fixed T instead of a bucket.
+    rows: fixed B (empty rows are all padding); default: as many as needed.
+    pad_id: token id at padding.
+    pack: place several trajectories per row (segment ids 1, 2, …), first-fit decreasing.
+  Returns:
+    `Batch` of numpy arrays, shapes `[B, T]`.
+  """
+  if advantages is not None and len(advantages) != len(trajectories):
+    raise ValueError(f"{len(advantages)} advantages for {len(trajectories)} trajectories")
+  lengths = [len(t) for t in trajectories]
+  longest = max(lengths, default=1)
+  if length is None:
+    length = bucket_length(longest, buckets)
+  elif longest > length:
+    raise ValueError(f"trajectory of {longest} tokens does not fit length={length} (never truncated)")
+  layout = _pack(lengths, length) if pack else [[i] for i in range(len(trajectories))]
+  b = len(layout) if rows is None else rows
+  if len(layout) > b:
+    raise ValueError(f"{len(trajectories)} trajectories need {len(layout)} rows > rows={rows}")
+
+  batch = dict(
+      tokens=np.full((b, length), pad_id, np.int32),
+      positions=np.zeros((b, length), np.int32),
+      segment_ids=np.zeros((b, length), np.int32),
+      loss_mask=np.zeros((b, length), bool),
+      roles=np.full((b, length), PAD_ROLE, np.int8),
+      behavior_logprobs=np.zeros((b, length), np.float32),
+      advantages=np.zeros((b, length), np.float32),
+      policy_versions=np.full((b, length), -1, np.int32),
+      trajectory_index=np.full((b, length), -1, np.int32),
+  )
+  for r, members in enumerate(layout):
+    offset = 0
+    for seg, i in enumerate(members, start=1):
+      t = trajectories[i]
+      sl = np.s_[r, offset:offset + len(t)]
+      batch["tokens"][sl] = t.tokens
+      batch["positions"][sl] = np.arange(len(t), dtype=np.int32)
+      batch["segment_ids"][sl] = seg
+      batch["loss_mask"][sl] = t.loss_mask
+      batch["roles"][sl] = t.roles
+      batch["behavior_logprobs"][sl] = np.where(np.isfinite(t.behavior_logprobs), t.behavior_logprobs, 0.0)
+      batch["advantages"][sl] = _token_advantages(t, None if advantages is None else advantages[i], level, i)
+      batch["policy_versions"][sl] = _token_versions(t)
+      batch["trajectory_index"][sl] = i
+      offset += len(t)
+  return Batch(**batch)

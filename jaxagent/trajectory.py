@@ -1,0 +1,451 @@
+"""Trajectory records: the contract between the sampler, the environments and the learner (DESIGN.md §2.1).
+
+A trajectory `τ = (x, o_0, a_0, …, a_{T-1}, o_T)` is stored as ONE flat token stream `z` (what the sampler
+actually fed the model and produced) with a role, a loss-mask bit and a behavior log-prob per token, plus
+per-turn records whose `span`s index into that stream. Tokens live in exactly one place, so the learner trains
+on the sampled tokens and the appended observation tokens as recorded; chat history is never re-tokenized.
+
+`TokenStream` is the host-side builder the rollout engine uses: `sampled(...)` appends policy tokens with their
+log-probs, `observation(text, tokenizer)` appends untrusted text through `tokenizer.encode` (which never yields
+special tokens), `control(name, tokenizer)` is the only way a control token enters the stream.
+
+Every record carries `schema` (`SCHEMA_VERSION`); `from_dict` rejects unknown versions and malformed records
+with `TrajectoryFormatError` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+KIND = "jaxagent.trajectory"
+
+
+class TrajectoryFormatError(ValueError):
+  """A record is malformed, inconsistent, or has a schema version this build cannot read."""
+
+
+class Role(enum.IntEnum):
+  """Who produced a token. Stored as int8 per token; `PAD_ROLE` (-1) marks padding in batches."""
+  SYSTEM = 0
+  PROMPT = 1
+  POLICY = 2
+  TOOL = 3
+  ERROR = 4
+  REASONING = 5
+
+
+PAD_ROLE = -1
+# Roles whose tokens the policy sampled (they have a behavior log-prob and may carry loss).
+SAMPLED_ROLES = (Role.POLICY, Role.REASONING)
+# Roles whose tokens came from outside the policy; never trained on.
+OBSERVATION_ROLES = (Role.TOOL, Role.ERROR)
+
+
+class TerminationReason(str, enum.Enum):
+  """Why an episode ended; recorded by the engine, never inferred later. Budget exhaustion is not completion."""
+  COMPLETED = "completed"                          # the task finished; the verifier decided pass/fail
+  MAX_TURNS = "max_turns"
+  CONTEXT_EXHAUSTED = "context_exhausted"          # context / token budget
+  TURN_BUDGET_EXHAUSTED = "turn_budget_exhausted"  # per-turn token budget
+  INVALID_ACTION = "invalid_action"                # invalid action with the `terminate` rule
+  PARSER_REJECTED = "parser_rejected"
+  ENV_ERROR = "env_error"                          # tool / environment fault
+  ENV_TIMEOUT = "env_timeout"
+  RETRIES_EXHAUSTED = "retries_exhausted"
+  CANCELLED = "cancelled"
+
+
+# ----------------------------------------------------------------------------------------------
+# Small frozen records.
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  id: str
+  split: Literal["train", "tune", "eval"] = "train"
+  version: str = ""                    # task / dataset version
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvInfo:
+  name: str
+  version: str                         # code hash or image digest
+  seed: int
+  clock: str = "frozen"                # clock policy
+  network: str = "none"                # network policy
+  invalid_action_rule: Literal["reject", "terminate", "penalize"] = "reject"   # DESIGN.md §2.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+  span: tuple[int, int]                # [start, stop) into the token stream
+  text: str
+  valid: bool = True
+  parsed: Any = None                   # the parsed call (JSON-able), None when unparseable
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+  span: tuple[int, int]                # [start, stop) into the token stream
+  text: str
+  truncated: bool = False
+  original_bytes: int = 0              # size before truncation
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  action: Action
+  observation: Observation | None = None
+  reward: float = 0.0
+  reward_components: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  policy_version: int = 0              # behavior policy that sampled this action
+  t_decode_s: float = 0.0
+  t_env_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+  total: float                         # the return R(τ) = Σ γ^t r_t + γ^T r_T^term
+  gamma: float = 1.0
+  terminal: float = 0.0                # r_T^term (e.g. verifier outcome)
+  components: Mapping[str, float] = dataclasses.field(default_factory=dict)   # validity/progress/outcome/cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Verifier:
+  name: str = ""
+  version: str = ""
+  passed: bool | None = None
+  evidence: Any = None                 # JSON-able
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  reset_s: float = 0.0
+  verify_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Reasoning:
+  kept: bool = False                   # private reasoning tokens kept in the stream
+  trained: bool = False                # and carry loss
+
+
+def _frozen_array(x: Any, dtype: Any, name: str) -> np.ndarray:
+  try:
+    arr = np.array(x, dtype=dtype)
+  except (TypeError, ValueError) as e:
+    raise TrajectoryFormatError(f"{name}: cannot convert to {np.dtype(dtype).name}: {e}") from None
+  if arr.ndim != 1:
+    raise TrajectoryFormatError(f"{name}: expected a 1-D array, got shape {arr.shape}")
+  arr.flags.writeable = False
+  return arr
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trajectory:
+  """One episode. Arrays are read-only numpy, all of length `len(tokens)`.
+
+  Attributes:
+    tokens: int32[L] the stream `z` exactly as the sampler saw/produced it.
+    roles: int8[L] `Role` per token.
+    loss_mask: bool[L] 1 only for sampled tokens selected for update.
+    behavior_logprobs: float32[L] log μ(z_j | z_<j) for sampled tokens; NaN elsewhere.
+    policy_version: behavior policy version at the start of the episode (turns carry their own).
+    group_id: trajectories sharing it form one advantage group (default: the task id).
+  """
+  task: Task
+  env: EnvInfo
+  policy_version: int
+  termination: TerminationReason
+  reward: Reward
+  turns: tuple[Turn, ...]
+  tokens: np.ndarray
+  roles: np.ndarray
+  loss_mask: np.ndarray
+  behavior_logprobs: np.ndarray
+  id: str = ""
+  group_id: str = ""
+  timing: Timing = Timing()
+  verifier: Verifier = Verifier()
+  reasoning: Reasoning = Reasoning()
+  metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  schema: int = SCHEMA_VERSION
+
+  def __post_init__(self):
+    put = lambda k, v: object.__setattr__(self, k, v)
+    put("tokens", _frozen_array(self.tokens, np.int32, "tokens"))
+    put("roles", _frozen_array(self.roles, np.int8, "roles"))
+    put("loss_mask", _frozen_array(self.loss_mask, np.bool_, "loss_mask"))
+    put("behavior_logprobs", _frozen_array(self.behavior_logprobs, np.float32, "behavior_logprobs"))
+    put("turns", tuple(self.turns))
+    put("termination", TerminationReason(self.termination))
+    if not self.group_id:
+      put("group_id", self.task.id)
+    self.validate()
+
+  def __len__(self) -> int:
+    return int(self.tokens.shape[0])
+
+  def validate(self) -> None:
+    """Checks the invariants of DESIGN.md §2.1; raises `TrajectoryFormatError`."""
+    if self.schema != SCHEMA_VERSION:
+      raise TrajectoryFormatError(f"schema version {self.schema!r}: this build reads {SCHEMA_VERSION}")
+    n = len(self)
+    for name in ("roles", "loss_mask", "behavior_logprobs"):
+      if getattr(self, name).shape[0] != n:
+        raise TrajectoryFormatError(f"{name}: length {getattr(self, name).shape[0]} != tokens length {n}")
+    if n and ((self.tokens < 0).any()):
+      raise TrajectoryFormatError("tokens: negative token id")
+    valid_roles = np.isin(self.roles, [int(r) for r in Role])
+    if not valid_roles.all():
+      j = int(np.argmin(valid_roles))
+      raise TrajectoryFormatError(f"roles[{j}]={int(self.roles[j])}: not a Role")
+    trainable = [Role.POLICY] + ([Role.REASONING] if self.reasoning.trained else [])
+    bad = self.loss_mask & ~np.isin(self.roles, [int(r) for r in trainable])
+    if bad.any():
+      j = int(np.argmax(bad))
+      raise TrajectoryFormatError(
+          f"loss_mask[{j}]=1 on a {Role(int(self.roles[j])).name} token (trainable roles: "
+          f"{[r.name for r in trainable]})")
+    missing = self.loss_mask & ~np.isfinite(self.behavior_logprobs)
+    if missing.any():
+      raise TrajectoryFormatError(f"behavior_logprobs[{int(np.argmax(missing))}]: not finite on a loss token")
+    if not self.reasoning.kept and (self.roles == Role.REASONING).any():
+      raise TrajectoryFormatError("REASONING tokens present but reasoning.kept is false")
+    for i, turn in enumerate(self.turns):
+      self._check_span(turn.action.span, f"turns[{i}].action", SAMPLED_ROLES)
+      if turn.observation is not None:
+        self._check_span(turn.observation.span, f"turns[{i}].observation", OBSERVATION_ROLES)
+    if not math.isfinite(self.reward.total):
+      raise TrajectoryFormatError(f"reward.total={self.reward.total}: not finite")
+
+  def _check_span(self, span: tuple[int, int], where: str, roles: Sequence[Role]) -> None:
+    start, stop = span
+    if not 0 <= start <= stop <= len(self):
+      raise TrajectoryFormatError(f"{where}.span={tuple(span)}: outside the stream [0, {len(self)}]")
+    inside = self.roles[start:stop]
+    # Spans may include template control tokens (role SYSTEM) around the content.
+    ok = np.isin(inside, [int(r) for r in roles] + [int(Role.SYSTEM)])
+    if not ok.all():
+      j = start + int(np.argmin(ok))
+      raise TrajectoryFormatError(f"{where}.span: token {j} has role {Role(int(self.roles[j])).name}")
+
+  def action_tokens(self, turn: int) -> np.ndarray:
+    start, stop = self.turns[turn].action.span
+    return self.tokens[start:stop]
+
+  def observation_tokens(self, turn: int) -> np.ndarray:
+    obs = self.turns[turn].observation
+    return self.tokens[0:0] if obs is None else self.tokens[obs.span[0]:obs.span[1]]
+
+  # --------------------------------------------------------------------------------------------
+  # Plain-data form (the serialized record and `jaxagent inspect --format jsonl`).
+
+  def to_dict(self, *, arrays_as: Literal["bytes", "lists"] = "bytes") -> dict[str, Any]:
+    """A plain dict. `arrays_as="bytes"`: little-endian raw arrays (the storage form, exact float32)."""
+    if arrays_as == "bytes":
+      arrays = {"tokens": self.tokens.astype("<i4").tobytes(), "roles": self.roles.astype("i1").tobytes(),
+                "loss_mask": self.loss_mask.astype("u1").tobytes(),
+                "behavior_logprobs": self.behavior_logprobs.astype("<f4").tobytes()}
+    else:
+      arrays = {"tokens": self.tokens.tolist(), "roles": [Role(int(r)).name.lower() for r in self.roles],
+                "loss_mask": self.loss_mask.astype(int).tolist(),
+                "behavior_logprobs": [None if not math.isfinite(x) else x
+                                      for x in self.behavior_logprobs.tolist()]}
+    return {
+        "kind": KIND,
+        "schema": self.schema,
+        "id": self.id,
+        "group_id": self.group_id,
+        "task": dataclasses.asdict(self.task),
+        "env": dataclasses.asdict(self.env),
+        "policy_version": self.policy_version,
+        "termination": self.termination.value,
+        "reward": {"total": self.reward.total, "components": dict(self.reward.components),
+                   "gamma": self.reward.gamma, "terminal": self.reward.terminal},
+        "turns": [_turn_to_dict(t) for t in self.turns],
+        **arrays,
+        "timing": dataclasses.asdict(self.timing),
+        "verifier": dataclasses.asdict(self.verifier),
+        "reasoning": dataclasses.asdict(self.reasoning),
+        "metadata": dict(self.metadata),
+    }
+
+  @classmethod
+  def from_dict(cls, d: Any) -> "Trajectory":
+    """Inverse of `to_dict` (either array form). Raises `TrajectoryFormatError` on anything unexpected."""
+    if not isinstance(d, Mapping):
+      raise TrajectoryFormatError(f"record is a {type(d).__name__}, expected a mapping")
+    if d.get("kind") != KIND:
+      raise TrajectoryFormatError(f"record kind {d.get('kind')!r}, expected {KIND!r}")
+    schema = d.get("schema")
+    if schema != SCHEMA_VERSION:
+      raise TrajectoryFormatError(
+          f"unknown schema version {schema!r} (this build reads version {SCHEMA_VERSION})")
+    try:
+      known = {f.name for f in dataclasses.fields(cls)} | {"kind"}
+      extra = sorted(set(d) - known)
+      if extra:
+        raise TrajectoryFormatError(f"unknown fields {extra}")
+      arrays = {k: _array_from(d[k], k) for k in ("tokens", "roles", "loss_mask", "behavior_logprobs")}
+      return cls(
+          task=_record(Task, d["task"], "task"),
+          env=_record(EnvInfo, d["env"], "env"),
+          policy_version=_int(d["policy_version"], "policy_version"),
+          termination=_enum(TerminationReason, d["termination"], "termination"),
+          reward=_record(Reward, d["reward"], "reward"),
+          turns=tuple(_turn_from_dict(t, f"turns[{i}]") for i, t in enumerate(_list(d["turns"], "turns"))),
+          id=str(d.get("id", "")),
+          group_id=str(d.get("group_id", "")),
+          timing=_record(Timing, d.get("timing", {}), "timing"),
+          verifier=_record(Verifier, d.get("verifier", {}), "verifier"),
+          reasoning=_record(Reasoning, d.get("reasoning", {}), "reasoning"),
+          metadata=dict(d.get("metadata") or {}),
+          schema=schema,
+          **arrays)
+    except KeyError as e:
+      raise TrajectoryFormatError(f"missing field {e.args[0]!r}") from None
+
+
+def _turn_to_dict(t: Turn) -> dict[str, Any]:
+  return {"action": {**dataclasses.asdict(t.action), "span": list(t.action.span)},
+          "observation": None if t.observation is None else
+          {**dataclasses.asdict(t.observation), "span": list(t.observation.span)},
+          "reward": t.reward, "reward_components": dict(t.reward_components),
+          "policy_version": t.policy_version, "t_decode_s": t.t_decode_s, "t_env_s": t.t_env_s}
+
+
+def _turn_from_dict(d: Any, where: str) -> Turn:
+  if not isinstance(d, Mapping):
+    raise TrajectoryFormatError(f"{where}: expected a mapping")
+  d = dict(d)
+  try:
+    d["action"] = _record(Action, d["action"], f"{where}.action")
+  except KeyError:
+    raise TrajectoryFormatError(f"{where}: missing field 'action'") from None
+  if d.get("observation") is not None:
+    d["observation"] = _record(Observation, d["observation"], f"{where}.observation")
+  return _record(Turn, d, where)
+
+
+def _record(cls: type, d: Any, where: str) -> Any:
+  if isinstance(d, cls):
+    return d
+  if not isinstance(d, Mapping):
+    raise TrajectoryFormatError(f"{where}: expected a mapping, got {type(d).__name__}")
+  d = dict(d)
+  if "span" in d:
+    span = d["span"]
+    if not (isinstance(span, (list, tuple)) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+      raise TrajectoryFormatError(f"{where}.span={span!r}: expected [start, stop]")
+    d["span"] = (int(span[0]), int(span[1]))
+  try:
+    return cls(**d)
+  except TypeError as e:
+    raise TrajectoryFormatError(f"{where}: {e}") from None
+
+
+def _array_from(x: Any, name: str) -> np.ndarray:
+  dtypes = {"tokens": "<i4", "roles": "i1", "loss_mask": "u1", "behavior_logprobs": "<f4"}
+  if isinstance(x, (bytes, bytearray)):
+    dt = np.dtype(dtypes[name])
+    if len(x) % dt.itemsize:
+      raise TrajectoryFormatError(f"{name}: {len(x)} bytes is not a multiple of {dt.itemsize}")
+    return np.frombuffer(bytes(x), dtype=dt)
+  if not isinstance(x, list):
+    raise TrajectoryFormatError(f"{name}: expected bytes or a list, got {type(x).__name__}")
+  if name == "roles":
+    return np.array([_enum(Role, r, f"roles[{i}]") if isinstance(r, str) else r
+                     for i, r in enumerate(x)], np.int8)
+  if name == "behavior_logprobs":
+    return np.array([np.nan if v is None else v for v in x], np.float32)
+  return np.array(x, dtypes[name])
+
+
+def _enum(cls: type[enum.Enum], v: Any, where: str) -> Any:
+  if cls is Role and isinstance(v, str):
+    try:
+      return Role[v.upper()]
+    except KeyError:
+      raise TrajectoryFormatError(f"{where}={v!r}: not one of {[r.name.lower() for r in Role]}") from None
+  try:
+    return cls(v)
+  except ValueError:
+    raise TrajectoryFormatError(f"{where}={v!r}: not one of {[m.value for m in cls]}") from None
+
+
+def _int(v: Any, where: str) -> int:
+  if isinstance(v, bool) or not isinstance(v, int):
+    raise TrajectoryFormatError(f"{where}={v!r}: expected an integer")
+  return v
+
+
+def _list(v: Any, where: str) -> list:
+  if not isinstance(v, (list, tuple)):
+    raise TrajectoryFormatError(f"{where}: expected a list, got {type(v).__name__}")
+  return list(v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the stream on the host.
+
+
+class TokenStream:
+  """Append-only builder of a trajectory's token stream (host side, used by the rollout engine).
+
+  Every token enters through one of three doors, each recording its role:
+    * `sampled(tokens, logprobs)` — tokens the policy produced, with their behavior log-probs;
+    * `text(text, role, tokenizer)` — untrusted or template text through `tokenizer.encode`, which never
+      produces special tokens (a tool output containing "<|eot|>" stays plain text);
+    * `control(name, role, tokenizer)` — one control token via `tokenizer.special(name)`.
+  Each returns the `(start, stop)` span it appended.
+  """
+
+  def __init__(self):
+    self._tokens: list[int] = []
+    self._roles: list[int] = []
+    self._mask: list[bool] = []
+    self._logp: list[float] = []
+
+  def __len__(self) -> int:
+    return len(self._tokens)
+
+  def _append(self, tokens: Sequence[int], role: Role, mask: bool, logp: Sequence[float] | None):
+    start = len(self._tokens)
+    tokens = [int(t) for t in tokens]
+    self._tokens += tokens
+    self._roles += [int(role)] * len(tokens)
+    self._mask += [mask] * len(tokens)
+    self._logp += list(map(float, logp)) if logp is not None else [math.nan] * len(tokens)
+    return start, len(self._tokens)
+
+  def sampled(self, tokens: Sequence[int], logprobs: Sequence[float], *, role: Role = Role.POLICY,
+              train: bool = True) -> tuple[int, int]:
+    if len(tokens) != len(logprobs):
+      raise ValueError(f"{len(tokens)} sampled tokens but {len(logprobs)} log-probs")
+    if role not in SAMPLED_ROLES:
+      raise ValueError(f"sampled tokens must have role POLICY or REASONING, got {role.name}")
+    return self._append(tokens, role, train, logprobs)
+
+  def text(self, text: str, role: Role, tokenizer: Any) -> tuple[int, int]:
+    if role in SAMPLED_ROLES:
+      raise ValueError("policy tokens enter through `sampled`, never by encoding text")
+    return self._append(tokenizer.encode(text), role, False, None)
+
+  def control(self, name: str, role: Role, tokenizer: Any) -> tuple[int, int]:
+    if role in SAMPLED_ROLES:
+      raise ValueError("sampled control tokens (e.g. the policy's own end-of-turn) go through `sampled`")
+    return self._append([tokenizer.special(name)], role, False, None)
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    """`tokens`, `roles`, `loss_mask`, `behavior_logprobs` for `Trajectory(**stream.arrays(), ...)`."""
+    return {"tokens": np.array(self._tokens, np.int32), "roles": np.array(self._roles, np.int8),
+            "loss_mask": np.array(self._mask, np.bool_),
+            "behavior_logprobs": np.array(self._logp, np.float32)}
