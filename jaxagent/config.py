@@ -81,12 +81,44 @@ class GenerateConfig:
   seed: int = field(0, ge=0)
 
 
+def _advantage_names() -> list[str]:
+  from jaxagent.algos import ADVANTAGES  # pylint: disable=g-import-not-at-top
+  return sorted(ADVANTAGES)
+
+
+def _kl_names() -> list[str]:
+  from jaxagent.algos import KL_ESTIMATORS  # pylint: disable=g-import-not-at-top
+  return sorted(KL_ESTIMATORS)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+  """Advantages and losses (jaxagent/algos). Defaults: GRPO (arXiv:2402.03300) with PPO clipping."""
+  advantage: str = field("grpo", choices=_advantage_names, help="registered estimator: grpo, rloo, gae, returns")
+  gamma: float = field(1.0, ge=0.0, le=1.0, help="discount over turns")
+  gae_lambda: float = field(1.0, ge=0.0, le=1.0, help="GAE λ (arXiv:1506.02438)")
+  adv_eps: float = field(1e-6, gt=0.0, help="ε in (R − mean) / (std + ε)")
+  scale_std: bool = field(True, help="false: no std scaling (Dr. GRPO, arXiv:2503.20783)")
+  ratio_level: Literal["token", "sequence"] = field("token", help="sequence: GSPO ratio (arXiv:2507.18071)")
+  eps_low: float = field(0.2, ge=0.0, lt=1.0, help="clip ratio below at 1 − eps_low")
+  eps_high: float = field(0.2, ge=0.0, help="clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)")
+  dual_clip: float | None = field(None, gt=1.0, help="dual-clip c (arXiv:1912.09729); null: off")
+  aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = field("token-mean")
+  norm_length: int | None = field(None, ge=1, help="L of seq-mean-token-sum-norm; null: the batch length")
+  kl_estimator: str = field("k3", choices=_kl_names, help="reference-KL estimator (k1, k2, k3)")
+  kl_coef: float = field(0.0, ge=0.0, help="reference-KL coefficient; 0: no reference model")
+  entropy_coef: float = field(0.0, ge=0.0)
+  value_coef: float = field(0.5, ge=0.0, help="value-loss coefficient (gae only)")
+  value_clip_eps: float | None = field(0.2, gt=0.0, help="value clipping; null: off")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   run: RunConfig = field(RunConfig())
   model: ModelSection = field(ModelSection())
   mesh: MeshConfig = field(MeshConfig())
   generate: GenerateConfig = field(GenerateConfig())
+  algo: AlgoConfig = field(AlgoConfig())
 
 
 # ----------------------------------------------------------------------------------------------
