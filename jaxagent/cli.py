@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--to", choices=("orbax", "hf"), help="output format (default: the other one)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.set_defaults(func=_cmd_convert)
+  __import__("jaxagent.inspect_cli", fromlist=["register"]).register(sub)
   return parser
 
 

@@ -1,0 +1,175 @@
+"""`jaxagent inspect PATH`: stored trajectories as JSON lines, coloured text, or an HTML page.
+
+Bad records are reported on stderr (file and record index) and skipped; every other record is still shown;
+the exit status is 1 when any record was bad. Stored text is untrusted (tool output): control characters are
+escaped in text output and everything is HTML-escaped in the page, so a record can never drive the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import re
+import sys
+from typing import Any, Iterable
+
+from jaxagent.trajectory import Role, Trajectory
+
+ANSI = {Role.SYSTEM: "90", Role.PROMPT: "34", Role.POLICY: "32", Role.TOOL: "33", Role.ERROR: "31",
+        Role.REASONING: "35"}
+CSS = {Role.SYSTEM: "#888", Role.PROMPT: "#1f5fbf", Role.POLICY: "#1a7f37", Role.TOOL: "#9a6700",
+       Role.ERROR: "#cf222e", Role.REASONING: "#8250df"}
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def summary(t: Trajectory) -> dict[str, Any]:
+  """The `--format jsonl` object: exactly the keys of issue 4 (use `--full` for the whole record)."""
+  return {
+      "schema": t.schema,
+      "task": {"id": t.task.id, "split": t.task.split, "version": t.task.version},
+      "env": {"name": t.env.name, "version": t.env.version, "seed": t.env.seed},
+      "policy_version": t.policy_version,
+      "termination": t.termination.value,
+      "reward": {"total": t.reward.total, "components": dict(t.reward.components), "gamma": t.reward.gamma},
+      "turns": [{
+          "action": {"text": turn.action.text, "valid": turn.action.valid},
+          "observation": None if turn.observation is None else {
+              "text": turn.observation.text, "truncated": turn.observation.truncated,
+              "original_bytes": turn.observation.original_bytes},
+          "reward": turn.reward, "policy_version": turn.policy_version, "t_decode_s": turn.t_decode_s,
+          "t_env_s": turn.t_env_s} for turn in t.turns],
+      "tokens": t.tokens.tolist(),
+      "roles": [Role(int(r)).name.lower() for r in t.roles],
+      "loss_mask": t.loss_mask.astype(int).tolist(),
+      "behavior_logprobs": [None if x != x else x for x in t.behavior_logprobs.tolist()],   # NaN -> null
+      "timing": {"reset_s": t.timing.reset_s, "verify_s": t.timing.verify_s},
+      "verifier": {"name": t.verifier.name, "version": t.verifier.version, "passed": t.verifier.passed},
+  }
+
+
+def _safe(text: str) -> str:
+  return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def _role_runs(t: Trajectory) -> Iterable[tuple[Role, int, int]]:
+  start = 0
+  for j in range(1, len(t) + 1):
+    if j == len(t) or t.roles[j] != t.roles[start]:
+      yield Role(int(t.roles[start])), start, j
+      start = j
+
+
+def _header(t: Trajectory) -> list[str]:
+  verdict = {True: "pass", False: "fail", None: "n/a"}[t.verifier.passed]
+  return [
+      f"trajectory {t.id or '?'}  task {t.task.id} ({t.task.split}, {t.task.version})  "
+      f"env {t.env.name}@{t.env.version} seed {t.env.seed}",
+      f"termination {t.termination.value}  return {t.reward.total:g} (γ={t.reward.gamma:g}) "
+      f"{dict(t.reward.components)}  verifier {t.verifier.name or '?'} {t.verifier.version} {verdict}",
+      f"policy v{t.policy_version}  {len(t)} tokens, {int(t.loss_mask.sum())} trained  "
+      f"reset {t.timing.reset_s:.3f}s verify {t.timing.verify_s:.3f}s",
+  ]
+
+
+def render_text(t: Trajectory, tokenizer=None, color: bool = True) -> str:
+  """A trajectory for a person: the decoded stream by role (with a tokenizer) or the recorded turn texts."""
+  paint = (lambda role, s: f"\x1b[{ANSI[role]}m{s}\x1b[0m") if color else (lambda role, s: s)
+  lines = _header(t)
+  if tokenizer is not None:
+    parts = []
+    for role, a, b in _role_runs(t):
+      parts.append(paint(role, _safe(tokenizer.decode(t.tokens[a:b].tolist()))))
+    lines.append("".join(parts))
+  else:
+    for i, turn in enumerate(t.turns):
+      flag = "" if turn.action.valid else "  [invalid]"
+      lines.append(f"--- turn {i}  reward {turn.reward:g}  policy v{turn.policy_version}  "
+                   f"decode {turn.t_decode_s:.3f}s env {turn.t_env_s:.3f}s{flag}")
+      lines.append(paint(Role.POLICY, _safe(turn.action.text)))
+      if turn.observation is not None:
+        obs = turn.observation
+        role = Role(int(t.roles[obs.span[0]])) if obs.span[1] > obs.span[0] else Role.TOOL
+        trunc = f"  [truncated from {obs.original_bytes} bytes]" if obs.truncated else ""
+        lines.append(paint(role, _safe(obs.text)) + trunc)
+  legend = " ".join(paint(r, r.name.lower()) for r in Role)
+  return "\n".join(lines + [f"roles: {legend}", ""])
+
+
+def render_html(trajectories: Iterable[Trajectory], tokenizer=None, errors: Iterable[str] = ()) -> str:
+  """One self-contained HTML page; every stored string is escaped."""
+  style = "".join(f".r{r.name.lower()}{{color:{c}}}" for r, c in CSS.items())
+  body = []
+  for t in trajectories:
+    body.append("<section><pre class=head>" + html.escape("\n".join(_header(t))) + "</pre><pre>")
+    if tokenizer is not None:
+      for role, a, b in _role_runs(t):
+        text = tokenizer.decode(t.tokens[a:b].tolist())
+        body.append(f"<span class=r{role.name.lower()} title={role.name.lower()}>{html.escape(text)}</span>")
+    else:
+      for i, turn in enumerate(t.turns):
+        body.append(f"<span class=rsystem>--- turn {i} reward {turn.reward:g}</span>\n")
+        body.append(f"<span class=rpolicy>{html.escape(turn.action.text)}</span>\n")
+        if turn.observation is not None:
+          body.append(f"<span class=rtool>{html.escape(turn.observation.text)}</span>\n")
+    body.append("</pre></section>")
+  errs = "".join(f"<p class=rerror>{html.escape(e)}</p>" for e in errors)
+  legend = " ".join(f"<span class=r{r.name.lower()}>{r.name.lower()}</span>" for r in Role)
+  return ("<!doctype html><html><head><meta charset=utf-8><title>jaxagent trajectories</title><style>"
+          "body{font-family:sans-serif}pre{white-space:pre-wrap;font-family:monospace}"
+          "section{border-top:1px solid #ccc}.head{color:#444}" + style + "</style></head><body>"
+          f"<p>roles: {legend}</p>{errs}{''.join(body)}</body></html>\n")
+
+
+def _cmd_inspect(args) -> int:
+  from jaxagent import trajectory_store  # pylint: disable=g-import-not-at-top
+
+  tokenizer = None
+  if args.tokenizer:
+    import models  # pylint: disable=g-import-not-at-top
+    tokenizer = models.load_tokenizer(args.tokenizer)
+  out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+  errors: list[trajectory_store.TrajectoryReadError] = []
+  try:
+    records = trajectory_store.read(args.path, errors)
+    if args.format == "html":
+      out.write(render_html(list(records), tokenizer, errors=[str(e) for e in errors]))
+    else:
+      color = args.color == "always" or (args.color == "auto" and out.isatty())
+      for t in records:
+        if args.format == "jsonl":
+          obj = t.to_dict(arrays_as="lists") if args.full else summary(t)
+          out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        else:
+          out.write(render_text(t, tokenizer, color) + "\n")
+  except FileNotFoundError as e:
+    print(f"jaxagent inspect: error: {e}", file=sys.stderr)
+    return 2
+  except BrokenPipeError:   # `jaxagent inspect … | head`
+    sys.stdout = open("/dev/null", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    return 0
+  finally:
+    if out is not sys.stdout:
+      out.close()
+  for e in errors:
+    print(f"jaxagent inspect: error: {e}", file=sys.stderr)
+  return 1 if errors else 0
+
+
+def register(subparsers) -> None:
+  """Adds `inspect` to the `jaxagent` command line."""
+  p = subparsers.add_parser("inspect", help="show stored trajectories (jsonl, coloured text, html)")
+  p.add_argument("path", help="an ArrayRecord trajectory file or a directory of them")
+  p.add_argument("--format", default="jsonl", choices=("jsonl", "text", "html"))
+  p.add_argument("--full", action="store_true", help="jsonl: the complete record, not the summary keys")
+  p.add_argument("--tokenizer", help="'byte' or an HF tokenizer dir: show the decoded token stream by role")
+  p.add_argument("--color", default="auto", choices=("auto", "always", "never"), help="text format")
+  p.add_argument("-o", "--output", help="write here instead of stdout")
+  p.set_defaults(func=_cmd_inspect)
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser(prog="jaxagent")
+  register(parser.add_subparsers(dest="command", required=True))
+  a = parser.parse_args()
+  sys.exit(a.func(a))
