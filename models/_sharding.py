@@ -29,6 +29,7 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("length", None),
 )
 
 

@@ -1,0 +1,1 @@
+"""Rollout: the jitted multi-turn sampler, the environment bridge and the multi-turn engine."""

@@ -1,0 +1,224 @@
+"""Sampler: greedy ≡ full-forward argmax, log-probs ≡ full forward, extend ≡ prefill, statistics, shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+
+import models
+from jaxagent.rollout import sampler as sampler_lib
+from jaxagent.rollout.sampler import Finish, Sampler, SamplingConfig
+
+CONFIG = models.ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            tie_word_embeddings=False)
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model():
+  # Larger init than the default so sampled distributions are far from uniform.
+  model = models.Transformer(CONFIG, rngs=nnx.Rngs(7))
+  _, state = nnx.split(model)
+  nnx.update(model, jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, state))
+  return model
+
+
+def _params(model):
+  return nnx.split(model)[1]
+
+
+def _full_logits(model, seq):
+  return np.asarray(model(jnp.asarray([seq], jnp.int32)))[0]
+
+
+PROMPTS = [[5, 9, 3, 7, 1], [2, 4], [8, 8, 6, 11, 13, 17, 19, 23]]
+
+
+def test_greedy_equals_full_forward_argmax_on_padded_batch(model):
+  s = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD)
+  state = s.prefill(_params(model), PROMPTS, jax.random.key(0))
+  _, turn = s.generate(_params(model), state)
+  tokens = np.asarray(turn.tokens)
+  assert (np.asarray(turn.lengths) == 10).all() and (np.asarray(turn.finish) == Finish.BUDGET).all()
+  for b, prompt in enumerate(PROMPTS):
+    seq = list(prompt)
+    for _ in range(10):  # step-by-step argmax of a full forward, no cache
+      seq.append(int(np.argmax(_full_logits(model, seq)[-1])))
+    assert tokens[b].tolist() == seq[len(prompt):], f"row {b}"
+  assert len(set(tokens[:, 0].tolist())) > 1, "degenerate model: all rows produce the same token"
+
+
+def test_logprobs_equal_log_softmax_of_full_forward(model):
+  s = Sampler(model, cache_size=64, config=SamplingConfig(temperature=1.0, max_new_tokens=12), pad_id=PAD)
+  state = s.prefill(_params(model), PROMPTS, jax.random.key(1))
+  _, turn = s.generate(_params(model), state)
+  for b, prompt in enumerate(PROMPTS):
+    gen = np.asarray(turn.tokens[b]).tolist()
+    logp = jax.nn.log_softmax(_full_logits(model, prompt + gen), axis=-1)
+    expected = np.asarray([logp[len(prompt) - 1 + i, t] for i, t in enumerate(gen)])
+    np.testing.assert_allclose(np.asarray(turn.logprobs[b]), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(turn.raw_logprobs[b]), expected, rtol=0, atol=1e-5)
+
+
+def test_tempered_logprobs_are_under_the_sampled_distribution(model):
+  s = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.5, max_new_tokens=6), pad_id=PAD)
+  state = s.prefill(_params(model), PROMPTS[:1], jax.random.key(2))
+  _, turn = s.generate(_params(model), state)
+  gen = np.asarray(turn.tokens[0]).tolist()
+  logits = _full_logits(model, PROMPTS[0] + gen)
+  for i, t in enumerate(gen):
+    row = logits[len(PROMPTS[0]) - 1 + i]
+    assert abs(float(jax.nn.log_softmax(row / 0.5)[t]) - float(turn.logprobs[0, i])) <= 1e-5
+    assert abs(float(jax.nn.log_softmax(row)[t]) - float(turn.raw_logprobs[0, i])) <= 1e-5
+
+
+def test_extend_then_continue_equals_prefilling_the_concatenation(model):
+  cfg = SamplingConfig(temperature=0.0, max_new_tokens=5)
+  s = Sampler(model, cache_size=128, config=cfg, pad_id=PAD)
+  p = _params(model)
+  state = s.prefill(p, PROMPTS, jax.random.key(0))
+  state, turn1 = s.generate(p, state)
+  observations = [[30, 31, 32], [], [40, 41, 42, 43, 44, 45, 46]]  # row 1 gets no observation
+  state, ok = s.extend(p, state, observations)
+  assert bool(ok)
+  state, turn2 = s.generate(p, state, active=[True, False, True])
+  assert np.asarray(turn2.lengths).tolist() == [5, 0, 5]
+  assert np.asarray(turn2.finish).tolist() == [Finish.BUDGET, Finish.NONE, Finish.BUDGET]
+  for b in (0, 2):
+    history = PROMPTS[b] + np.asarray(turn1.tokens[b]).tolist() + observations[b]
+    fresh = s.prefill(p, [history], jax.random.key(0))
+    np.testing.assert_allclose(np.asarray(fresh.next_logits[0]), _full_logits(model, history)[-1], atol=1e-5)
+    _, again = s.generate(p, fresh)
+    assert np.asarray(turn2.tokens[b]).tolist() == np.asarray(again.tokens[0]).tolist()
+
+
+def test_same_seed_same_samples():
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)) * 3, jnp.float32)
+  cfg = SamplingConfig(temperature=1.0)
+  keys = lambda seed: jax.random.split(jax.random.key(seed), 16)
+  a = sampler_lib.sample_logits(logits, keys(3), cfg)[0]
+  b = sampler_lib.sample_logits(logits, keys(3), cfg)[0]
+  c = sampler_lib.sample_logits(logits, keys(4), cfg)[0]
+  assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(top_k=3), SamplingConfig(top_p=0.7),
+                                 SamplingConfig(temperature=0.7, top_k=4, top_p=0.8)], ids=str)
+def test_truncated_sampling_frequencies(cfg):
+  """Chi-square goodness of fit against the truncated distribution; significance level 1e-3, fixed seed."""
+  base = np.log(np.asarray([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02]))
+  n = 20000
+  logits = jnp.asarray(np.tile(base, (n, 1)), jnp.float32)
+  tokens, logp, _ = sampler_lib.sample_logits(logits, jax.random.split(jax.random.key(0), n), cfg)
+  scaled = base / cfg.temperature
+  probs = np.exp(scaled - scaled.max())
+  probs /= probs.sum()
+  order = np.argsort(-probs)
+  keep = np.zeros(8, bool)
+  keep[order[: cfg.top_k or 8]] = True
+  renorm = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()  # top-p applies after top-k
+  before = np.cumsum(renorm[order]) - renorm[order]
+  keep[order[before >= cfg.top_p]] = False
+  expected = np.where(keep, probs, 0)
+  expected /= expected.sum()
+  counts = np.bincount(np.asarray(tokens), minlength=8)
+  assert counts[~keep].sum() == 0, f"sampled a truncated token: {counts}"
+  _, pvalue = scipy.stats.chisquare(counts[keep], expected[keep] * n)
+  assert pvalue > 1e-3, f"counts {counts} vs expected {expected * n}"
+  np.testing.assert_allclose(np.asarray(logp), np.log(expected[np.asarray(tokens)]), atol=1e-5)
+
+
+def test_stop_tokens_and_sequences(model):
+  p = _params(model)
+  free = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD)
+  _, turn = free.generate(p, free.prefill(p, PROMPTS, jax.random.key(0)))
+  greedy = np.asarray(turn.tokens)
+  stop_token = int(greedy[0, 3])
+  stop_seq = tuple(int(t) for t in greedy[2, 4:6])
+  cfg = SamplingConfig(temperature=0.0, max_new_tokens=10, stop_sequences=((stop_token,), stop_seq))
+  s = Sampler(model, cache_size=64, config=cfg, pad_id=PAD)
+  _, turn = s.generate(p, s.prefill(p, PROMPTS, jax.random.key(0)))
+  lengths = np.asarray(turn.lengths)
+
+  def first_stop(row):
+    for i in range(10):
+      if row[i] == stop_token or (i >= 1 and tuple(row[i - 1:i + 1]) == stop_seq):
+        return i + 1
+    return None
+
+  for b in range(3):
+    expected = first_stop(greedy[b].tolist())
+    if expected is None:
+      assert lengths[b] == 10 and turn.finish[b] == Finish.BUDGET
+    else:
+      assert lengths[b] == expected and turn.finish[b] == Finish.STOP, b
+      assert np.asarray(turn.tokens[b, :expected]).tolist() == greedy[b, :expected].tolist()
+      assert (np.asarray(turn.tokens[b, expected:]) == PAD).all()
+  assert lengths[0] <= 4 and lengths[2] <= 6
+
+
+def test_context_full(model):
+  p = _params(model)
+  s = Sampler(model, cache_size=20, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD,
+              buckets=(16,))
+  state, turn = s.generate(p, s.prefill(p, PROMPTS, jax.random.key(0)))
+  assert np.asarray(turn.lengths).tolist() == [4, 4, 4]
+  assert (np.asarray(turn.finish) == Finish.CONTEXT_FULL).all()
+  state, ok = s.extend(p, state, [[1], [1], [1]])
+  assert not bool(ok)
+
+
+def test_finished_rows_cost_nothing_observable(model):
+  p = _params(model)
+  cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)
+  s = Sampler(model, cache_size=64, config=cfg, pad_id=PAD)
+  _, mixed = s.generate(p, s.prefill(p, PROMPTS, jax.random.key(5)), active=[True, False, True])
+  assert int(mixed.lengths[1]) == 0 and int(mixed.finish[1]) == Finish.NONE
+  assert (np.asarray(mixed.tokens[1]) == PAD).all()
+  greedy = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.0, max_new_tokens=6), pad_id=PAD)
+  _, with_idle = greedy.generate(p, greedy.prefill(p, PROMPTS, jax.random.key(5)), active=[True, False, True])
+  _, alone = greedy.generate(p, greedy.prefill(p, [PROMPTS[0], PROMPTS[2]], jax.random.key(5)))
+  assert np.array_equal(np.asarray(with_idle.tokens)[[0, 2]], np.asarray(alone.tokens))
+
+
+def test_prefix_reuse_equals_prefilling_each_copy(model):
+  p = _params(model)
+  s = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.0, max_new_tokens=6), pad_id=PAD)
+  shared = s.repeat(s.prefill(p, PROMPTS, jax.random.key(0)), 4)
+  each = s.prefill(p, [q for q in PROMPTS for _ in range(4)], jax.random.key(0))
+  np.testing.assert_allclose(np.asarray(shared.next_logits), np.asarray(each.next_logits), atol=1e-5)  # batch 3 vs 12: float32 reduction order
+  _, a = s.generate(p, shared)
+  _, b = s.generate(p, each)
+  assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+def test_no_recompilation_for_new_data_in_the_same_bucket(model):
+  p = _params(model)
+  s = Sampler(model, cache_size=64, config=SamplingConfig(max_new_tokens=4), pad_id=PAD)
+  state = s.prefill(p, PROMPTS, jax.random.key(0))
+  state, _ = s.generate(p, state)
+  state, _ = s.extend(p, state, [[1, 2], [3], [4, 5, 6]])
+  sizes = (s._prefill._cache_size(), s._generate._cache_size(), s._extend._cache_size())
+  state = s.prefill(p, [[9, 9, 9], [1, 2, 3, 4, 5, 6, 7], [4]], jax.random.key(1))  # same 16-bucket
+  state, _ = s.generate(p, state, active=[True, True, False])
+  state, _ = s.extend(p, state, [[7], [], [8, 9]])
+  assert (s._prefill._cache_size(), s._generate._cache_size(), s._extend._cache_size()) == sizes == (1, 1, 1)
+
+
+def test_sharded_generation_equals_single_device(model):
+  mesh = models.make_mesh({"data": 2, "fsdp": 1, "tensor": 4})
+  cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)
+  prompts = PROMPTS + [[3, 1, 4, 1, 5]]  # batch 4, divisible by data=2
+  single = Sampler(model, cache_size=64, config=cfg, pad_id=PAD)
+  _, expected = single.generate(_params(model), single.prefill(_params(model), prompts, jax.random.key(9)))
+  sharded_model = models.shard_model(model, mesh)
+  s = Sampler(sharded_model, cache_size=64, config=cfg, pad_id=PAD, mesh=mesh)
+  state = s.prefill(_params(sharded_model), prompts, jax.random.key(9))
+  assert state.cache.k[0].sharding.spec[0] == "data"
+  _, got = s.generate(_params(sharded_model), state)
+  assert len(got.tokens.sharding.device_set) == 8
+  assert np.array_equal(np.asarray(got.tokens), np.asarray(expected.tokens))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(expected.logprobs), atol=1e-5)
