@@ -276,7 +276,7 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.A
       ratio_mean=_masked_mean(r_bt, mask_bt, count),
       ratio_min=jnp.where(any_tokens, jnp.min(jnp.where(mask_bt, r_bt, jnp.inf)), 0.0),
       ratio_max=jnp.where(any_tokens, jnp.max(jnp.where(mask_bt, r_bt, -jnp.inf)), 0.0),
-      approx_kl=_masked_mean(KL_ESTIMATORS["k3"](-sg(token_log_ratio_bt)), mask_bt, count),
+      approx_kl=_masked_mean(KL_ESTIMATORS["k3"](sg(token_log_ratio_bt)), mask_bt, count),
   )
   if ref_logp_bt is not None:
     metrics["kl"] = _masked_mean(sg(kl_bt), mask_bt, count)
