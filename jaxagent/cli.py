@@ -44,6 +44,40 @@ def _cmd_convert(args) -> int:
   return 0
 
 
+def _cmd_generate(args) -> int:
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import models
+  from jaxagent import checkpoint
+  from jaxagent.rollout.sampler import Finish, Sampler, SamplingConfig
+
+  model = checkpoint.load_model(args.model, dtype=jnp.dtype(args.dtype))
+  tokenizer_spec = args.tokenizer or (args.model if (Path(args.model) / "tokenizer_config.json").is_file()
+                                      else "byte")
+  tokenizer = models.load_tokenizer(tokenizer_spec)
+  prompt = tokenizer.encode(args.prompt)
+  if not prompt:
+    raise ValueError("--prompt encodes to no tokens")
+  stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
+  config = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_new_tokens=args.max_new_tokens, stop_sequences=stops)
+  sampler = Sampler(model, cache_size=len(prompt) + args.max_new_tokens + 16, config=config,
+                    pad_id=tokenizer.pad_id, buckets=(len(prompt),))
+  params = nnx.split(model)[1]
+  start = time.perf_counter()
+  _, turn = sampler.generate(params, sampler.prefill(params, [prompt], jax.random.key(args.seed)))
+  n = int(turn.lengths[0])
+  seconds = time.perf_counter() - start
+  print(tokenizer.decode(turn.tokens[0, :n].tolist()))
+  print(f"[{n} tokens, finish={Finish(int(turn.finish[0])).name.lower()}, {seconds:.2f} s incl. compile]",
+        file=sys.stderr)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxagent", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--to", choices=("orbax", "hf"), help="output format (default: the other one)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.set_defaults(func=_cmd_convert)
+
+  p = sub.add_parser("generate", help="sample a continuation from an HF directory or a jaxagent checkpoint")
+  p.add_argument("--model", required=True, help="HF directory or jaxagent (Orbax) checkpoint directory")
+  p.add_argument("--prompt", required=True)
+  p.add_argument("--tokenizer", help="'byte' or an HF tokenizer directory (default: the model directory "
+                 "if it has a tokenizer, else 'byte')")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.set_defaults(func=_cmd_generate)
   __import__("jaxagent.inspect_cli", fromlist=["register"]).register(sub)
   return parser
 
@@ -72,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
   import models
   try:
     return args.func(args)
-  except (ConfigError, models.CheckpointError, models.UnsupportedModelError) as e:
+  except (ConfigError, models.CheckpointError, models.UnsupportedModelError, ValueError) as e:
     print(f"jaxagent {args.command}: error: {e}", file=sys.stderr)
     return 2
 

@@ -44,3 +44,18 @@ def test_demo_job_runs_and_checks_itself(tmp_path, capsys):
   run_dirs = list(tmp_path.iterdir())
   assert len(run_dirs) == 1 and (run_dirs[0] / "hf" / "config.json").is_file()
   assert checkpoint.latest_step(run_dirs[0] / "checkpoints") == 0
+
+
+def test_generate_from_hf_dir_and_checkpoint(tmp_path, capsys):
+  model = models.Transformer(models.ModelConfig(vocab_size=264, num_hidden_layers=1), rngs=__import__(
+      "flax").nnx.Rngs(0))
+  hf = models.save_pretrained(model, tmp_path / "hf")
+  assert cli.main(["generate", "--model", str(hf), "--prompt", "2+2=", "--max-new-tokens", "5"]) == 0
+  captured = capsys.readouterr()
+  assert "[5 tokens, finish=budget" in captured.err
+  greedy_hf = captured.out
+  checkpoint.save_model(model, tmp_path / "ckpt")
+  assert cli.main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "2+2=", "--max-new-tokens", "5"]) == 0
+  assert capsys.readouterr().out == greedy_hf  # same weights, greedy: same text
+  assert cli.main(["generate", "--model", str(hf), "--prompt", "2+2=", "--temperature", "-1"]) == 2
+  assert "temperature must be >= 0" in capsys.readouterr().err
