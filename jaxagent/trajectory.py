@@ -207,6 +207,8 @@ class Trajectory:
     if not valid_roles.all():
       j = int(np.argmin(valid_roles))
       raise TrajectoryFormatError(f"roles[{j}]={int(self.roles[j])}: not a Role")
+    if not self.reasoning.kept and (self.roles == Role.REASONING).any():
+      raise TrajectoryFormatError("REASONING tokens present but reasoning.kept is false")
     trainable = [Role.POLICY] + ([Role.REASONING] if self.reasoning.trained else [])
     bad = self.loss_mask & ~np.isin(self.roles, [int(r) for r in trainable])
     if bad.any():
@@ -217,8 +219,6 @@ class Trajectory:
     missing = self.loss_mask & ~np.isfinite(self.behavior_logprobs)
     if missing.any():
       raise TrajectoryFormatError(f"behavior_logprobs[{int(np.argmax(missing))}]: not finite on a loss token")
-    if not self.reasoning.kept and (self.roles == Role.REASONING).any():
-      raise TrajectoryFormatError("REASONING tokens present but reasoning.kept is false")
     for i, turn in enumerate(self.turns):
       self._check_span(turn.action.span, f"turns[{i}].action", SAMPLED_ROLES)
       if turn.observation is not None:

@@ -136,7 +136,10 @@ def list_files(path: str | os.PathLike) -> list[Path]:
 def _reader(path: Path):
   from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
   try:
-    return ArrayRecordReader(str(path), "readahead_buffer_size:0")
+    reader = ArrayRecordReader(str(path), "readahead_buffer_size:0")
+    if not reader.ok():
+      raise RuntimeError(reader.status() if hasattr(reader, "status") else "reader not ok")
+    return reader, reader.num_records()
   except (RuntimeError, ValueError, OSError) as e:
     raise TrajectoryReadError(path, None, f"not a readable ArrayRecord file: {_short(e)}") from None
 
@@ -157,14 +160,14 @@ def read_file(path: str | os.PathLike, errors: list[TrajectoryReadError] | None 
   """
   path = Path(path)
   try:
-    reader = _reader(path)
+    reader, num_records = _reader(path)
   except TrajectoryReadError as e:
     if errors is None:
       raise
     errors.append(e)
     return
   try:
-    for i in range(reader.num_records()):
+    for i in range(num_records):
       try:
         data = reader.read([i])[0]
       except RuntimeError as e:   # Riegeli: chunk hash mismatch, truncated chunk, …
@@ -179,7 +182,10 @@ def read_file(path: str | os.PathLike, errors: list[TrajectoryReadError] | None 
         raise err
       errors.append(err)
   finally:
-    reader.close()
+    try:
+      reader.close()
+    except RuntimeError:
+      pass   # a damaged file may also fail to close; its errors were reported per record
 
 
 def read(path: str | os.PathLike, errors: list[TrajectoryReadError] | None = None) -> Iterator[Trajectory]:
