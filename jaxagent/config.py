@@ -94,6 +94,7 @@ def _kl_names() -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
   """Advantages and losses (jaxagent/algos). Defaults: GRPO (arXiv:2402.03300) with PPO clipping."""
+  name: Literal["grpo", "ppo"] = field("grpo", help="grpo: group-relative advantages; ppo: value head + GAE")
   advantage: str = field("grpo", choices=_advantage_names, help="registered estimator: grpo, rloo, gae, returns")
   gamma: float = field(1.0, ge=0.0, le=1.0, help="discount over turns")
   gae_lambda: float = field(1.0, ge=0.0, le=1.0, help="GAE λ (arXiv:1506.02438)")
@@ -112,6 +113,73 @@ class AlgoConfig:
   value_clip_eps: float | None = field(0.2, gt=0.0, help="value clipping; null: off")
 
 
+def _env_names() -> list[str]:
+  import envs  # pylint: disable=g-import-not-at-top  (envs never imports jax: cheap)
+  return sorted(envs.names())
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """Optax AdamW with warmup, then a constant or cosine schedule, and global-norm clipping."""
+  learning_rate: float = field(3e-4, gt=0.0)
+  schedule: Literal["constant", "cosine"] = field("constant")
+  warmup_steps: int = field(0, ge=0)
+  decay_steps: int | None = field(None, ge=1, help="cosine: steps to decay over; null: the run's RL updates")
+  end_lr_ratio: float = field(0.1, ge=0.0, le=1.0, help="cosine: final lr as a fraction of learning_rate")
+  weight_decay: float = field(0.0, ge=0.0)
+  b1: float = field(0.9, ge=0.0, lt=1.0)
+  b2: float = field(0.999, ge=0.0, lt=1.0)
+  eps: float = field(1e-8, gt=0.0)
+  max_grad_norm: float = field(1.0, gt=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Sampling of actions (jaxagent/rollout)."""
+  temperature: float = field(1.0, ge=0.0, help="0: greedy")
+  top_k: int = field(0, ge=0, help="0: off")
+  top_p: float = field(1.0, gt=0.0, le=1.0)
+  max_new_tokens: int = field(32, ge=1, help="per-turn action budget (turn_budget_exhausted beyond)")
+  max_context: int = field(512, ge=16, help="KV-cache slots per trajectory; context_exhausted beyond")
+  max_observation_tokens: int = field(64, ge=1, help="longer observations are truncated and flagged")
+  stop: tuple[str, ...] = field(("\n",), help="strings that end an action (encoded with the tokenizer)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """Which environment, and how its workers run (envs/)."""
+  name: str = field("calculator", choices=_env_names)
+  pool: Literal["inprocess", "local", "docker", "remote"] = field("local")
+  workers: int = field(2, ge=1, help="worker processes (local/docker)")
+  max_turns: int = field(4, ge=1)
+  invalid_action: Literal["error_observation", "terminate", "penalty"] = field("error_observation")
+  action_timeout_s: float = field(10.0, gt=0.0)
+  episode_timeout_s: float = field(120.0, gt=0.0)
+  options: dict[str, Any] | None = field(None, help="keyword arguments of the environment (e.g. max_operand)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The training loop (jaxagent/train)."""
+  iterations: int = field(20, ge=0, help="RL iterations: rollout B x G trajectories, then update")
+  tasks_per_iteration: int = field(8, ge=1, help="B: distinct tasks per iteration")
+  group_size: int = field(8, ge=1, help="G: samples per task (GRPO group)")
+  updates_per_iteration: int = field(1, ge=1, help="optimizer steps per rollout batch (PPO epochs)")
+  micro_batches: int = field(1, ge=1, help="gradient accumulation inside the jitted step")
+  bc_steps: int = field(0, ge=0, help="behavior-cloning cold-start steps on scripted demonstrations")
+  bc_batch_size: int = field(32, ge=1)
+  bc_learning_rate: float = field(1e-3, gt=0.0)
+  dynamic_sampling: bool = field(False, help="DAPO: refill the batch with groups whose rewards vary")
+  dynamic_sampling_rounds: int = field(2, ge=1, help="bound on extra rollout rounds per iteration")
+  checkpoint_every: int = field(10, ge=1, help="iterations between checkpoints (and at the end)")
+  keep_checkpoints: int = field(3, ge=1)
+  eval_episodes: int = field(200, ge=0, help="held-out episodes after the cold start and at the end")
+  eval_split: str = field("eval", choices=("train", "tune", "eval"))
+  eval_temperature: float = field(0.0, ge=0.0, help="0: greedy evaluation")
+  save_trajectories: bool = field(True)
+  plots: bool = field(True, help="write PNG learning curves to plots/")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   run: RunConfig = field(RunConfig())
@@ -119,6 +187,10 @@ class Config:
   mesh: MeshConfig = field(MeshConfig())
   generate: GenerateConfig = field(GenerateConfig())
   algo: AlgoConfig = field(AlgoConfig())
+  optim: OptimConfig = field(OptimConfig())
+  rollout: RolloutConfig = field(RolloutConfig())
+  env: EnvConfig = field(EnvConfig())
+  train: TrainConfig = field(TrainConfig())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""Train state and optimizer: one immutable pytree that a jitted step maps to the next one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxagent.config import OptimConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that decides the next update (besides data and env state, checkpointed beside it).
+
+  Attributes:
+    params: the policy's parameters (`nnx.State`).
+    opt_state: Optax state.
+    step: int32[] optimizer updates applied.
+    policy_version: int32[] version of `params`; +1 per update; stamped on every sampled trajectory.
+    rng: the run's base key; per-step keys are `fold_in(rng, step)`, never a mutated key.
+  """
+
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  policy_version: jax.Array
+  rng: jax.Array
+
+
+def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
+  """Linear warmup, then constant or cosine decay to `end_lr_ratio * learning_rate`."""
+  lr = config.learning_rate
+  if config.schedule == "constant":
+    main = optax.constant_schedule(lr)
+  else:
+    decay = config.decay_steps or max(total_steps - config.warmup_steps, 1)
+    main = optax.cosine_decay_schedule(lr, decay, alpha=config.end_lr_ratio)
+  if not config.warmup_steps:
+    return main
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, config.warmup_steps), main],
+                              [config.warmup_steps])
+
+
+def make_optimizer(config: OptimConfig, total_steps: int, learning_rate: float | None = None
+                   ) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; `learning_rate` overrides the schedule with a constant."""
+  schedule = (optax.constant_schedule(learning_rate) if learning_rate is not None
+              else learning_rate_schedule(config, total_steps))
+  return optax.chain(
+      optax.clip_by_global_norm(config.max_grad_norm),
+      optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay))
+
+
+def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+  _, params = nnx.split(model)
+  return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                    policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(seed))

@@ -1,0 +1,100 @@
+"""The jitted train step: masked policy-gradient (GRPO/PPO) or behavior-cloning loss, micro-batch gradient
+accumulation inside the step, one optimizer update, donated state.
+
+    step_fn = make_train_step(graphdef, optimizer, algo, micro_batches=4, mode="rl")
+    state, metrics = step_fn(state, batch, normalizer)
+
+The loss normalizer is computed over the whole batch on the host (`algos.loss_normalizer`) and passed in,
+so the gradient is the same whether the batch is processed whole or in micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxagent import algos
+from jaxagent.assembly import Batch
+from jaxagent.config import AlgoConfig
+from jaxagent.train.state import TrainState
+
+Mode = Literal["rl", "bc"]
+
+# Metrics that are means over loss tokens (combined across micro-batches weighted by loss tokens).
+_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "pg_loss", "nll")
+
+
+def _loss(params, graphdef, batch: Batch, normalizer, algo: AlgoConfig, mode: Mode):
+  model = nnx.merge(graphdef, params)
+  logits_btv = model(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+  mask_bt = batch.loss_mask
+  logp_bt = algos.next_token_logprobs(logits_btv, batch.tokens, mask_bt)
+  entropy_bt = algos.next_token_entropy(logits_btv, mask_bt)
+  if mode == "bc":
+    nll_bt = -logp_bt
+    loss = algos.aggregate(nll_bt, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
+                           aggregation=algo.aggregation)
+    count = jnp.sum(mask_bt)
+    mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(count, 1)
+    return loss, {"loss_tokens": count.astype(jnp.float32), "nll": mean(nll_bt), "entropy": mean(entropy_bt)}
+  loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer,
+                                    segment_ids_bt=batch.segment_ids, entropy_bt=entropy_bt,
+                                    **algos.policy_loss_kwargs(algo))
+  return loss, metrics
+
+
+def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Reduces per-micro-batch metrics ([M] each) to batch metrics."""
+  tokens = metrics["loss_tokens"]
+  total = jnp.sum(tokens)
+  out = {"loss_tokens": total}
+  for key, value in metrics.items():
+    if key == "loss_tokens":
+      continue
+    if key in _TOKEN_MEANS:
+      out[key] = jnp.sum(value * tokens) / jnp.maximum(total, 1.0)
+    elif key == "ratio_min":
+      out[key] = jnp.min(jnp.where(tokens > 0, value, jnp.inf))
+    elif key == "ratio_max":
+      out[key] = jnp.max(jnp.where(tokens > 0, value, -jnp.inf))
+    else:
+      out[key] = jnp.sum(value) if key == "skipped" else jnp.mean(value)
+  return out
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, algo: AlgoConfig, *,
+                    micro_batches: int = 1, mode: Mode = "rl"):
+  """Returns `step(state, batch, normalizer) -> (state, metrics)`, jitted with the state donated."""
+
+  def split(x):
+    b = x.shape[0]
+    if b % micro_batches:
+      raise ValueError(f"batch of {b} rows is not divisible into {micro_batches} micro-batches")
+    return x.reshape((micro_batches, b // micro_batches) + x.shape[1:])
+
+  grad_fn = jax.value_and_grad(functools.partial(_loss, graphdef=graphdef, algo=algo, mode=mode), has_aux=True)
+
+  def step(state: TrainState, batch: Batch, normalizer: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+    micro = jax.tree.map(split, batch)
+
+    def accumulate(grads, mb):
+      (loss, metrics), g = grad_fn(state.params, batch=mb, normalizer=normalizer)
+      return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro)
+    metrics = _combine(metrics)
+    metrics["loss"] = jnp.sum(losses)  # each micro-batch loss is already divided by the global normalizer
+    metrics["grad_norm"] = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                              policy_version=state.policy_version + 1)
+    return new_state, metrics
+
+  return jax.jit(step, donate_argnums=0)
