@@ -1,0 +1,671 @@
+"""Env pools: one client API over in-process, local (sandboxed subprocess), Docker and remote workers.
+
+A pool owns `num_slots` episode slots spread over its workers. `reset(slot, task, seed)` starts an episode,
+`step_many(slots, actions)` steps several slots concurrently. Every failure ends in a distinct outcome:
+
+  parser_rejected / invalid_action   the env refused the action (the configured rule decides if it ends)
+  env_error                          a tool fault inside the env (outcome env_error)
+  env_error + outcome worker_crash   the worker died and the episode could not be replayed
+  env_timeout                        a step exceeded `action_timeout_s`, or the episode `episode_timeout_s`
+  retries_exhausted                  the worker kept dying on this step
+  cancelled                          `cancel(slot)` was called
+
+A crashed or hung worker is restarted; the episodes it hosted are replayed (reset with the same seed, the same
+actions) before their next step, so other trajectories are not affected when envs are deterministic.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+from envs import _protocol as P
+from envs._api import (CANCELLED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION_RULES, RETRIES_EXHAUSTED, Observation,
+                       StepResult, Task)
+
+log = logging.getLogger(__name__)
+POOL_KINDS = ("inprocess", "local", "docker", "remote")
+SANDBOXES = ("auto", "bwrap", "none")
+ENVS_DIR = Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+  """How to run env workers. Validated on construction; errors name the field, the value and what is valid."""
+  env: str = "calculator"
+  kind: str = "local"
+  num_workers: int = 1
+  action_timeout_s: float = 10.0
+  episode_timeout_s: float = 600.0
+  reset_timeout_s: float = 30.0
+  start_timeout_s: float = 30.0
+  max_retries: int = 2
+  replay_on_crash: bool = True
+  max_obs_bytes: int = 4096
+  max_turns: int | None = None
+  invalid_action: str = "error_observation"
+  penalty: float = 0.1
+  max_inflight: int = 64
+  sandbox: str = "auto"
+  addresses: tuple[str, ...] = ()
+  docker_image: str = "jaxagent-envs:latest"
+  docker_host: str | None = None
+  docker_memory: str = "512m"
+  docker_cpus: float = 1.0
+  docker_pids: int = 128
+
+  def __post_init__(self):
+    def bad(name, valid):
+      raise ValueError(f"pool.{name}={getattr(self, name)!r}: {valid}")
+    if self.kind not in POOL_KINDS:
+      bad("kind", f"not one of {POOL_KINDS}")
+    if self.sandbox not in SANDBOXES:
+      bad("sandbox", f"not one of {SANDBOXES}")
+    if self.invalid_action not in INVALID_ACTION_RULES:
+      bad("invalid_action", f"not one of {INVALID_ACTION_RULES}")
+    for name in ("num_workers", "max_inflight", "max_obs_bytes", "docker_pids"):
+      if getattr(self, name) < 1:
+        bad(name, "must be >= 1")
+    for name in ("action_timeout_s", "episode_timeout_s", "reset_timeout_s", "start_timeout_s", "docker_cpus"):
+      if not getattr(self, name) > 0:
+        bad(name, "must be > 0")
+    if self.max_retries < 0:
+      bad("max_retries", "must be >= 0")
+    if self.kind == "remote" and not self.addresses:
+      bad("addresses", "a remote pool needs worker addresses (unix:/path or tcp:host:port)")
+
+  def reset_options(self) -> dict[str, Any]:
+    opts = dict(invalid_action=self.invalid_action, penalty=float(self.penalty), max_obs_bytes=self.max_obs_bytes)
+    if self.max_turns is not None:
+      opts["max_turns"] = self.max_turns
+    return opts
+
+
+# ----------------------------------------------------------------------------------------------
+# Connections to one worker.
+
+
+class WorkerCrashed(ConnectionError):
+  """The worker's connection broke (the process died or closed it)."""
+
+
+class WorkerTimeout(TimeoutError):
+  """No reply within the deadline."""
+
+
+class RemoteError(RuntimeError):
+  def __init__(self, kind: str, message: str):
+    super().__init__(f"{kind}: {message}")
+    self.kind = kind
+
+
+def _connect(address: str, timeout: float) -> socket.socket:
+  kind, _, rest = address.partition(":")
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      if kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(rest)
+      elif kind == "tcp":
+        h, _, port = rest.rpartition(":")
+        sock = socket.create_connection((h, int(port)), timeout=timeout)
+        sock.settimeout(None)
+      else:
+        raise ValueError(f"address {address!r}: use unix:/path or tcp:host:port")
+      return sock
+    except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
+      if time.monotonic() > deadline:
+        raise WorkerCrashed(f"cannot connect to {address}: {e}") from None
+      time.sleep(0.05)
+
+
+class SocketConnection:
+  """One multiplexed connection: calls return futures resolved by a reader thread, matched by request id."""
+
+  def __init__(self, address: str, timeout: float, max_inflight: int):
+    self.address = address
+    self.sock = _connect(address, timeout)
+    self._ids = itertools.count()
+    self._pending: dict[int, concurrent.futures.Future] = {}
+    self._lock = threading.Lock()
+    self._send_lock = threading.Lock()
+    self._slots = threading.BoundedSemaphore(max_inflight)
+    self.closed = False
+    threading.Thread(target=self._read, daemon=True, name=f"conn-{address}").start()
+
+  def _read(self) -> None:
+    error: Exception = WorkerCrashed(f"worker at {self.address} closed the connection")
+    try:
+      while True:
+        req_id, ok, value = P.validate_reply(P.read_frame(self.sock))
+        with self._lock:
+          fut = self._pending.pop(req_id, None)
+        if fut is None:
+          continue  # a reply to a call that already timed out, or to id -1.
+        if ok:
+          fut.set_result(value)
+        else:
+          fut.set_exception(RemoteError(value["kind"], str(value.get("message", ""))))
+    except P.ProtocolError as e:
+      error = WorkerCrashed(f"worker at {self.address} sent a bad frame: {e}")
+    except (ConnectionError, OSError):
+      pass
+    self.close(error)
+
+  def call(self, op: str, args: dict[str, Any], timeout: float) -> concurrent.futures.Future:
+    if not self._slots.acquire(timeout=timeout):
+      fut = concurrent.futures.Future()
+      fut.set_exception(WorkerTimeout(f"{op}: no free request slot within {timeout:.1f}s (backpressure)"))
+      return fut
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.add_done_callback(lambda _: self._slots.release())
+    req_id = next(self._ids)
+    with self._lock:
+      if self.closed:
+        fut.set_exception(WorkerCrashed(f"worker at {self.address} is gone"))
+        return fut
+      self._pending[req_id] = fut
+    try:
+      with self._send_lock:
+        self.sock.sendall(P.pack(P.request(req_id, op, args)))
+    except OSError as e:
+      self.close(WorkerCrashed(f"send to {self.address} failed: {e}"))
+    return fut
+
+  def close(self, error: Exception | None = None) -> None:
+    with self._lock:
+      self.closed = True
+      pending, self._pending = self._pending, {}
+    for fut in pending.values():
+      if not fut.done():
+        fut.set_exception(error or WorkerCrashed("connection closed"))
+    try:
+      self.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+    self.sock.close()
+
+
+class InProcessConnection:
+  """Same interface, no socket: ops run on a thread pool against a `Host` in this process.
+
+  A hung step cannot be killed in-process; its thread is abandoned and the instance table replaced.
+  """
+
+  def __init__(self, env: str, max_inflight: int):
+    from envs.server import Host  # pylint: disable=g-import-not-at-top
+    self.host = Host(env)
+    self.executor = concurrent.futures.ThreadPoolExecutor(max_inflight, thread_name_prefix="inproc-env")
+    self.closed = False
+
+  def call(self, op: str, args: dict[str, Any], timeout: float) -> concurrent.futures.Future:
+    from envs.server import RequestError  # pylint: disable=g-import-not-at-top
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+      try:
+        out.set_result(P.msgpack.unpackb(P.msgpack.packb(self.host.handle(op, args), use_bin_type=True)))
+      except RequestError as e:
+        out.set_exception(RemoteError(e.kind, str(e)))
+      except Exception as e:
+        out.set_exception(RemoteError("env_error", f"{type(e).__name__}: {e}"))
+    self.executor.submit(run)
+    return out
+
+  def close(self, error: Exception | None = None) -> None:
+    self.closed = True
+    self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes.
+
+
+def bwrap_available() -> bool:
+  if shutil.which("bwrap") is None:
+    return False
+  probe = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True,
+                         timeout=10)
+  return probe.returncode == 0
+
+
+def bwrap_command(sock_dir: str, argv: Sequence[str]) -> list[str]:
+  """bubblewrap: no network, read-only root of system dirs + the interpreter + envs/, private /tmp.
+
+  Nothing else of the host filesystem (home, the repo, datasets, eval answers) exists inside.
+  """
+  import msgpack  # pylint: disable=g-import-not-at-top
+  python = os.path.realpath(sys.executable)
+  cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  for d in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/alternatives"):
+    if os.path.islink(d):
+      cmd += ["--symlink", os.readlink(d), d]
+    elif os.path.isdir(d):
+      cmd += ["--ro-bind", d, d]
+  cmd += ["--ro-bind", sys.base_prefix, sys.base_prefix,
+          "--ro-bind", str(ENVS_DIR), "/opt/jaxagent/envs",
+          "--ro-bind", str(Path(msgpack.__file__).parent), "/opt/site/msgpack",
+          "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", sock_dir, "/run/jaxagent",
+          "--setenv", "PYTHONPATH", "/opt/jaxagent:/opt/site", "--setenv", "HOME", "/tmp",
+          "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+          "--chdir", "/tmp", "--remount-ro", "/", python]
+  return cmd + list(argv)
+
+
+class _SharedExclusive:
+  """Steps hold the worker shared; a retry after a crash holds it exclusively, so a crash during the retry is
+  known to be caused by that step and other episodes' retries are not charged for it."""
+
+  def __init__(self):
+    self._cond = threading.Condition()
+    self._readers = 0
+    self._writer = False
+
+  def acquire(self, exclusive: bool) -> None:
+    with self._cond:
+      if exclusive:
+        self._cond.wait_for(lambda: not self._writer)
+        self._writer = True
+        self._cond.wait_for(lambda: self._readers == 0)
+      else:
+        self._cond.wait_for(lambda: not self._writer)
+        self._readers += 1
+
+  def release(self, exclusive: bool) -> None:
+    with self._cond:
+      if exclusive:
+        self._writer = False
+      else:
+        self._readers -= 1
+      self._cond.notify_all()
+
+
+class Worker:
+  """One worker: start(), address, connection, kill(). Subclasses differ in how the process runs."""
+
+  def __init__(self, cfg: PoolConfig, index: int):
+    self.cfg, self.index = cfg, index
+    self.generation = 0
+    self.conn: Any = None
+    self.access = _SharedExclusive()
+
+  def start(self) -> None:
+    raise NotImplementedError
+
+  def kill(self) -> None:
+    if self.conn is not None:
+      self.conn.close()
+
+  def pid(self) -> int | None:
+    return None
+
+
+class InProcessWorker(Worker):
+  def start(self) -> None:
+    self.conn = InProcessConnection(self.cfg.env, self.cfg.max_inflight)
+
+
+class LocalWorker(Worker):
+  """A subprocess `python -m envs.server` on a unix socket, inside bubblewrap when available."""
+
+  _warned = False
+
+  def __init__(self, cfg: PoolConfig, index: int, sandbox: bool):
+    super().__init__(cfg, index)
+    self.sandbox = sandbox
+    self.proc: subprocess.Popen | None = None
+    self.dir = tempfile.mkdtemp(prefix=f"envw{index}-")
+
+  def start(self) -> None:
+    sock = os.path.join(self.dir, "w.sock")
+    if os.path.exists(sock):
+      os.unlink(sock)
+    argv = ["-m", "envs.server", self.cfg.env, "--socket"]
+    if self.sandbox:
+      cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"])
+      env = None
+    else:
+      cmd = [sys.executable] + argv + [sock]
+      env = dict(os.environ, PYTHONPATH=f"{ENVS_DIR.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    self.log = open(os.path.join(self.dir, "stderr.log"), "ab")
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=env,
+                                 start_new_session=True)
+    deadline = time.monotonic() + self.cfg.start_timeout_s
+    while not os.path.exists(sock):
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        self.kill()
+        tail = Path(self.dir, "stderr.log").read_text(errors="replace")[-2000:]
+        raise WorkerCrashed(f"local worker {self.index} did not start (exit {self.proc.returncode}): {tail}")
+      time.sleep(0.02)
+    self.conn = SocketConnection(f"unix:{sock}", self.cfg.start_timeout_s, self.cfg.max_inflight)
+
+  def pid(self) -> int | None:
+    return self.proc.pid if self.proc else None
+
+  def kill(self) -> None:
+    super().kill()
+    if self.proc is not None and self.proc.poll() is None:
+      try:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      self.proc.wait(timeout=10)
+
+
+class RemoteWorker(Worker):
+  """A worker someone else runs (Kubernetes, another host): we only reconnect, never restart it."""
+
+  def start(self) -> None:
+    self.conn = SocketConnection(self.cfg.addresses[self.index], self.cfg.start_timeout_s, self.cfg.max_inflight)
+
+
+class DockerWorker(Worker):
+  """A container: --network none, read-only root, tmpfs /tmp, memory/CPU/pids limits, no capabilities, no
+  credentials or host mounts except the directory holding its unix socket."""
+
+  def __init__(self, cfg: PoolConfig, index: int, client):
+    super().__init__(cfg, index)
+    self.client = client
+    self.container = None
+    self.dir = tempfile.mkdtemp(prefix=f"envd{index}-")
+    os.chmod(self.dir, 0o777)  # the container runs as uid 1000 and creates its socket here.
+
+  def start(self) -> None:
+    sock = os.path.join(self.dir, "w.sock")
+    if os.path.exists(sock):
+      os.unlink(sock)
+    self.container = self.client.containers.run(
+        self.cfg.docker_image, [self.cfg.env, "--socket", "/run/jaxagent/w.sock"], detach=True,
+        network_mode="none", read_only=True, tmpfs={"/tmp": "rw,size=64m,mode=1777"},
+        mem_limit=self.cfg.docker_memory, nano_cpus=int(self.cfg.docker_cpus * 1e9),
+        pids_limit=self.cfg.docker_pids, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+        volumes={self.dir: {"bind": "/run/jaxagent", "mode": "rw"}}, environment={}, auto_remove=False,
+        labels={"jaxagent.env": self.cfg.env}, name=f"jaxagent-env-{uuid.uuid4().hex[:10]}")
+    deadline = time.monotonic() + self.cfg.start_timeout_s
+    while not os.path.exists(sock):
+      self.container.reload()
+      if self.container.status in ("exited", "dead") or time.monotonic() > deadline:
+        logs = self.container.logs()[-2000:].decode(errors="replace")
+        self.kill()
+        raise WorkerCrashed(f"docker worker {self.index} did not start: {logs}")
+      time.sleep(0.05)
+    self.conn = SocketConnection(f"unix:{sock}", self.cfg.start_timeout_s, self.cfg.max_inflight)
+
+  def kill(self) -> None:
+    super().kill()
+    if self.container is not None:
+      try:
+        self.container.remove(force=True)
+      except Exception as e:  # already gone
+        log.debug("container remove: %s", e)
+      self.container = None
+
+
+# ----------------------------------------------------------------------------------------------
+# The pool.
+
+
+@dataclasses.dataclass
+class _Slot:
+  worker: int
+  instance: str
+  task: Task | None = None
+  seed: int = 0
+  actions: list[str] = dataclasses.field(default_factory=list)
+  generation: int = -1
+  done: bool = False
+  termination: str | None = None
+  started: float = 0.0
+  cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+  restarts: int = 0
+
+
+class Pool:
+  """`num_slots` episode slots over `cfg.num_workers` workers, one client API for every kind."""
+
+  def __init__(self, cfg: PoolConfig, num_slots: int):
+    if num_slots < 1:
+      raise ValueError(f"num_slots={num_slots}: must be >= 1")
+    self.cfg = cfg
+    self.sandboxed = False
+    self.workers = [self._make_worker(i) for i in range(cfg.num_workers)]
+    self._restart_lock = threading.Lock()
+    self.slots = [_Slot(worker=i % cfg.num_workers, instance=f"s{i}") for i in range(num_slots)]
+    self._executor = concurrent.futures.ThreadPoolExecutor(max(4, min(num_slots, 64)), thread_name_prefix="pool")
+    self.version: str | None = None
+    try:
+      for w in self.workers:
+        w.start()
+      hello = self._wait(self.workers[0].conn.call("hello", {}, cfg.start_timeout_s), cfg.start_timeout_s)
+    except BaseException:
+      self.close()
+      raise
+    self.version = hello["version"]
+
+  def _make_worker(self, i: int) -> Worker:
+    cfg = self.cfg
+    if cfg.kind == "inprocess":
+      return InProcessWorker(cfg, i)
+    if cfg.kind == "remote":
+      if len(cfg.addresses) < cfg.num_workers:
+        raise ValueError(f"pool.addresses has {len(cfg.addresses)} entries for num_workers={cfg.num_workers}")
+      return RemoteWorker(cfg, i)
+    if cfg.kind == "docker":
+      if i == 0:
+        import docker  # pylint: disable=g-import-not-at-top
+        self._docker = docker.DockerClient(base_url=cfg.docker_host or docker_host())
+        self.sandboxed = True
+      return DockerWorker(cfg, i, self._docker)
+    if i == 0:
+      want = cfg.sandbox != "none"
+      self.sandboxed = want and bwrap_available()
+      if cfg.sandbox == "bwrap" and not self.sandboxed:
+        raise RuntimeError("pool.sandbox='bwrap' but bubblewrap is not installed or cannot create namespaces "
+                           "here (apt-get install -y bubblewrap)")
+      if want and not self.sandboxed:
+        warnings.warn("envs local pool: bubblewrap unavailable, env workers run UNSANDBOXED (network, host "
+                      "filesystem reachable); install bubblewrap or use the docker pool", RuntimeWarning,
+                      stacklevel=3)
+    return LocalWorker(cfg, i, self.sandboxed)
+
+  @staticmethod
+  def _wait(fut: concurrent.futures.Future, timeout: float, cancel: threading.Event | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise WorkerTimeout(f"no reply within {timeout:.1f}s")
+      try:
+        return fut.result(timeout=min(left, 0.05) if cancel is not None else left)
+      except concurrent.futures.TimeoutError:
+        if cancel is not None and cancel.is_set():
+          raise _Cancelled() from None
+
+  def _restart(self, index: int, seen_generation: int) -> None:
+    """Kill and restart worker `index` unless someone already did since `seen_generation`."""
+    with self._restart_lock:
+      w = self.workers[index]
+      if w.generation != seen_generation:
+        return
+      log.warning("restarting env worker %d (%s)", index, self.cfg.kind)
+      w.kill()
+      w.generation += 1
+      w.start()
+
+  # -- episode API
+
+  def reset(self, slot: int, task: Task, seed: int) -> Observation:
+    return self.reset_many([slot], [task], [seed])[0]
+
+  def reset_many(self, slots: Sequence[int], tasks: Sequence[Task], seeds: Sequence[int]) -> list[Observation]:
+    for i in slots:
+      if not 0 <= i < len(self.slots):
+        raise IndexError(f"slot {i}: pool has slots 0..{len(self.slots) - 1}")
+    return list(self._executor.map(self._reset_one, slots, tasks, seeds))
+
+  def _reset_one(self, i: int, task: Task, seed: int) -> Observation:
+    s = self.slots[i]
+    s.task, s.seed, s.actions, s.done, s.termination, s.restarts = task, int(seed), [], False, None, 0
+    s.cancel = threading.Event()
+    s.started = time.monotonic()
+    for attempt in range(self.cfg.max_retries + 1):
+      w = self.workers[s.worker]
+      gen = w.generation
+      try:
+        obs = self._wait(w.conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s),
+                         self.cfg.reset_timeout_s)
+        s.generation = gen
+        return Observation(obs["text"], obs["truncated"], obs["original_size"])
+      except (WorkerCrashed, WorkerTimeout) as e:
+        if self.cfg.kind == "remote" and attempt == self.cfg.max_retries:
+          raise
+        log.warning("reset of slot %d failed (%s); restarting worker %d", i, e, s.worker)
+        self._restart(s.worker, gen)
+    raise WorkerCrashed(f"slot {i}: reset failed {self.cfg.max_retries + 1} times")
+
+  def _reset_args(self, s: _Slot) -> dict[str, Any]:
+    return dict(instance=s.instance, task=s.task.to_wire(), seed=s.seed, options=self.cfg.reset_options())
+
+  def step(self, slot: int, action: str) -> StepResult:
+    return self.step_many([slot], [action])[0]
+
+  def step_many(self, slots: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
+    """Step several slots concurrently; every slot gets its answer within its timeouts."""
+    if len(slots) != len(actions):
+      raise ValueError(f"{len(slots)} slots but {len(actions)} actions")
+    for i in slots:
+      if not 0 <= i < len(self.slots):
+        raise IndexError(f"slot {i}: pool has slots 0..{len(self.slots) - 1}")
+      if self.slots[i].task is None:
+        raise RuntimeError(f"slot {i}: step before reset")
+    return list(self._executor.map(self._step_one, slots, actions))
+
+  def cancel(self, slot: int) -> None:
+    """End slot's episode as `cancelled`; an in-flight step returns at once."""
+    self.slots[slot].cancel.set()
+
+  def _end(self, s: _Slot, termination: str, outcome: str, text: str, **info) -> StepResult:
+    s.done, s.termination = True, termination
+    conn = self.workers[s.worker].conn
+    if conn is not None and not conn.closed:
+      conn.call("close", dict(instance=s.instance), 1.0)  # best effort, not awaited
+    return StepResult(Observation.capped(text, self.cfg.max_obs_bytes), {}, True, termination,
+                      dict(info, outcome=outcome, worker_restarts=s.restarts))
+
+  def _step_one(self, i: int, action: str) -> StepResult:
+    s = self.slots[i]
+    if s.done:
+      return StepResult(Observation(""), {}, True, s.termination, dict(outcome=s.termination, already_done=True))
+    if s.cancel.is_set():
+      return self._end(s, CANCELLED, CANCELLED, "cancelled")
+    crashes = 0
+    t0 = time.monotonic()
+    while True:
+      left = self.cfg.episode_timeout_s - (time.monotonic() - s.started)
+      if left <= 0:
+        return self._end(s, ENV_TIMEOUT, ENV_TIMEOUT, f"episode exceeded {self.cfg.episode_timeout_s:.0f}s",
+                         timeout="episode")
+      w = self.workers[s.worker]
+      exclusive = crashes > 0
+      w.access.acquire(exclusive)
+      gen = w.generation
+      try:
+        if s.generation != gen:  # the worker restarted since this episode began: replay it there.
+          if not self.cfg.replay_on_crash:
+            return self._end(s, ENV_ERROR, "worker_crash", "env worker crashed")
+          self._replay(s, gen)
+        timeout = min(self.cfg.action_timeout_s, left)
+        reply = self._wait(w.conn.call("step", dict(instance=s.instance, action=action), timeout), timeout,
+                           s.cancel)
+        result = StepResult.from_wire(reply)
+        s.actions.append(action)
+        if result.done:
+          s.done, s.termination = True, result.termination
+        return dataclasses.replace(result, info=dict(result.info, worker_restarts=s.restarts,
+                                                     env_s=time.monotonic() - t0))
+      except _Cancelled:
+        return self._end(s, CANCELLED, CANCELLED, "cancelled")
+      except WorkerTimeout:
+        # The worker is stuck in this step; only killing it frees it. Its other episodes are replayed.
+        self._safe_restart(s.worker, gen)
+        which = "episode" if left < self.cfg.action_timeout_s else "action"
+        return self._end(s, ENV_TIMEOUT, ENV_TIMEOUT, f"env step exceeded {timeout:.1f}s", timeout=which)
+      except WorkerCrashed as e:
+        crashes += 1
+        s.restarts += 1
+        if not self.cfg.replay_on_crash:
+          self._safe_restart(s.worker, gen)
+          return self._end(s, ENV_ERROR, "worker_crash", f"env worker crashed: {e}")
+        if crashes > self.cfg.max_retries:
+          self._safe_restart(s.worker, gen)
+          return self._end(s, RETRIES_EXHAUSTED, RETRIES_EXHAUSTED, f"env worker crashed {crashes} times")
+        self._safe_restart(s.worker, gen)
+      except RemoteError as e:
+        return self._end(s, ENV_ERROR, ENV_ERROR, f"env error: {e}", error=str(e))
+      finally:
+        w.access.release(exclusive)
+
+  def _safe_restart(self, index: int, gen: int) -> None:
+    try:
+      self._restart(index, gen)
+    except WorkerCrashed as e:  # the next call on this worker fails again and is counted there.
+      log.error("restart of worker %d failed: %s", index, e)
+
+  def _replay(self, s: _Slot, gen: int) -> None:
+    conn = self.workers[s.worker].conn
+    self._wait(conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s), self.cfg.reset_timeout_s)
+    for a in s.actions:
+      self._wait(conn.call("step", dict(instance=s.instance, action=a), self.cfg.action_timeout_s),
+                 self.cfg.action_timeout_s)
+    s.generation = gen
+
+  def worker_pids(self) -> list[int | None]:
+    return [w.pid() for w in self.workers]
+
+  def close(self) -> None:
+    for w in self.workers:
+      try:
+        w.kill()
+      except Exception as e:
+        log.debug("kill worker: %s", e)
+      d = getattr(w, "dir", None)
+      if d:
+        shutil.rmtree(d, ignore_errors=True)
+    self._executor.shutdown(wait=False, cancel_futures=True)
+
+  def __enter__(self) -> "Pool":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class _Cancelled(Exception):
+  pass
+
+
+def docker_host() -> str:
+  """The daemon to use: $JAXAGENT_DOCKER_HOST, else the private one envs/docker/setup.sh starts."""
+  return os.environ.get("JAXAGENT_DOCKER_HOST", "unix:///run/jaxagent-docker/docker.sock")
+
+
+def make_pool(num_slots: int, cfg: PoolConfig | None = None, **overrides) -> Pool:
+  """`make_pool(8, env="calculator", kind="local")`."""
+  cfg = dataclasses.replace(cfg or PoolConfig(), **overrides)
+  return Pool(cfg, num_slots)

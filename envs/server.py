@@ -1,0 +1,227 @@
+"""Env worker: hosts many env instances of one environment behind the wire protocol.
+
+`python -m envs.server --env calculator --socket /run/w.sock` (also `jaxagent envs serve`), or
+`--tcp 127.0.0.1:PORT`. Requests run on a bounded thread pool (so one slow instance does not block the
+others); when `max_inflight` requests are running the reader stops reading, which is the backpressure a
+client sees. A bad frame gets an error reply; nothing a client sends stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import socket
+import socketserver
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+from envs import _protocol as P
+from envs._api import Env, InvalidActionRule, Task
+from envs._registry import get
+
+RESET_OPTIONS = {"max_turns": int, "invalid_action": str, "penalty": float, "max_obs_bytes": int}
+MAX_INSTANCES = 4096
+
+
+class RequestError(ValueError):
+  def __init__(self, kind: str, message: str):
+    super().__init__(message)
+    self.kind = kind
+
+
+def _arg(args: Mapping[str, Any], name: str, typ, *, default=..., limit: int = 1 << 16):
+  if name not in args:
+    if default is ...:
+      raise RequestError("bad_args", f"missing argument {name!r}")
+    return default
+  value = args[name]
+  if typ is float and type(value) is int:
+    value = float(value)
+  if type(value) is not typ:
+    raise RequestError("bad_args", f"{name}={str(value)[:64]!r}: must be {typ.__name__}")
+  if typ is str and len(value) > limit:
+    raise RequestError("bad_args", f"{name}: {len(value)} chars exceeds {limit}")
+  return value
+
+
+class Host:
+  """The instance table and op dispatch, shared by the socket server and the in-process pool."""
+
+  def __init__(self, env_name: str, max_instances: int = MAX_INSTANCES):
+    self.spec = get(env_name)
+    self.version = self.spec.version
+    self.max_instances = max_instances
+    self._instances: dict[str, tuple[Env, threading.Lock]] = {}
+    self._lock = threading.Lock()
+
+  def handle(self, op: str, args: Mapping[str, Any]) -> Any:
+    """Run one validated op; raises RequestError (an error reply) for anything the client got wrong."""
+    if op == "hello":
+      return dict(env=self.spec.name, version=self.version, protocol=P.PROTOCOL_VERSION, pid=os.getpid(),
+                  deterministic=self.spec.deterministic)
+    if op == "ping":
+      return dict(time=time.time())
+    instance = _arg(args, "instance", str, limit=128)
+    if op == "reset":
+      return self._reset(instance, args)
+    with self._lock:
+      entry = self._instances.get(instance)
+    if entry is None:
+      raise RequestError("unknown_instance", f"instance {instance!r} does not exist (reset it first)")
+    env, lock = entry
+    with lock:
+      if op == "step":
+        action = _arg(args, "action", str, limit=1 << 16)
+        if env.done:
+          raise RequestError("episode_done", f"instance {instance!r}: the episode already ended")
+        return env.step(action).to_wire()
+      if op == "snapshot":
+        return env.snapshot()
+      if op == "restore":
+        env.restore(args.get("state"))
+        return None
+      if op == "close":
+        with self._lock:
+          self._instances.pop(instance, None)
+        env.close()
+        return None
+    raise RequestError("bad_op", f"op={op!r}")
+
+  def _reset(self, instance: str, args: Mapping[str, Any]) -> Any:
+    task_d = args.get("task")
+    if not isinstance(task_d, dict):
+      raise RequestError("bad_args", "task must be a map with id, split, payload, version")
+    try:
+      task = Task.from_wire(task_d)
+    except (ValueError, TypeError) as e:
+      raise RequestError("bad_args", f"task: {e}") from None
+    seed = _arg(args, "seed", int)
+    options = args.get("options") or {}
+    if not isinstance(options, dict) or set(options) - set(RESET_OPTIONS):
+      raise RequestError("bad_args", f"options {options!r}: valid keys are {sorted(RESET_OPTIONS)}")
+    kwargs: dict[str, Any] = {}
+    for k, typ in RESET_OPTIONS.items():
+      if k in options:
+        kwargs[k] = _arg(options, k, typ)
+    try:
+      if "invalid_action" in kwargs or "penalty" in kwargs:
+        kwargs["invalid_action"] = InvalidActionRule(kwargs.pop("invalid_action", "error_observation"),
+                                                     kwargs.pop("penalty", 0.1))
+      env = self.spec.make(**kwargs)
+    except (ValueError, TypeError) as e:
+      raise RequestError("bad_args", f"options: {e}") from None
+    with self._lock:
+      old = self._instances.pop(instance, None)
+      if len(self._instances) >= self.max_instances:
+        raise RequestError("too_many_instances", f"worker holds {self.max_instances} instances; close some")
+      self._instances[instance] = (env, threading.Lock())
+    if old is not None:
+      old[0].close()
+    obs = env.reset(task, seed)
+    return dict(text=obs.text, truncated=obs.truncated, original_size=obs.original_size, version=self.version)
+
+  def close_all(self) -> None:
+    with self._lock:
+      entries, self._instances = list(self._instances.values()), {}
+    for env, _ in entries:
+      env.close()
+
+
+def serve_connection(host: Host, conn: socket.socket, executor: concurrent.futures.Executor,
+                     inflight: threading.Semaphore, max_frame: int = P.MAX_FRAME_BYTES) -> None:
+  """Read requests until EOF; each runs on `executor`; replies may come back out of order (by id)."""
+  write_lock = threading.Lock()
+
+  def send(msg) -> None:
+    try:
+      data = P.pack(msg)
+    except Exception as e:  # an env returned something msgpack cannot encode
+      data = P.pack(P.error_reply(msg.get("id", -1), "env_error", f"unencodable result: {e}"))
+    with write_lock:
+      try:
+        conn.sendall(data)
+      except OSError:
+        pass  # the client went away; its reader will notice.
+
+  def run(req_id: int, op: str, args) -> None:
+    try:
+      send(P.ok_reply(req_id, host.handle(op, args)))
+    except RequestError as e:
+      send(P.error_reply(req_id, e.kind, str(e)))
+    except Exception as e:  # an env bug: report it as an env fault, keep serving.
+      send(P.error_reply(req_id, "env_error", f"{type(e).__name__}: {e}"))
+    finally:
+      inflight.release()
+
+  while True:
+    try:
+      msg = P.read_frame(conn, max_frame)
+      req_id, op, args = P.validate_request(msg)
+    except P.ProtocolError as e:
+      send(P.error_reply(e.req_id, e.kind, str(e)))
+      continue
+    except (ConnectionError, OSError):
+      return
+    inflight.acquire()
+    executor.submit(run, req_id, op, args)
+
+
+def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = None, threads: int = 8,
+          max_inflight: int = 64, ready_file: str | None = None) -> None:
+  """Serve until killed. Exactly one of `socket_path` (unix) or `tcp` ("127.0.0.1:PORT", loopback only)."""
+  if (socket_path is None) == (tcp is None):
+    raise ValueError("give exactly one of --socket PATH or --tcp HOST:PORT")
+  host = Host(env_name)
+  executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="env")
+  inflight = threading.Semaphore(max_inflight)
+
+  class Handler(socketserver.BaseRequestHandler):
+    def handle(self):
+      serve_connection(host, self.request, executor, inflight)
+
+  if socket_path is not None:
+    if os.path.exists(socket_path):
+      os.unlink(socket_path)
+    server = socketserver.ThreadingUnixStreamServer(socket_path, Handler)
+    where = f"unix:{socket_path}"
+  else:
+    addr, _, port = tcp.rpartition(":")
+    if addr not in ("127.0.0.1", "localhost", "::1"):
+      raise ValueError(f"--tcp {tcp}: only loopback addresses are served (127.0.0.1, ::1)")
+    socketserver.ThreadingTCPServer.allow_reuse_address = True
+    server = socketserver.ThreadingTCPServer((addr, int(port)), Handler)
+    where = f"tcp:{addr}:{server.server_address[1]}"
+  server.daemon_threads = True
+  print(f"envs worker: {env_name} {host.version} on {where} (pid {os.getpid()})", file=sys.stderr, flush=True)
+  if ready_file:
+    with open(ready_file, "w") as f:
+      f.write(where)
+  try:
+    server.serve_forever()
+  finally:
+    host.close_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="envs.server", description=__doc__)
+  add_serve_args(parser)
+  args = parser.parse_args(argv)
+  serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads, max_inflight=args.max_inflight)
+  return 0
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("env", nargs="?", default=os.environ.get("JAXAGENT_ENV", "calculator"),
+                      help="registered env name (default $JAXAGENT_ENV or calculator)")
+  parser.add_argument("--env", dest="env", help=argparse.SUPPRESS)
+  parser.add_argument("--socket", help="unix socket path to listen on")
+  parser.add_argument("--tcp", help="HOST:PORT on loopback to listen on")
+  parser.add_argument("--threads", type=int, default=8, help="requests run concurrently")
+  parser.add_argument("--max-inflight", type=int, default=64, help="backpressure: requests accepted at once")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,194 @@
+"""Worker protocol and pools under injected faults. Every test is bounded in time by the pool's timeouts."""
+
+import os
+import signal
+import socket
+import struct
+import time
+
+import msgpack
+import pytest
+
+import envs
+from envs import _protocol as P
+from envs.pool import PoolConfig, make_pool
+
+FAULTS = envs.get("faults")
+
+
+def _kill_worker(p, index):
+  """SIGKILL a worker and wait (bounded) until its connection has seen it die."""
+  os.killpg(p.worker_pids()[index], signal.SIGKILL)
+  deadline = time.monotonic() + 10
+  while not p.workers[index].conn.closed:
+    assert time.monotonic() < deadline, "killed worker's connection never closed"
+    time.sleep(0.01)
+
+
+def _pool(kind, n=4, **kw):
+  kw.setdefault("action_timeout_s", 2.0)
+  p = make_pool(n, env="faults", kind=kind, num_workers=2, **kw)
+  p.reset_many(range(n), FAULTS.tasks("train", n, 0), range(n))
+  return p
+
+
+@pytest.fixture(params=["inprocess", "local"])
+def kind(request):
+  return request.param
+
+
+def test_hanging_step_times_out_and_others_are_unaffected(kind):
+  with _pool(kind) as p:
+    assert all(r.outcome == "ok" for r in p.step_many(range(4), ["ok"] * 4))
+    t = time.monotonic()
+    results = p.step_many([0, 1, 2, 3], ["hang", "ok", "ok", "echo x"])
+    assert time.monotonic() - t < 4.0
+    assert results[0].termination == "env_timeout" and results[0].info["timeout"] == "action"
+    assert [r.observation.text for r in results[1:]] == ["ok 2", "ok 2", "x"]
+    # slot 2 shared the killed worker: it was replayed, its env state is intact.
+    later = p.step_many([1, 2, 3], ["ok", "ok", "ok"])
+    assert [r.observation.text for r in later] == ["ok 3", "ok 3", "ok 3"]
+
+
+def test_tool_fault_is_env_error_and_huge_observation_is_capped(kind):
+  with _pool(kind, max_obs_bytes=1000) as p:
+    r = p.step_many([0, 1], ["raise", "big 10000000"])
+    assert r[0].termination == "env_error" and r[0].outcome == "env_error"
+    assert r[1].observation.truncated and r[1].observation.original_size == 10_000_000
+    assert len(r[1].observation.text) == 1000 and not r[1].done
+    again = p.step(0, "ok")   # stepping a finished episode answers, does not raise
+    assert again.done and again.termination == "env_error" and again.info["already_done"]
+
+
+@pytest.mark.parametrize("rule", envs.INVALID_ACTION_RULES)
+def test_invalid_action_rules_cross_the_wire(rule):
+  with _pool("local", invalid_action=rule, penalty=0.25) as p:
+    r = p.step_many([0, 1], ["Hang now\n!", "nosuchtool x"])
+    if rule == "terminate":
+      assert (r[0].termination, r[1].termination) == ("parser_rejected", "invalid_action")
+    else:
+      assert not r[0].done and r[0].outcome == "parser_rejected_continued"
+      assert r[1].outcome == "invalid_action_continued"
+      assert r[1].reward == (-0.25 if rule == "penalty" else 0.0)
+    assert r[0].info["rule"] == rule
+
+
+def test_worker_killed_mid_episode_is_replayed():
+  with _pool("local") as p:
+    p.step_many(range(4), ["ok"] * 4)
+    _kill_worker(p, 0)
+    r = p.step_many(range(4), ["ok"] * 4)
+    assert [x.observation.text for x in r] == ["ok 2"] * 4
+    assert [x.info["worker_restarts"] for x in r] == [1, 0, 1, 0]
+
+
+def test_worker_crash_without_replay_is_distinct_outcome():
+  with _pool("local", replay_on_crash=False) as p:
+    p.step_many(range(4), ["ok"] * 4)
+    _kill_worker(p, 1)
+    r = p.step_many(range(4), ["ok"] * 4)
+    assert [x.outcome for x in r] == ["ok", "worker_crash", "ok", "worker_crash"]
+    assert r[1].termination == "env_error"
+    p.reset(1, FAULTS.tasks("train", 1, 9)[0], 0)   # the pool recovered
+    assert p.step(1, "ok").observation.text == "ok 1"
+
+
+def test_crashing_step_exhausts_retries_without_charging_neighbours():
+  with _pool("local", max_retries=2) as p:
+    t = time.monotonic()
+    r = p.step_many([1, 3], ["crash", "ok"])
+    assert r[0].termination == "retries_exhausted" and r[0].info["worker_restarts"] == 3
+    assert r[1].observation.text == "ok 1" and not r[1].done
+    assert time.monotonic() - t < 10
+
+
+def test_cancel_returns_in_flight_step_at_once(kind):
+  with _pool(kind, action_timeout_s=30.0) as p:
+    import threading
+    threading.Timer(0.3, p.cancel, args=(0,)).start()
+    t = time.monotonic()
+    r = p.step_many([0, 1], ["sleep 20", "ok"])
+    assert time.monotonic() - t < 5
+    assert r[0].termination == "cancelled" and r[1].observation.text == "ok 1"
+
+
+def test_episode_timeout():
+  with _pool("local", action_timeout_s=5.0, episode_timeout_s=1.0) as p:
+    r = p.step(0, "sleep 3")
+    assert r.termination == "env_timeout" and r.info["timeout"] == "episode"
+
+
+def test_pool_config_errors_name_the_value():
+  with pytest.raises(ValueError, match="pool.kind='k8s'"):
+    PoolConfig(kind="k8s")
+  with pytest.raises(ValueError, match="addresses"):
+    PoolConfig(kind="remote")
+
+
+# -- the wire: a bad frame gets an error reply, never a crash.
+
+
+@pytest.fixture
+def served(tmp_path):
+  import subprocess
+  import sys
+  sock = str(tmp_path / "w.sock")
+  proc = subprocess.Popen([sys.executable, "-m", "envs.server", "faults", "--socket", sock],
+                          stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 20
+  while not os.path.exists(sock):
+    assert time.monotonic() < deadline and proc.poll() is None
+    time.sleep(0.02)
+  yield sock, proc
+  proc.kill()
+  proc.wait(timeout=10)
+
+
+def _rpc(conn, raw: bytes):
+  conn.sendall(raw)
+  conn.settimeout(5)
+  return P.read_frame(conn)
+
+
+@pytest.mark.parametrize("raw,kind", [
+    (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_msgpack"),
+    (P.pack([1, 2]), "bad_request"),
+    (P.pack({"v": 1, "id": "x", "op": "ping"}), "bad_request"),
+    (P.pack({"v": 99, "id": 4, "op": "ping"}), "bad_version"),
+    (P.pack({"v": 1, "id": 5, "op": "rm -rf"}), "bad_op"),
+    (P.pack({"v": 1, "id": 6, "op": "step", "args": {"instance": "nope", "action": "ok"}}), "unknown_instance"),
+    (P.pack({"v": 1, "id": 7, "op": "reset", "args": {"instance": "a", "task": {"id": 1}}}), "bad_args"),
+    (P.pack({"v": 1, "id": 8, "op": "reset", "args": {"instance": "a", "seed": 0, "options": {"x": 1},
+                                                        "task": {"id": "t", "split": "train", "payload": {},
+                                                                 "version": "0"}}}), "bad_args"),
+    (struct.pack(">I", P.MAX_FRAME_BYTES + 1) + b"\0" * (P.MAX_FRAME_BYTES + 1), "frame_too_large"),
+])
+def test_bad_frames_get_error_replies(served, raw, kind):
+  sock, proc = served
+  with socket.socket(socket.AF_UNIX) as conn:
+    conn.connect(sock)
+    reply = _rpc(conn, raw)
+    assert reply["ok"] is False and reply["error"]["kind"] == kind, reply
+    # the same connection still works afterwards
+    assert _rpc(conn, P.pack(P.request(1, "ping", {})))["ok"] is True
+  assert proc.poll() is None
+
+
+def test_truncated_frame_and_garbage_do_not_kill_the_server(served):
+  sock, proc = served
+  for junk in (b"\x00\x00", b"\xff" * 64):
+    with socket.socket(socket.AF_UNIX) as conn:
+      conn.connect(sock)
+      conn.sendall(junk)
+  with socket.socket(socket.AF_UNIX) as conn:
+    conn.connect(sock)
+    hello = _rpc(conn, P.pack(P.request(3, "hello", {})))
+    assert hello["result"]["env"] == "faults" and hello["result"]["protocol"] == P.PROTOCOL_VERSION
+  assert proc.poll() is None
+
+
+def test_remote_pool_talks_to_a_served_worker(served):
+  sock, _ = served
+  with make_pool(2, env="faults", kind="remote", addresses=(f"unix:{sock}",)) as p:
+    p.reset_many([0, 1], FAULTS.tasks("eval", 2, 0), [0, 1])
+    assert [r.observation.text for r in p.step_many([0, 1], ["ok", "echo remote"])] == ["ok 1", "remote"]
