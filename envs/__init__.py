@@ -11,6 +11,7 @@ from envs._api import (CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_ERROR, ENV_T
                        EnvError, EnvSpec, InvalidAction, InvalidActionRule, Observation, ParseError, StepResult,
                        Task, Verdict, Verifier, source_version)
 from envs._registry import get, names, register
+from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)
 from envs.builtin import calculator as _calculator
 from envs.builtin import faults as _faults
 from envs.builtin import gridworld as _gridworld
