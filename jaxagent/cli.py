@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.set_defaults(func=_cmd_generate)
   __import__("jaxagent.inspect_cli", fromlist=["register"]).register(sub)
+  __import__("envs.cli", fromlist=["register"]).register(sub)
   return parser
 
 

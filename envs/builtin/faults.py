@@ -1,5 +1,6 @@
 """Fault injection for tests of workers and pools: `ok`, `echo TEXT`, `sleep SECONDS`, `hang`, `crash`,
-`raise`, `big BYTES`, `done`.
+`raise`, `big BYTES`, `done`; isolation probes `read PATH`, `write PATH`, `net HOST:PORT` that report
+`allowed ...` or `denied ...` (what an untrusted action could do from inside the worker).
 
 Not a task: it exists so every failure mode a real env can have is reproducible on demand.
 """
@@ -7,6 +8,7 @@ Not a task: it exists so every failure mode a real env can have is reproducible 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction, Observation,
@@ -16,7 +18,8 @@ from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, In
 class FaultEnv(Env):
   name = "faults"
   description = "fault injection for tests: ok, echo, sleep, hang, crash, raise, big, done"
-  parser = ActionParser(tools=("ok", "echo", "sleep", "hang", "crash", "raise", "big", "done"), max_chars=64)
+  parser = ActionParser(tools=("ok", "echo", "sleep", "hang", "crash", "raise", "big", "done", "read", "write",
+                               "net"), max_chars=128)
 
   def __init__(self, max_turns: int = 64, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
@@ -41,10 +44,28 @@ class FaultEnv(Env):
       except ValueError:
         raise InvalidAction(f"big needs a byte count, got {call.arg!r}") from None
       return StepResult(Observation("x" * n), {}, False, None, {})
+    if call.name in ("read", "write", "net"):
+      return StepResult(Observation(_probe(call.name, call.arg)), {}, False, None, {})
     if call.name == "done":
       return StepResult(Observation("bye"), {"outcome": 1.0}, True, COMPLETED, dict(outcome=COMPLETED))
     text = call.arg if call.name == "echo" else f"ok {self.count}"
     return StepResult(Observation(text), {}, False, None, {})
+
+
+def _probe(kind: str, arg: str) -> str:
+  try:
+    if kind == "read":
+      with open(arg, "rb") as f:
+        return f"allowed read {len(f.read(1 << 16))} bytes"
+    if kind == "write":
+      with open(arg, "w") as f:
+        f.write("pwned")
+      return "allowed write"
+    host, _, port = arg.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=2):
+      return "allowed net"
+  except (OSError, ValueError) as e:
+    return f"denied {type(e).__name__}: {e}"
 
 
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:

@@ -1,0 +1,100 @@
+"""`jaxagent envs list | check ENV | serve ENV`: registered envs, measured replay rate, worker server."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+
+import envs
+from envs import pool as pool_lib
+
+
+def _cmd_list(args) -> int:
+  for name in envs.names():
+    spec = envs.get(name)
+    print(f"{name}  {spec.version}  {spec.description}")
+  return 0
+
+
+def check(env: str, *, episodes: int = 16, split: str = "train", kind: str = "inprocess", seed: int = 0,
+          workers: int = 1) -> dict:
+  """Run each episode twice with the same seed and actions (the scripted demo, with one invalid action
+  inserted first); returns replay rate, step latencies (seconds) and outcome counts."""
+  spec = envs.get(env)
+  tasks = spec.tasks(split, episodes, seed)
+  runs, latencies, outcomes = [], [], collections.Counter()
+  with pool_lib.make_pool(episodes, env=env, kind=kind, num_workers=workers) as pool:
+    for _ in range(2):
+      obs = pool.reset_many(range(episodes), tasks, [seed + i for i in range(episodes)])
+      traces = [[o.text] for o in obs]
+      scripts = [["?? not an action"] + spec.demo(t, seed + i) for i, t in enumerate(tasks)]
+      for turn in range(max(map(len, scripts))):
+        rows = [i for i, s in enumerate(scripts) if turn < len(s) and not pool.slots[i].done]
+        if not rows:
+          break
+        t0 = time.perf_counter()
+        results = pool.step_many(rows, [scripts[i][turn] for i in rows])
+        per_step = (time.perf_counter() - t0) / len(rows)
+        for i, r in zip(rows, results):
+          latencies.append(float(r.info.get("env_s", per_step)))
+          outcomes[r.outcome] += 1
+          traces[i].append((r.observation.text, r.reward, r.done, r.termination))
+      runs.append(traces)
+  same = sum(a == b for a, b in zip(*runs))
+  lat = sorted(latencies)
+  q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]
+  return dict(env=env, version=spec.version, episodes=episodes, replay_rate=same / episodes,
+              latency_s=dict(p50=q(0.5), p90=q(0.9), p99=q(0.99), max=lat[-1], mean=statistics.fmean(lat)),
+              outcomes=dict(outcomes), deterministic=spec.deterministic, pool=kind)
+
+
+def _cmd_check(args) -> int:
+  r = check(args.env, episodes=args.episodes, split=args.split, kind=args.pool, seed=args.seed,
+            workers=args.workers)
+  lat = r["latency_s"]
+  print(f"{r['env']} {r['version']} ({r['pool']} pool, {r['episodes']} episodes x 2)")
+  print(f"  deterministic replay rate: {r['replay_rate']:.1%}")
+  print("  step latency ms: " + " ".join(f"{k}={v * 1e3:.2f}" for k, v in lat.items()))
+  print("  outcomes: " + " ".join(f"{k}={v}" for k, v in sorted(r["outcomes"].items())))
+  return 0 if r["replay_rate"] == 1.0 or not r["deterministic"] else 1
+
+
+def _cmd_serve(args) -> int:
+  from envs import server  # pylint: disable=g-import-not-at-top
+  server.serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads,
+               max_inflight=args.max_inflight)
+  return 0
+
+
+def register(subparsers) -> None:
+  """Adds `envs` with its subcommands to a `jaxagent` argparse subparsers object."""
+  p = subparsers.add_parser("envs", help="environments: list, check replay/latency, serve a worker")
+  sub = p.add_subparsers(dest="envs_command", required=True)
+  q = sub.add_parser("list", help="one line per registered env: name, version, description")
+  q.set_defaults(func=_cmd_list)
+  q = sub.add_parser("check", help="run episodes twice with the same seeds/actions: replay rate, latency, outcomes")
+  q.add_argument("env", choices=envs.names())
+  q.add_argument("--episodes", type=int, default=16)
+  q.add_argument("--split", choices=envs.SPLITS, default="train")
+  q.add_argument("--pool", choices=pool_lib.POOL_KINDS[:2], default="inprocess")
+  q.add_argument("--workers", type=int, default=1)
+  q.add_argument("--seed", type=int, default=0)
+  q.set_defaults(func=_cmd_check)
+  q = sub.add_parser("serve", help="host env instances behind the wire protocol (unix socket or loopback TCP)")
+  from envs.server import add_serve_args  # pylint: disable=g-import-not-at-top
+  add_serve_args(q)
+  q.set_defaults(func=_cmd_serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="envs")
+  register(parser.add_subparsers(dest="command", required=True))
+  args = parser.parse_args(argv)
+  return args.func(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

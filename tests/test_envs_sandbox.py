@@ -1,0 +1,117 @@
+"""Isolation of env workers: from inside an env action, reading host files (e.g. eval answers), writing
+outside the private tmp and opening network connections all fail — local pool under bubblewrap, and Docker.
+
+Docker tests need the private daemon that `envs/docker/setup.sh` starts (CI runs it). Outside CI they skip
+with the reason printed; with JAXAGENT_REQUIRE_DOCKER=1 (set by .ci/run) a missing daemon is a failure.
+"""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+import envs
+from envs import pool as pool_lib
+
+FAULTS = envs.get("faults")
+
+
+@pytest.fixture(scope="module")
+def secret(tmp_path_factory):
+  # Somewhere a trainer keeps held-out answers: outside the sandbox, readable by this process.
+  d = tmp_path_factory.mktemp("heldout")
+  path = d / "eval_answers.txt"
+  path.write_text("42\n")
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def listener():
+  srv = socket.socket()
+  srv.bind(("127.0.0.1", 0))
+  srv.listen(8)
+  threading.Thread(target=lambda: [srv.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+  yield f"127.0.0.1:{srv.getsockname()[1]}"
+  srv.close()
+
+
+def _docker_client():
+  try:
+    import docker
+    client = docker.DockerClient(base_url=pool_lib.docker_host(), timeout=10)
+    client.ping()
+    client.images.get("jaxagent-envs:latest")
+    return client, None
+  except Exception as e:  # no SDK, no daemon, no image
+    return None, f"{type(e).__name__}: {e}"
+
+
+def _sandboxed_pool(kind):
+  if kind == "docker":
+    client, why = _docker_client()
+    if client is None:
+      if os.environ.get("JAXAGENT_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"JAXAGENT_REQUIRE_DOCKER=1 but docker is unavailable: {why}")
+      print(f"SKIP docker isolation: {why} (run envs/docker/setup.sh)")
+      pytest.skip(f"docker unavailable: {why}")
+    return pool_lib.make_pool(2, env="faults", kind="docker", num_workers=1, start_timeout_s=60)
+  if not pool_lib.bwrap_available():
+    reason = "bubblewrap not installed or no user namespaces (apt-get install -y bubblewrap)"
+    if os.environ.get("CI") or os.environ.get("JAXAGENT_REQUIRE_DOCKER") == "1":
+      pytest.fail(reason)
+    print(f"SKIP bwrap isolation: {reason}")
+    pytest.skip(reason)
+  return pool_lib.make_pool(2, env="faults", kind="local", sandbox="bwrap", num_workers=1)
+
+
+@pytest.mark.parametrize("kind", ["local", "docker"])
+def test_actions_cannot_read_write_or_connect(kind, secret, listener):
+  # Control: the same probes succeed outside any sandbox, so a "denied" below is the sandbox's doing.
+  with pool_lib.make_pool(1, env="faults", kind="inprocess") as p:
+    p.reset(0, FAULTS.tasks("train", 1, 0)[0], 0)
+    assert p.step(0, f"read {secret}").observation.text.startswith("allowed")
+    assert p.step(0, f"net {listener}").observation.text == "allowed net"
+  with _sandboxed_pool(kind) as p:
+    assert p.sandboxed
+    p.reset_many([0, 1], FAULTS.tasks("eval", 2, 0), [0, 1])
+    probes = {
+        f"read {secret}": "denied",
+        "read /etc/shadow": "denied",
+        f"read {os.path.expanduser('~')}/.bash_history": "denied",
+        f"write {os.path.dirname(secret)}/x": "denied",
+        "write /usr/pwned": "denied",
+        "write /opt/jaxagent/envs/pwned.py": "denied",
+        "write /tmp/scratch": "allowed",   # the private writable tmp
+        f"net {listener}": "denied",
+        "net 1.1.1.1:53": "denied",
+    }
+    for action, want in probes.items():
+      got = p.step(0, action).observation.text
+      assert got.startswith(want), (kind, action, got)
+    assert not os.path.exists(os.path.join(os.path.dirname(secret), "x"))
+    assert open(secret).read() == "42\n"
+
+
+def test_docker_worker_limits_and_recovery():
+  client, why = _docker_client()
+  if client is None:
+    if os.environ.get("JAXAGENT_REQUIRE_DOCKER") == "1":
+      pytest.fail(f"JAXAGENT_REQUIRE_DOCKER=1 but docker is unavailable: {why}")
+    print(f"SKIP docker: {why}")
+    pytest.skip(f"docker unavailable: {why}")
+  with pool_lib.make_pool(2, env="faults", kind="docker", num_workers=1, action_timeout_s=3,
+                          start_timeout_s=60) as p:
+    c = client.containers.get(p.workers[0].container.id)
+    host = c.attrs["HostConfig"]
+    assert host["NetworkMode"] == "none" and host["ReadonlyRootfs"] and host["PidsLimit"] == 128
+    assert host["Memory"] == 512 << 20 and host["CapDrop"] == ["ALL"] and host["Binds"][0].endswith(":/run/jaxagent:rw")
+    p.reset_many([0, 1], FAULTS.tasks("train", 2, 0), [0, 1])
+    p.step_many([0, 1], ["ok", "ok"])
+    t = time.monotonic()
+    r = p.step_many([0, 1], ["hang", "ok"])
+    assert r[0].termination == "env_timeout" and r[1].observation.text == "ok 2"
+    assert time.monotonic() - t < 8
+    # the hung container was replaced; slot 1's episode was replayed into the new one
+    assert p.step(1, "ok").observation.text == "ok 3" and p.step(1, "ok").info["worker_restarts"] == 0
