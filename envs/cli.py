@@ -90,9 +90,10 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="envs")
+  """`python -m envs.cli list|check|serve ...` (the same as `jaxagent envs ...`, without jaxagent)."""
+  parser = argparse.ArgumentParser(prog="python -m envs.cli")
   register(parser.add_subparsers(dest="command", required=True))
-  args = parser.parse_args(argv)
+  args = parser.parse_args(["envs", *(sys.argv[1:] if argv is None else argv)])
   return args.func(args)
 
 
