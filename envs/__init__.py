@@ -16,7 +16,8 @@ from envs.builtin import calculator as _calculator
 from envs.builtin import faults as _faults
 from envs.builtin import gridworld as _gridworld
 from envs.builtin import guess as _guess
+from envs.builtin import terminal as _terminal
 
-for _m in (_calculator, _guess, _gridworld, _faults):
+for _m in (_calculator, _guess, _gridworld, _terminal, _faults):
   register(_m.SPEC)
 del _m

@@ -24,6 +24,8 @@ def check(env: str, *, episodes: int = 16, split: str = "train", kind: str = "in
   """Run each episode twice with the same seed and actions (the scripted demo, with one invalid action
   inserted first); returns replay rate, step latencies (seconds) and outcome counts."""
   spec = envs.get(env)
+  if spec.needs_sandbox and kind == "inprocess":
+    kind = "local"  # its actions run real programs: only inside a worker sandbox.
   tasks = spec.tasks(split, episodes, seed)
   runs, latencies, outcomes = [], [], collections.Counter()
   with pool_lib.make_pool(episodes, env=env, kind=kind, num_workers=workers) as pool:
