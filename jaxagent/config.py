@@ -57,18 +57,71 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  data: int = field(-1, ge=-1, help="-1: all remaining devices")
+class MeshAxes:
+  """Sizes of the mesh axes `data, fsdp, tensor` in one group (ICI or DCN); one may be -1 (inferred)."""
+  data: int = field(1, ge=-1)
   fsdp: int = field(1, ge=-1)
   tensor: int = field(1, ge=-1)
 
   def __post_init__(self):
     sizes = dataclasses.asdict(self)
     bad = [k for k, v in sizes.items() if v == 0]
-    if bad:
-      raise ConfigError(f"mesh.{bad[0]}=0: sizes are positive, or -1 to infer")
+    if bad:  # ValueError: the loader prefixes the key path (mesh.ici / mesh.dcn)
+      raise ValueError(f"{bad[0]}=0: sizes are positive, or -1 to infer")
     if sum(v == -1 for v in sizes.values()) > 1:
-      raise ConfigError(f"mesh: at most one axis may be -1, got {sizes}")
+      raise ValueError(f"at most one axis may be -1, got {sizes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class IciAxes(MeshAxes):
+  """ICI sizes; unset keys default to FSDP over the whole granule (data 1, fsdp -1, tensor 1)."""
+  fsdp: int = field(-1, ge=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnAxes(MeshAxes):
+  """DCN sizes; unset keys default to data parallelism across granules (data -1, fsdp 1, tensor 1)."""
+  data: int = field(-1, ge=-1)
+
+
+def _rules_names() -> list[str]:
+  from jaxagent.sharding import RULE_TABLES  # pylint: disable=g-import-not-at-top
+  return sorted(RULE_TABLES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+  """The rules table (jaxagent/sharding.py `RULE_TABLES`) each role places its parameters with."""
+  rollout: str = field("tensor_parallel", choices=_rules_names, help="decode: weights split over tensor only")
+  learner: str = field("fsdp_tp", choices=_rules_names, help="training: FSDP over fsdp, TP over tensor")
+  reference: str = field("fsdp_tp", choices=_rules_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh (jaxagent/sharding.py): axis size = ICI size x DCN size; -1 infers one size per group.
+
+  ICI sizes split the devices of one granule (a TPU slice; a process elsewhere), DCN sizes split the
+  granules. With DCN sizes all 1 (one granule, or set so) the ICI sizes cover every device.
+  """
+  ici: IciAxes = field(IciAxes(), help="within a slice/process; default: FSDP")
+  dcn: DcnAxes = field(DcnAxes(), help="across slices/processes; default: data parallel")
+  rules: MeshRules = field(MeshRules())
+  max_replicated_fraction: float = field(0.5, ge=0.0, le=1.0,
+                                         help="learner guard: max share of parameter bytes on every device")
+  allow_split_physical_axes: bool = field(False, help="mesh_utils: let a mesh axis split a physical axis")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """`jax.distributed` initialization (jaxagent/distributed.py); mode auto: explicit, SLURM, TPU, single."""
+  mode: Literal["auto", "single", "explicit", "slurm", "tpu"] = field("auto")
+  coordinator_address: str | None = field(None, help="host:port of process 0; env JAX_COORDINATOR_ADDRESS")
+  num_processes: int | None = field(None, ge=1, help="env JAXAGENT_NUM_PROCESSES")
+  process_id: int | None = field(None, ge=0, help="env JAXAGENT_PROCESS_ID")
+  local_device_ids: tuple[int, ...] | None = field(None, help="devices this process uses; null: JAX's default")
+  coordinator_port: int | None = field(None, ge=1, le=65535, help="slurm: port on the first node")
+  initialization_timeout_s: int = field(300, ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +238,7 @@ class Config:
   run: RunConfig = field(RunConfig())
   model: ModelSection = field(ModelSection())
   mesh: MeshConfig = field(MeshConfig())
+  distributed: DistributedConfig = field(DistributedConfig())
   generate: GenerateConfig = field(GenerateConfig())
   algo: AlgoConfig = field(AlgoConfig())
   optim: OptimConfig = field(OptimConfig())

@@ -1,0 +1,201 @@
+"""Meshes from config, per-role rules tables, and a guard against silently replicated parameters.
+
+The mesh has axes `data, fsdp, tensor`. Each axis has an ICI size (inside a granule: a TPU slice, or one
+process elsewhere) and a DCN size (across granules); the mesh axis is their product. One size per group may
+be -1 (inferred). With DCN sizes all 1 the mesh is `mesh_utils.create_device_mesh` over every device;
+otherwise `mesh_utils.create_hybrid_device_mesh`, so that only the DCN axes cross slow links.
+
+A role (rollout, learner, reference) maps logical axes to mesh axes through a named rules table
+(`RULE_TABLES`), chosen in `mesh.rules.<role>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+import models
+from jaxagent.config import MeshAxes, MeshConfig
+
+MESH_AXES = models.MESH_AXES
+
+# Decode: weights split over `tensor` only (no all-gather per generated token), the batch over the rest.
+TENSOR_PARALLEL_RULES: models.Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("length", None),
+)
+
+# Everything replicated but the batch: small models, debugging; the replication guard rejects it on a
+# multi-device learner mesh unless mesh.max_replicated_fraction allows it.
+REPLICATED_RULES: models.Rules = tuple((name, ("data", "fsdp") if name == "batch" else None)
+                                       for name, _ in models.DEFAULT_RULES)
+
+RULE_TABLES: dict[str, models.Rules] = {
+    "fsdp_tp": models.DEFAULT_RULES,  # training: parameters FSDP over `fsdp`, tensor-parallel over `tensor`
+    "tensor_parallel": TENSOR_PARALLEL_RULES,
+    "replicated": REPLICATED_RULES,
+}
+
+ROLES = ("rollout", "learner", "reference")
+
+
+def rules_for(role: str, config: MeshConfig) -> models.Rules:
+  """The rules table configured for `role` ("rollout", "learner" or "reference")."""
+  if role not in ROLES:
+    raise ValueError(f"role {role!r}: not one of {list(ROLES)}")
+  name = getattr(config.rules, role)
+  if name not in RULE_TABLES:
+    raise ValueError(f"mesh.rules.{role}={name!r}: not one of {sorted(RULE_TABLES)}")
+  return RULE_TABLES[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Mesh.
+
+
+def _infer(sizes: MeshAxes, total: int, where: str) -> dict[str, int]:
+  out = {a: getattr(sizes, a) for a in MESH_AXES}
+  known = math.prod(v for v in out.values() if v != -1)
+  inferred = [a for a, v in out.items() if v == -1]
+  if inferred:
+    if total % known:
+      raise ValueError(f"{where}: {total} cannot be split as {out} (the fixed sizes multiply to {known})")
+    out[inferred[0]] = total // known
+  if math.prod(out.values()) != total:
+    raise ValueError(f"{where}={out} multiplies to {math.prod(out.values())}, but there are {total}")
+  return out
+
+
+def resolve_mesh_shape(config: MeshConfig, num_devices: int, num_granules: int) -> tuple[dict[str, int],
+                                                                                       dict[str, int]]:
+  """ICI and DCN sizes per axis with every -1 filled in.
+
+  Args:
+    config: the `mesh` config section.
+    num_devices: devices in the mesh.
+    num_granules: TPU slices, or processes on other platforms.
+
+  Returns:
+    `(ici, dcn)` dicts over `data, fsdp, tensor`. With DCN sizes all 1, the ICI sizes cover every device.
+
+  Raises:
+    ValueError: the sizes do not fit the devices; the message names the config keys and counts.
+  """
+  if num_devices % num_granules:
+    raise ValueError(f"{num_devices} devices are not split evenly over {num_granules} granules")
+  dcn = _infer(config.dcn, num_granules, f"mesh.dcn (over {num_granules} granules: slices or processes)")
+  if math.prod(dcn.values()) == 1:
+    ici = _infer(config.ici, num_devices, f"mesh.ici (over all {num_devices} devices)")
+  else:
+    ici = _infer(config.ici, num_devices // num_granules,
+                 f"mesh.ici (over the {num_devices // num_granules} devices of one granule)")
+  return ici, dcn
+
+
+def _granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
+  """(count, process_is_granule): TPU slices where devices report them, else processes."""
+  slices = {getattr(d, "slice_index", None) for d in devices}
+  if devices[0].platform == "tpu" and None not in slices:
+    return len(slices), False
+  return len({d.process_index for d in devices}), True
+
+
+def mesh_from_config(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The `data, fsdp, tensor` mesh the config describes, over `devices` (default: all devices of all processes).
+
+  Args:
+    config: the `mesh` config section.
+    devices: the devices to use (default `jax.devices()`).
+
+  Returns:
+    A `jax.sharding.Mesh` whose axis sizes are ICI x DCN per axis.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  num_granules, process_is_granule = _granules(devices)
+  ici, dcn = resolve_mesh_shape(config, len(devices), num_granules)
+  if math.prod(dcn.values()) == 1:
+    grid = mesh_utils.create_device_mesh([ici[a] for a in MESH_AXES], devices,
+                                         allow_split_physical_axes=config.allow_split_physical_axes)
+  else:
+    grid = mesh_utils.create_hybrid_device_mesh(
+        [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices,
+        process_is_granule=process_is_granule, allow_split_physical_axes=config.allow_split_physical_axes)
+  return Mesh(np.asarray(grid), MESH_AXES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Replication guard.
+
+
+class ReplicationError(ValueError):
+  """Too many parameter bytes are fully replicated on a multi-device mesh."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationReport:
+  """Parameter bytes and how many of them every device holds in full."""
+
+  total_bytes: int
+  replicated_bytes: int
+  largest_replicated: tuple[tuple[str, tuple[int, ...], int], ...]  # (path, shape, bytes), largest first
+
+  @property
+  def replicated_fraction(self) -> float:
+    return self.replicated_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+def check_replication(state: Any, max_replicated_fraction: float, *, top: int = 5) -> ReplicationReport:
+  """Fails when more than `max_replicated_fraction` of parameter bytes are fully replicated.
+
+  A leaf counts as replicated when its sharding spans more than one device and every device holds all of
+  it. Leaves on a single device are never counted, so the guard is silent on one device.
+
+  Args:
+    state: a pytree (e.g. `nnx.State`) of `jax.Array`s or `jax.ShapeDtypeStruct`s with shardings.
+    max_replicated_fraction: in [0, 1]; 1 allows everything.
+    top: how many of the largest replicated leaves to name.
+
+  Returns:
+    The `ReplicationReport`.
+
+  Raises:
+    ReplicationError: naming the fraction, the limit and the largest replicated parameters.
+    ValueError: `max_replicated_fraction` outside [0, 1], or a leaf without a sharding.
+  """
+  if not 0.0 <= max_replicated_fraction <= 1.0:
+    raise ValueError(f"max_replicated_fraction={max_replicated_fraction}: must be in [0, 1]")
+  total, replicated, named = 0, 0, []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      continue
+    nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    total += nbytes
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+      raise ValueError(f"{jax.tree_util.keystr(path)} has no sharding; place the state on a mesh first")
+    if len(sharding.device_set) > 1 and sharding.is_fully_replicated:
+      replicated += nbytes
+      named.append((jax.tree_util.keystr(path), tuple(leaf.shape), nbytes))
+  named.sort(key=lambda item: -item[2])
+  report = ReplicationReport(total, replicated, tuple(named[:top]))
+  if report.replicated_fraction > max_replicated_fraction:
+    listing = ", ".join(f"{p} {list(s)} ({b / 2**20:.2f} MiB)" for p, s, b in report.largest_replicated)
+    raise ReplicationError(
+        f"{report.replicated_fraction:.1%} of parameter bytes ({replicated:,} of {total:,}) are fully "
+        f"replicated on every device, more than mesh.max_replicated_fraction={max_replicated_fraction}. "
+        f"Largest replicated: {listing}. Use a rules table that shards them (mesh.rules.*), a mesh with "
+        f"fsdp/tensor > 1 whose sizes divide these dimensions, or raise the limit.")
+  return report
