@@ -96,7 +96,11 @@ def resolve_mesh_shape(config: MeshConfig, num_devices: int, num_granules: int) 
   """
   if num_devices % num_granules:
     raise ValueError(f"{num_devices} devices are not split evenly over {num_granules} granules")
-  dcn = _infer(config.dcn, num_granules, f"mesh.dcn (over {num_granules} granules: slices or processes)")
+  dcn_sizes = [getattr(config.dcn, a) for a in MESH_AXES]
+  if all(s == 1 for s in dcn_sizes):  # explicitly flat: one mesh over every device, whatever the granules
+    dcn = dict.fromkeys(MESH_AXES, 1)
+  else:
+    dcn = _infer(config.dcn, num_granules, f"mesh.dcn (over {num_granules} granules: slices or processes)")
   if math.prod(dcn.values()) == 1:
     ici = _infer(config.ici, num_devices, f"mesh.ici (over all {num_devices} devices)")
   else:
@@ -178,17 +182,18 @@ def check_replication(state: Any, max_replicated_fraction: float, *, top: int = 
   if not 0.0 <= max_replicated_fraction <= 1.0:
     raise ValueError(f"max_replicated_fraction={max_replicated_fraction}: must be in [0, 1]")
   total, replicated, named = 0, 0, []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+  for key_path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
       continue
     nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
     total += nbytes
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
-      raise ValueError(f"{jax.tree_util.keystr(path)} has no sharding; place the state on a mesh first")
+      raise ValueError(f"{path} has no sharding; place the state on a mesh first")
     if len(sharding.device_set) > 1 and sharding.is_fully_replicated:
       replicated += nbytes
-      named.append((jax.tree_util.keystr(path), tuple(leaf.shape), nbytes))
+      named.append((path, tuple(leaf.shape), nbytes))
   named.sort(key=lambda item: -item[2])
   report = ReplicationReport(total, replicated, tuple(named[:top]))
   if report.replicated_fraction > max_replicated_fraction:

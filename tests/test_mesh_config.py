@@ -1,0 +1,118 @@
+"""Mesh from config (ICI/DCN, -1 inferred), per-role rules tables and the replication guard, on 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import models
+from jaxagent import config as config_lib
+from jaxagent import sharding
+
+CONFIG = models.ModelConfig(model_type="llama", vocab_size=264, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                            tie_word_embeddings=False)
+
+
+def _mesh_config(*overrides):
+  return config_lib.load(None, list(overrides)).mesh
+
+
+@pytest.mark.parametrize("overrides, devices, granules, ici, dcn", [
+    ((), 8, 1, (1, 8, 1), (1, 1, 1)),                                   # default: FSDP inside, data across
+    ((), 8, 2, (1, 4, 1), (2, 1, 1)),
+    (("mesh.ici.tensor=2",), 16, 4, (1, 2, 2), (4, 1, 1)),
+    (("mesh.dcn.data=1", "mesh.dcn.fsdp=-1"), 32, 4, (1, 8, 1), (1, 4, 1)),
+    (("mesh.dcn.data=1",), 8, 2, (1, 8, 1), (1, 1, 1)),                 # DCN all 1: ICI covers every device
+    (("mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=-1"), 8, 1, (2, 1, 4), (1, 1, 1)),
+])
+def test_resolve_mesh_shape(overrides, devices, granules, ici, dcn):
+  got_ici, got_dcn = sharding.resolve_mesh_shape(_mesh_config(*overrides), devices, granules)
+  assert tuple(got_ici.values()) == ici and tuple(got_dcn.values()) == dcn
+
+
+@pytest.mark.parametrize("overrides, devices, granules, pattern", [
+    (("mesh.ici.tensor=3",), 8, 1, r"mesh.ici \(over all 8 devices\): 8 cannot be split as .*'tensor': 3"),
+    (("mesh.dcn.data=4",), 8, 2, r"mesh.dcn \(over 2 granules: slices or processes\)=\{'data': 4.*multiplies "
+                                 r"to 4, but there are 2"),
+    (("mesh.ici.fsdp=2",), 8, 1, r"mesh.ici \(over all 8 devices\)=\{'data': 1, 'fsdp': 2, 'tensor': 1\} "
+                                 r"multiplies to 2"),
+    ((), 8, 3, r"8 devices are not split evenly over 3 granules"),
+])
+def test_mesh_shape_errors_name_the_keys(overrides, devices, granules, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    sharding.resolve_mesh_shape(_mesh_config(*overrides), devices, granules)
+
+
+def test_mesh_from_config_on_8_devices():
+  mesh = sharding.mesh_from_config(_mesh_config("mesh.ici.data=2", "mesh.ici.tensor=2"))
+  assert mesh.axis_names == ("data", "fsdp", "tensor") and dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
+  default = sharding.mesh_from_config(_mesh_config())
+  assert dict(default.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+  sub = sharding.mesh_from_config(_mesh_config("mesh.ici.tensor=2"), devices=jax.devices()[:4])
+  assert dict(sub.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+  # One process is one granule: a DCN size > 1 cannot be met (the 2-process test builds a hybrid mesh).
+  with pytest.raises(ValueError, match=r"mesh.dcn \(over 1 granules.*'data': 2.*there are 1"):
+    sharding.mesh_from_config(_mesh_config("mesh.dcn.data=2"))
+
+
+def test_role_tables_and_tiny_cpu_mesh():
+  cfg = _mesh_config()
+  assert sharding.rules_for("learner", cfg) is models.DEFAULT_RULES
+  assert sharding.rules_for("rollout", cfg) is sharding.TENSOR_PARALLEL_RULES
+  assert sharding.rules_for("reference", _mesh_config("mesh.rules.reference=replicated")) is sharding.REPLICATED_RULES
+  with pytest.raises(ValueError, match=r"role 'critic': not one of \['rollout', 'learner', 'reference'\]"):
+    sharding.rules_for("critic", cfg)
+  tiny = config_lib.load("tiny_cpu").mesh
+  assert dict(sharding.mesh_from_config(tiny).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+
+
+def _forward(model, tokens):
+  graphdef, state = nnx.split(model)
+  return jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+
+
+def test_rollout_and_learner_layouts_compute_the_same_logits():
+  mesh = sharding.mesh_from_config(_mesh_config("mesh.ici.data=2", "mesh.ici.tensor=2"))  # (2, 2, 2)
+  cfg = _mesh_config()
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 264, (4, 12)), jnp.int32)
+  expected = np.asarray(models.Transformer(CONFIG, rngs=nnx.Rngs(0))(tokens))
+  for role, spec_q, spec_embed in (("rollout", P(None, "tensor", None), P("tensor", None)),
+                                   ("learner", P("fsdp", "tensor", None), P("tensor", "fsdp"))):
+    rules = sharding.rules_for(role, cfg)
+    model = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, rules)
+    assert model.layers[0].attn.w_q_dnh[...].sharding.spec == spec_q, role
+    assert model.embed_vd[...].sharding.spec == spec_embed, role
+    np.testing.assert_allclose(np.asarray(_forward(model, tokens)), expected, rtol=0, atol=1e-5)
+
+
+def test_replication_guard():
+  mesh = sharding.mesh_from_config(_mesh_config("mesh.ici.tensor=2"))  # fsdp 4 x tensor 2
+  learner = nnx.split(models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh))[1]
+  report = sharding.check_replication(learner, 0.05)
+  # Only the RMSNorm scales stay replicated: (2 layers x 2 + final) x 64 floats.
+  assert report.replicated_bytes == 5 * 64 * 4 and report.total_bytes == CONFIG.num_params() * 4
+  assert report.replicated_fraction < 0.01
+
+  replicated = nnx.split(models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh,
+                                            sharding.REPLICATED_RULES))[1]
+  with pytest.raises(sharding.ReplicationError,
+                     match=r"100\.0% of parameter bytes .* more than mesh.max_replicated_fraction=0.5\. "
+                           r"Largest replicated: embed_vd \[264, 64\] \(0\.06 MiB\), w_unembed_dv \[64, 264\].*"
+                           r"layers\.0\.mlp\.w_down_fd \[128, 64\]"):
+    sharding.check_replication(replicated, 0.5)
+  assert sharding.check_replication(replicated, 1.0).replicated_fraction == 1.0
+
+  # Abstract state (eval_shape + shardings) is checked the same way, before anything is allocated.
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), replicated)
+  with pytest.raises(sharding.ReplicationError):
+    sharding.check_replication(abstract, 0.5)
+
+  # On one device nothing counts as replicated.
+  single = jax.device_put(replicated, jax.devices()[0])
+  assert sharding.check_replication(single, 0.0).replicated_bytes == 0
+  with pytest.raises(ValueError, match=r"max_replicated_fraction=1.5: must be in \[0, 1\]"):
+    sharding.check_replication(learner, 1.5)
