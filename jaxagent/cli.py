@@ -78,6 +78,45 @@ def _cmd_generate(args) -> int:
   return 0
 
 
+def _cmd_train(args) -> int:
+  from jaxagent import config as config_lib
+  from jaxagent.train import loop
+
+  if args.resume:
+    run_dir = Path(args.resume)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+      raise config_lib.ConfigError(f"--resume {run_dir}: no config.yaml (not a run directory)")
+    config = config_lib.load(saved, args.overrides)
+    loop.train(config, run_dir=run_dir, resume=True)
+  else:
+    loop.train(config_lib.load(args.config, args.overrides))
+  return 0
+
+
+def _cmd_eval(args) -> int:
+  from jaxagent import config as config_lib
+  from jaxagent.train import loop
+
+  run_dir = Path(args.checkpoint)
+  if run_dir.name == "checkpoints":
+    run_dir = run_dir.parent
+  saved = run_dir / "config.yaml"
+  if not saved.is_file():
+    raise config_lib.ConfigError(f"--checkpoint {args.checkpoint}: expected a run directory with config.yaml")
+  overrides = list(args.overrides) + ["train.save_trajectories=false"]
+  trainer = loop.Trainer(config_lib.load(saved, overrides), run_dir, resume=True)
+  try:
+    result = trainer.evaluate(args.split, args.episodes)
+  finally:
+    trainer.close()
+  print(result.line())
+  print(f"{'termination':<24}{'count':>8}")
+  for name, count in sorted(result.terminations.items(), key=lambda kv: -kv[1]):
+    print(f"{name:<24}{count:>8}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxagent", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("config", help="print a config after defaults and overrides (validates it)")
   _add_config_args(p, required=False)
   p.set_defaults(func=_cmd_config)
+
+  p = sub.add_parser("train", help="train per a config (BC cold start, then GRPO); prints RUN_DIR")
+  _add_config_args(p, required=False)
+  p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+  p.set_defaults(func=_cmd_train)
+
+  p = sub.add_parser("eval", help="held-out success rate of a run's latest checkpoint")
+  p.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/)")
+  p.add_argument("--split", default=None, choices=("train", "tune", "eval"))
+  p.add_argument("--episodes", type=int, default=None)
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+  p.set_defaults(func=_cmd_eval)
 
   p = sub.add_parser("demo", help="tiny model through init, HF save, Orbax convert, restore, KV-cache decode")
   _add_config_args(p)

@@ -208,7 +208,7 @@ class EnvConfig:
   invalid_action: Literal["error_observation", "terminate", "penalty"] = field("error_observation")
   action_timeout_s: float = field(10.0, gt=0.0)
   episode_timeout_s: float = field(120.0, gt=0.0)
-  options: dict[str, Any] | None = field(None, help="keyword arguments of the environment (e.g. max_operand)")
+  options: dict[str, Any] | None = field(None, help="keyword arguments of the task generator (e.g. max_operand)")
 
 
 @dataclasses.dataclass(frozen=True)

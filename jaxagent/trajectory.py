@@ -434,10 +434,12 @@ class TokenStream:
       raise ValueError(f"sampled tokens must have role POLICY or REASONING, got {role.name}")
     return self._append(tokens, role, train, logprobs)
 
-  def text(self, text: str, role: Role, tokenizer: Any) -> tuple[int, int]:
+  def text(self, text: str, role: Role, tokenizer: Any, *, max_tokens: int | None = None) -> tuple[int, int]:
+    """Appends `tokenizer.encode(text)`, cut to its first `max_tokens` tokens when given."""
     if role in SAMPLED_ROLES:
       raise ValueError("policy tokens enter through `sampled`, never by encoding text")
-    return self._append(tokenizer.encode(text), role, False, None)
+    tokens = tokenizer.encode(text)
+    return self._append(tokens if max_tokens is None else tokens[:max_tokens], role, False, None)
 
   def control(self, name: str, role: Role, tokenizer: Any) -> tuple[int, int]:
     if role in SAMPLED_ROLES:

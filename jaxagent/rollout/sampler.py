@@ -34,6 +34,8 @@ from jax.sharding import Mesh, NamedSharding
 import models
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Observations are short and every slot they take is a slot of the shared cache: finer buckets.
+DEFAULT_EXTEND_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class Finish(enum.IntEnum):
@@ -306,17 +308,20 @@ class Sampler:
     config: sampling parameters.
     pad_id: token written to unused output slots.
     mesh, rules: generation layout; the cache is constrained to (batch, -, kv_heads, -).
-    buckets: allowed prompt / observation lengths (static shapes).
+    buckets: allowed prompt lengths (static shapes).
+    extend_buckets: allowed lengths of appended chunks (observations).
   """
 
   def __init__(self, model: models.Transformer, *, cache_size: int, config: SamplingConfig, pad_id: int,
                mesh: Mesh | None = None, rules: models.Rules = models.DEFAULT_RULES,
-               buckets: Sequence[int] = DEFAULT_BUCKETS):
+               buckets: Sequence[int] = DEFAULT_BUCKETS,
+               extend_buckets: Sequence[int] = DEFAULT_EXTEND_BUCKETS):
     self.graphdef, _ = nnx.split(model)
     self.cache_size = cache_size
     self.config = config
     self.pad_id = pad_id
     self.buckets = tuple(buckets)
+    self.extend_buckets = tuple(extend_buckets)
     self.mesh = mesh
     shard = dict(mesh=mesh, rules=rules)
     merge = lambda params: nnx.merge(self.graphdef, params)
@@ -353,6 +358,6 @@ class Sampler:
   def extend(self, params: nnx.State, state: SamplerState, chunks: Sequence[Sequence[int]]
              ) -> tuple[SamplerState, jax.Array]:
     """Appends one token list per row (empty: untouched), right-padded to a bucket. State is donated."""
-    length = bucket(max(1, max(map(len, chunks))), self.buckets)
+    length = bucket(max(1, max(map(len, chunks))), self.extend_buckets)
     tokens, lengths = pad_right(chunks, length, self.pad_id)
     return self._extend(params, state, self._put_batch(tokens), self._put_batch(lengths))

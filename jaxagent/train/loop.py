@@ -1,0 +1,379 @@
+"""`jaxagent train CONFIG`: behavior-cloning cold start, then GRPO over multi-turn env episodes.
+
+Imperative shell around pure parts: the rollout engine produces `Trajectory` records, `assembly` turns them
+into a fixed-shape `Batch`, `algos` computes advantages, the jitted `train_step` updates the `TrainState`.
+Everything that decides the next step lives in one checkpoint (params, optimizer, step, policy version,
+RNG, grain iterator state); env seeds and sampling keys are derived from (seed, iteration), so a resumed run
+continues exactly where an uninterrupted one would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import envs
+import envs.pool
+import models
+from jaxagent import algos, checkpoint
+from jaxagent import config as config_lib
+from jaxagent import trajectory as tr
+from jaxagent.assembly import advantage_inputs, assemble
+from jaxagent.config import Config
+from jaxagent.rollout.engine import ChatFormat, RolloutEngine
+from jaxagent.rollout.sampler import Sampler, SamplingConfig
+from jaxagent.train import checkpointing
+from jaxagent.train import metrics as metrics_lib
+from jaxagent.train.state import TrainState, learning_rate_schedule
+from jaxagent.train.step import make_train_step
+from jaxagent.trajectory_store import TrajectoryWriter
+
+log = logging.getLogger(__name__)
+NUM_TRAIN_TASKS = 100_000
+
+
+def _seed(*parts: Any) -> int:
+  """A stable 31-bit seed from any parts (independent of Python's hash randomization)."""
+  digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+@dataclasses.dataclass
+class EvalResult:
+  split: str
+  episodes: int
+  successes: int
+  ci: tuple[float, float]
+  terminations: dict[str, int]
+  mean_reward: float
+
+  @property
+  def success_rate(self) -> float:
+    return self.successes / max(self.episodes, 1)
+
+  def line(self) -> str:
+    lo, hi = self.ci
+    return (f"{self.split} success {self.success_rate:.3f} ({self.successes}/{self.episodes}, "
+            f"95% CI [{lo:.3f}, {hi:.3f}]), mean reward {self.mean_reward:.3f}")
+
+
+class Trainer:
+  """Holds the run's parts; `run()` trains, `evaluate()` measures held-out success."""
+
+  def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, echo: bool = True):
+    self.config = config
+    self.run_dir = Path(run_dir)
+    self.echo = echo and jax.process_index() == 0
+    cfg = config
+    self.tokenizer = models.load_tokenizer(cfg.model.tokenizer)
+    dtype = jnp.dtype(cfg.model.dtype)
+    if cfg.model.path:
+      self.model = checkpoint.load_model(cfg.model.path, dtype=dtype)
+    else:
+      self.model = models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
+    if self.model.config.vocab_size < self.tokenizer.vocab_size:
+      raise config_lib.ConfigError(f"model vocab_size {self.model.config.vocab_size} < tokenizer vocab "
+                                   f"{self.tokenizer.vocab_size} ({cfg.model.tokenizer})")
+    if cfg.algo.name != "grpo":
+      raise config_lib.ConfigError(f"algo.name={cfg.algo.name!r}: this build trains 'grpo' only (ppo needs the "
+                                   "value head, not built yet)")
+    if cfg.train.dynamic_sampling:
+      raise config_lib.ConfigError("train.dynamic_sampling=true: not built yet; set it to false")
+    self.graphdef, params = nnx.split(self.model)
+    rl_updates = cfg.train.iterations * cfg.train.updates_per_iteration
+    schedule = optax.join_schedules(
+        [optax.constant_schedule(cfg.train.bc_learning_rate), learning_rate_schedule(cfg.optim, rl_updates)],
+        [cfg.train.bc_steps])
+    self.schedule = schedule
+    self.optimizer = optax.chain(
+        optax.clip_by_global_norm(cfg.optim.max_grad_norm),
+        optax.adamw(schedule, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps,
+                    weight_decay=cfg.optim.weight_decay))
+    self.state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                            policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed))
+    self.rl_step = make_train_step(self.graphdef, self.optimizer, cfg.algo,
+                                   micro_batches=cfg.train.micro_batches, mode="rl")
+    self.bc_step = make_train_step(self.graphdef, self.optimizer, cfg.algo, micro_batches=1, mode="bc")
+
+    self.env_spec = envs.get(cfg.env.name)
+    self.rows = cfg.train.tasks_per_iteration * cfg.train.group_size
+    pool_cfg = envs.pool.PoolConfig(
+        env=cfg.env.name, kind=cfg.env.pool, num_workers=cfg.env.workers,
+        action_timeout_s=cfg.env.action_timeout_s, episode_timeout_s=cfg.env.episode_timeout_s,
+        max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action)
+    self.pool = envs.pool.Pool(pool_cfg, num_slots=self.rows)
+    stops = tuple(tuple(self.tokenizer.encode(s)) for s in cfg.rollout.stop)
+    stops += ((self.tokenizer.special("<|eot|>"),), (self.tokenizer.eos_id,))
+    sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                              top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+                              stop_sequences=stops)
+    buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < cfg.rollout.max_context) + (
+        cfg.rollout.max_context,)
+    self.sampler = Sampler(self.model, cache_size=cfg.rollout.max_context, config=sampling,
+                           pad_id=self.tokenizer.pad_id, buckets=buckets)
+    self.eval_sampler = Sampler(
+        self.model, cache_size=cfg.rollout.max_context,
+        config=dataclasses.replace(sampling, temperature=cfg.train.eval_temperature),
+        pad_id=self.tokenizer.pad_id, buckets=buckets)
+    engine_args = dict(max_turns=cfg.env.max_turns, max_observation_tokens=cfg.rollout.max_observation_tokens,
+                       stop_strings=cfg.rollout.stop, gamma=cfg.algo.gamma,
+                       invalid_action_rule=cfg.env.invalid_action, chat=ChatFormat())
+    self.engine = RolloutEngine(self.sampler, self.pool, self.env_spec, self.tokenizer, **engine_args)
+    self.eval_engine = RolloutEngine(self.eval_sampler, self.pool, self.env_spec, self.tokenizer, **engine_args)
+
+    # Tasks: a grain pipeline over the train split, sharded by process; its iterator state is checkpointed.
+    options = dict(cfg.env.options or {})
+    task_list = self.env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **options)
+    source = grain.MapDataset.source(task_list)[jax.process_index()::jax.process_count()]
+    self.task_iter = iter(source.shuffle(seed=cfg.run.seed).repeat())
+
+    self.checkpointer = checkpointing.TrainCheckpointer(self.run_dir / "checkpoints",
+                                                        keep=cfg.train.keep_checkpoints)
+    self.model_config = models.config_to_hf(self.model.config)
+    self.iteration = 0
+    self.counters = {"env_interactions": 0, "action_tokens": 0, "device_seconds": 0.0, "wall_seconds": 0.0}
+    resume_step = None
+    if resume:
+      restored = self.checkpointer.restore_latest(self.state, self.model_config)
+      if restored is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+      self.iteration, self.state, meta = restored
+      self.task_iter.set_state(meta["data_iterator"])
+      self.counters = meta["counters"]
+      resume_step = int(self.state.step)
+      self._print(f"resumed from {self.run_dir / 'checkpoints' / str(self.iteration)} "
+                  f"(iteration {self.iteration}, step {resume_step}, policy version {int(self.state.policy_version)})")
+    self.metrics = metrics_lib.MetricsLogger(self.run_dir, enabled=jax.process_index() == 0,
+                                             resume_step=resume_step)
+    self.writer = TrajectoryWriter(self.run_dir / "trajectories") if cfg.train.save_trajectories else None
+    self._start_wall = time.perf_counter() - self.counters["wall_seconds"]
+
+  # ------------------------------------------------------------------------------------------------
+
+  def _print(self, *args) -> None:
+    if self.echo:
+      print(*args, flush=True)
+
+  def _params(self):
+    return self.state.params
+
+  def _save(self) -> None:
+    meta = {"iteration": self.iteration, "data_iterator": self.task_iter.get_state(),
+            "counters": self.counters, "versions": checkpointing.versions(),
+            "env": {"name": self.env_spec.name, "version": self.engine.env_version},
+            "policy_version": int(self.state.policy_version)}
+    self.checkpointer.save(self.iteration, self.state, meta, self.model_config,
+                           config_lib.to_dict(self.config))
+
+  # ------------------------------------------------------------------------------------------------
+  # Behavior cloning cold start.
+
+  def demonstrations(self, n: int, seed: int) -> list[tr.Trajectory]:
+    """Scripted demonstrations replayed through the same engine layout (tokens, roles, masks)."""
+    tasks = self.env_spec.tasks("train", n, _seed(seed, "demo"), **dict(self.config.env.options or {}))
+    out = []
+    env = self.env_spec.make(max_turns=self.config.env.max_turns)
+    chat = ChatFormat()
+    for i, task in enumerate(tasks):
+      obs = env.reset(task, i)
+      stream = tr.TokenStream()
+      chat.prompt(stream, obs.text, self.tokenizer)
+      turns = []
+      stop = self.tokenizer.encode(self.config.rollout.stop[0])
+      termination = tr.TerminationReason.MAX_TURNS
+      for action in self.env_spec.demo(task):
+        tokens = self.tokenizer.encode(action) + stop
+        span = stream.sampled(tokens, [0.0] * len(tokens))
+        result = env.step(action)
+        turns.append(tr.Turn(action=tr.Action(span=span, text=action), reward=result.reward,
+                             reward_components=dict(result.reward_components)))
+        if result.done:
+          termination = tr.TerminationReason(result.termination)
+          break
+        stream.control(chat.tool, tr.Role.TOOL, self.tokenizer)
+        stream.text(result.observation.text, tr.Role.TOOL, self.tokenizer,
+                    max_tokens=self.config.rollout.max_observation_tokens)
+        stream.control(chat.end_of_turn, tr.Role.TOOL, self.tokenizer)
+        stream.control(chat.assistant, tr.Role.TOOL, self.tokenizer)
+      out.append(tr.Trajectory(
+          task=tr.Task(task.id, task.split, task.version),
+          env=tr.EnvInfo(self.env_spec.name, self.engine.env_version, i), policy_version=-1,
+          termination=termination, reward=tr.Reward(total=sum(t.reward for t in turns)), turns=tuple(turns),
+          metadata={"source": "scripted_demo"}, **stream.arrays()))
+    return out
+
+  def behavior_cloning(self) -> None:
+    cfg = self.config.train
+    start_step = int(self.state.step)
+    if start_step >= cfg.bc_steps:
+      return
+    demos = self.demonstrations(max(cfg.bc_steps * cfg.bc_batch_size // 4, cfg.bc_batch_size), self.config.run.seed)
+    length = self.config.rollout.max_context
+    rng = np.random.default_rng(_seed(self.config.run.seed, "bc", start_step))
+    progress = metrics_lib.Progress(cfg.bc_steps - start_step, "cold start (BC)", self.echo)
+    for step in range(start_step, cfg.bc_steps):
+      pick = rng.choice(len(demos), cfg.bc_batch_size, replace=False)
+      batch = assemble([demos[i] for i in pick], length=length, rows=cfg.bc_batch_size,
+                       pad_id=self.tokenizer.pad_id)
+      normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=self.config.algo.aggregation,
+                                         norm_length=self.config.algo.norm_length)
+      self.state, m = self.bc_step(self.state, batch, jnp.float32(normalizer))
+      if step % 10 == 0 or step == cfg.bc_steps - 1:
+        m = jax.device_get(m)
+        self.metrics.log(int(self.state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"]})
+        progress.update(10 if step % 10 == 0 and step else 1, nll=f"{float(m['nll']):.3f}")
+    progress.close()
+
+  # ------------------------------------------------------------------------------------------------
+  # Evaluation.
+
+  def evaluate(self, split: str | None = None, episodes: int | None = None) -> EvalResult:
+    cfg = self.config
+    split = split or cfg.train.eval_split
+    episodes = cfg.train.eval_episodes if episodes is None else episodes
+    tasks = self.env_spec.tasks(split, episodes, _seed(cfg.run.seed, "eval", split), **dict(cfg.env.options or {}))
+    successes, rewards, terms = 0, [], {}
+    for start in range(0, episodes, self.rows):
+      chunk = tasks[start:start + self.rows]
+      seeds = [_seed(cfg.run.seed, "eval", split, start + i) for i in range(len(chunk))]
+      trajs, _ = self.eval_engine.run(self.state.params, chunk, seeds, group_size=1,
+                                      rng=jax.random.key(_seed(cfg.run.seed, "eval-rng", start)),
+                                      policy_version=int(self.state.policy_version))
+      for t in trajs:
+        successes += bool(t.verifier.passed)
+        rewards.append(t.reward.total)
+        terms[t.termination.value] = terms.get(t.termination.value, 0) + 1
+    return EvalResult(split, episodes, successes, metrics_lib.wilson_interval(successes, episodes), terms,
+                      float(np.mean(rewards)) if rewards else 0.0)
+
+  # ------------------------------------------------------------------------------------------------
+  # Reinforcement learning.
+
+  def rl_iteration(self) -> dict[str, float]:
+    cfg = self.config
+    it = self.iteration
+    timer = metrics_lib.StageTimer()
+    wall0 = time.perf_counter()
+    tasks = [next(self.task_iter) for _ in range(cfg.train.tasks_per_iteration)]
+    seeds = [_seed(cfg.run.seed, "env", it, i) for i in range(self.rows)]
+    rng = jax.random.fold_in(self.state.rng, it)
+    with timer("rollout"):
+      trajs, stats = self.engine.run(self.state.params, tasks, seeds, group_size=cfg.train.group_size, rng=rng,
+                                     policy_version=int(self.state.policy_version))
+    with timer("advantages"):
+      rewards_ns, mask_ns, group_ids = advantage_inputs(trajs, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
+      adv = algos.get_advantage(cfg.algo.advantage)(jnp.asarray(rewards_ns), jnp.asarray(mask_ns),
+                                                     jnp.asarray(group_ids), **algos.advantage_kwargs(cfg.algo))
+      adv_ns = np.asarray(adv.advantages)
+      per_turn = [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajs)]
+      batch = assemble(trajs, per_turn, level="turn", length=cfg.rollout.max_context, rows=self.rows,
+                       pad_id=self.tokenizer.pad_id)
+      normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
+                                         norm_length=cfg.algo.norm_length, allow_empty=True)
+    with timer("update"):
+      for _ in range(cfg.train.updates_per_iteration):
+        self.state, m = self.rl_step(self.state, batch, jnp.float32(normalizer))
+      m = jax.device_get(m)
+    if self.writer is not None:
+      with timer("write"):
+        for t in trajs:
+          self.writer.write(t)
+        self.writer.flush()
+
+    totals = np.asarray([t.reward.total for t in trajs])
+    passed = np.asarray([bool(t.verifier.passed) for t in trajs])
+    groups = totals.reshape(cfg.train.tasks_per_iteration, cfg.train.group_size)
+    stage = timer.pop()
+    self.counters["env_interactions"] += stats.env_steps
+    self.counters["action_tokens"] += stats.action_tokens
+    self.counters["device_seconds"] += stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0)
+    self.counters["wall_seconds"] = time.perf_counter() - self._start_wall
+    out = {
+        "reward_mean": float(totals.mean()), "success_rate": float(passed.mean()),
+        "reward_std_within_group": float(groups.std(axis=1).mean()),
+        "zero_variance_group_fraction": float(adv.zero_variance_groups) / cfg.train.tasks_per_iteration,
+        "policy_lag": 0.0, "learning_rate": float(self.schedule(int(self.state.step) - 1)),
+        "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
+        "time/extend_s": stats.extend_s, "time/iteration_s": time.perf_counter() - wall0,
+        **stage, **{k: float(v) for k, v in m.items()}, **self.counters,
+    }
+    for key in sorted({k for t in trajs for k in t.reward.components}):
+      out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in trajs]))
+    for t in trajs:
+      out[f"termination/{t.termination.value}"] = out.get(f"termination/{t.termination.value}", 0) + 1
+    return out
+
+  def run(self) -> tuple[EvalResult | None, EvalResult | None]:
+    cfg = self.config
+    self._print(f"RUN_DIR {self.run_dir.resolve()}")
+    (self.run_dir / "config.yaml").write_text(config_lib.dump(cfg))
+    before = after = None
+    if int(self.state.step) < cfg.train.bc_steps:
+      self.behavior_cloning()
+      self._save()
+    if cfg.train.eval_episodes and self.iteration == 0:
+      before = self.evaluate()
+      self._print(f"after cold start: {before.line()}")
+      self.metrics.log(int(self.state.step), {"eval_success_rate": before.success_rate, **self.counters},
+                       iteration=self.iteration)
+    progress = metrics_lib.Progress(cfg.train.iterations, "GRPO", self.echo)
+    progress.update(self.iteration)
+    while self.iteration < cfg.train.iterations:
+      m = self.rl_iteration()
+      self.iteration += 1
+      self.metrics.log(int(self.state.step), m, iteration=self.iteration)
+      progress.update(1, reward=f"{m['reward_mean']:.2f}", succ=f"{m['success_rate']:.2f}")
+      if self.iteration % cfg.train.checkpoint_every == 0 or self.iteration == cfg.train.iterations:
+        self._save()
+    progress.close()
+    self.checkpointer.wait()
+    if cfg.train.eval_episodes:
+      after = self.evaluate()
+      self._print(f"after RL:         {after.line()}")
+      self.metrics.log(int(self.state.step), {"eval_success_rate": after.success_rate, **self.counters},
+                       iteration=self.iteration)
+    if cfg.train.plots and jax.process_index() == 0:
+      metrics_lib.write_plots(self.run_dir)
+    return before, after
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()
+    self.checkpointer.close()
+    self.metrics.close()
+    self.pool.close()
+
+
+def new_run_dir(config: Config) -> Path:
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  run_dir = Path(config.run.root) / f"{config.run.name}-{stamp}"
+  run_dir.mkdir(parents=True, exist_ok=False)
+  return run_dir
+
+
+def train(config: Config, *, run_dir: Path | None = None, resume: bool = False) -> Trainer:
+  """Trains per `config` in `run_dir` (a new one unless resuming). Returns the closed trainer."""
+  if resume and run_dir is None:
+    raise ValueError("--resume needs the run directory")
+  run_dir = run_dir or new_run_dir(config)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  trainer = Trainer(config, run_dir, resume=resume)
+  try:
+    trainer.run()
+  finally:
+    trainer.close()
+  return trainer
