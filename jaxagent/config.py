@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -257,6 +258,9 @@ def _type_name(tp: Any) -> str:
   return str(tp).replace("typing.", "")
 
 
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _check_range(value: Any, meta: Mapping[str, Any], where: str) -> None:
   for key, op, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                         ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
@@ -324,6 +328,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
       raise ConfigError(f"{where}={value!r}: expected an integer")
     return value
   if tp is float:
+    if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+      return float(value)  # YAML 1.1 reads `2e-4` (no dot) as a string; it is clearly a number
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{where}={value!r}: expected a number")
     return float(value)

@@ -81,6 +81,11 @@ class TrajectoryWriter:
     self._count = 0
     self.finished: list[Path] = []
 
+  @property
+  def next_index(self) -> int:
+    """Index of the next shard this writer will create (every lower index is finished or open)."""
+    return self._next_index
+
   def write(self, trajectory: Trajectory) -> None:
     if not isinstance(trajectory, Trajectory):
       raise TypeError(f"expected a Trajectory, got {type(trajectory).__name__}")
@@ -121,6 +126,27 @@ class TrajectoryWriter:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def discard_from(directory: str | os.PathLike, index: int, *, prefix: str = "trajectories") -> list[Path]:
+  """Moves shards numbered >= `index` (and unfinished ones) into `directory/discarded/`; returns their new paths.
+
+  Used on resume: trajectories of iterations after the restored checkpoint belong to a timeline that is
+  replayed, so they are set aside (not deleted) and the replayed ones are not stored twice.
+  """
+  directory = Path(directory)
+  if not directory.is_dir():
+    return []
+  pattern = re.compile(re.escape(prefix) + r"-(\d+)" + re.escape(SUFFIX) + r"(\.partial)?$")
+  moved = []
+  for path in sorted(directory.iterdir()):
+    m = pattern.match(path.name)
+    if m and (int(m.group(1)) >= index or m.group(2)):
+      target = directory / "discarded" / path.name
+      target.parent.mkdir(exist_ok=True)
+      os.replace(path, target)
+      moved.append(target)
+  return moved
 
 
 def list_files(path: str | os.PathLike) -> list[Path]:

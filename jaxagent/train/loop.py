@@ -40,6 +40,7 @@ from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.state import TrainState, learning_rate_schedule
 from jaxagent.train.step import make_train_step
+from jaxagent import trajectory_store
 from jaxagent.trajectory_store import TrajectoryWriter
 
 log = logging.getLogger(__name__)
@@ -123,12 +124,14 @@ class Trainer:
                               stop_sequences=stops)
     buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < cfg.rollout.max_context) + (
         cfg.rollout.max_context,)
+    # Observation chunks are padded to one fixed length (body cap + framing): one compiled extend per run.
+    extend = (cfg.rollout.max_observation_tokens + 3,)
     self.sampler = Sampler(self.model, cache_size=cfg.rollout.max_context, config=sampling,
-                           pad_id=self.tokenizer.pad_id, buckets=buckets)
+                           pad_id=self.tokenizer.pad_id, buckets=buckets, extend_buckets=extend)
     self.eval_sampler = Sampler(
         self.model, cache_size=cfg.rollout.max_context,
         config=dataclasses.replace(sampling, temperature=cfg.train.eval_temperature),
-        pad_id=self.tokenizer.pad_id, buckets=buckets)
+        pad_id=self.tokenizer.pad_id, buckets=buckets, extend_buckets=extend)
     engine_args = dict(max_turns=cfg.env.max_turns, max_observation_tokens=cfg.rollout.max_observation_tokens,
                        stop_strings=cfg.rollout.stop, gamma=cfg.algo.gamma,
                        invalid_action_rule=cfg.env.invalid_action, chat=ChatFormat())
@@ -159,6 +162,11 @@ class Trainer:
                   f"(iteration {self.iteration}, step {resume_step}, policy version {int(self.state.policy_version)})")
     self.metrics = metrics_lib.MetricsLogger(self.run_dir, enabled=jax.process_index() == 0,
                                              resume_step=resume_step)
+    if resume and cfg.train.save_trajectories:
+      moved = trajectory_store.discard_from(self.run_dir / "trajectories", meta.get("trajectory_shards", 0))
+      if moved:
+        self._print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
+                    f"(trajectories/discarded/): their iterations are replayed")
     self.writer = TrajectoryWriter(self.run_dir / "trajectories") if cfg.train.save_trajectories else None
     self._start_wall = time.perf_counter() - self.counters["wall_seconds"]
 
@@ -175,7 +183,8 @@ class Trainer:
     meta = {"iteration": self.iteration, "data_iterator": self.task_iter.get_state(),
             "counters": self.counters, "versions": checkpointing.versions(),
             "env": {"name": self.env_spec.name, "version": self.engine.env_version},
-            "policy_version": int(self.state.policy_version)}
+            "policy_version": int(self.state.policy_version),
+            "trajectory_shards": self.writer.next_index if self.writer is not None else 0}
     self.checkpointer.save(self.iteration, self.state, meta, self.model_config,
                            config_lib.to_dict(self.config))
 
