@@ -13,11 +13,12 @@ from envs._api import (CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_ERROR, ENV_T
 from envs._registry import get, names, register
 from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)
 from envs.builtin import calculator as _calculator
+from envs.builtin import code_repair as _code_repair
 from envs.builtin import faults as _faults
 from envs.builtin import gridworld as _gridworld
 from envs.builtin import guess as _guess
 from envs.builtin import terminal as _terminal
 
-for _m in (_calculator, _guess, _gridworld, _terminal, _faults):
+for _m in (_calculator, _guess, _gridworld, _terminal, _faults, _code_repair):
   register(_m.SPEC)
 del _m

@@ -1,0 +1,426 @@
+"""Code repair: a tiny Python package with tests ships in `code_repair_pkg/`; a task is one AST mutation of its
+source that makes an existing test fail (found by running the tests); the agent edits the mutated copy until
+the tests pass again. The verifier is the package's own test file, run in the sandbox.
+
+Actions (one line each):
+  show FILE                 print FILE with line numbers (a module, or the read-only pkg_tests.py)
+  replace FILE:LINE TEXT    replace line LINE of FILE with TEXT; `replace LINE TEXT` edits the last shown
+                            module. TEXT without leading whitespace keeps the line's indentation.
+  test                      run every test against the edited copy, show the result
+  submit                    end the episode; the verifier runs the pristine tests (failing test + the rest)
+
+Mutation operators (each changes exactly one line): cmp_swap (< <=, > >=, == !=), const_off_by_one (integer
+literal +-1), arith_flip (+ -, += -=), bool_swap (and or), negate_cond (if/while test -> not (test)). A
+mutation is kept when at least one test fails and no test hangs (per-test alarm); the first failing test is
+the task's. Splits are isolated by MODULE: train mutates textops.py and stack.py, tune intervals.py, eval
+search.py. Scripted demonstration: the inverse mutation as one `replace`, then `submit`.
+
+Every test run is a fresh interpreter (`code_repair_runner.py`) with a per-test alarm, a total budget and a
+subprocess timeout; the verifier reads the tests from this package (outside the agent-writable tmp dir) and
+rejects submissions that introduce identifiers the pristine module does not use (e.g. `open`, `sys`).
+Run it in a sandboxed pool (local + bubblewrap, or docker): actions execute arbitrary edited code.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import functools
+import io
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import tokenize
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from envs._api import (COMPLETED, ENV_TIMEOUT, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction,
+                       Observation, StepResult, Task, Verdict, Verifier, source_version)
+
+HERE = Path(__file__).resolve().parent
+PKG_DIR = HERE / "code_repair_pkg"
+RUNNER = HERE / "code_repair_runner.py"
+TESTS_FILE = "pkg_tests.py"
+SPLIT_MODULES = {"train": ("textops.py", "stack.py"), "tune": ("intervals.py",), "eval": ("search.py",)}
+MODULES = tuple(m for ms in SPLIT_MODULES.values() for m in ms)
+FILES = tuple(sorted(MODULES + (TESTS_FILE,)))
+DATA_FILES = tuple(PKG_DIR / f for f in FILES) + (RUNNER,)
+
+PER_TEST_TIMEOUT_S = 1.0     # alarm per test function inside the runner
+RUN_BUDGET_S = 3.0           # tests still pending after this are reported as not run
+RUN_TIMEOUT_S = 6.0          # the runner subprocess itself (below the pool's default 10 s action timeout)
+GEN_PER_TEST_TIMEOUT_S = 0.3  # task generation: a mutant that makes any test this slow is dropped
+SAFE_NEW_NAMES = frozenset({"len", "range", "min", "max", "abs", "sorted", "reversed", "enumerate", "zip", "sum",
+                            "list", "tuple", "dict", "int", "str", "bool", "any", "all", "repr", "chr", "ord",
+                            "append", "pop", "True", "False", "None"})
+
+
+class RunnerTimeout(Exception):
+  """The test runner process did not finish within RUN_TIMEOUT_S (killed)."""
+
+
+def _run_env(home: str) -> dict[str, str]:
+  return {"PATH": "/usr/bin:/bin", "HOME": home, "LC_ALL": "C", "PYTHONHASHSEED": "0"}
+
+
+def run_tests(pkg_dir: Path, names: Sequence[str] = (), *, per_test_s: float = PER_TEST_TIMEOUT_S,
+              budget_s: float = RUN_BUDGET_S, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+  """Run the pristine tests (or `names`) against the modules in `pkg_dir` in a fresh interpreter.
+
+  Returns {results: {test: pass|fail|timeout|not_run|missing}, details: {test: text}, import_error: str|None}.
+  Raises RunnerTimeout when the process outlives `timeout_s`, EnvError when it cannot run or reports nothing.
+  """
+  nonce = secrets.token_hex(16)
+  cmd = [sys.executable, "-s", "-S", "-B", str(RUNNER), str(pkg_dir), str(PKG_DIR / TESTS_FILE),
+         repr(per_test_s), repr(budget_s), *names]
+  try:
+    proc = subprocess.run(cmd, input=(nonce + "\n").encode(), capture_output=True, timeout=timeout_s,
+                          cwd=pkg_dir, env=_run_env(str(pkg_dir)), start_new_session=True)
+  except subprocess.TimeoutExpired:
+    raise RunnerTimeout(f"the tests did not finish within {timeout_s:g}s (killed)") from None
+  except OSError as e:
+    raise EnvError(f"cannot start the test runner {sys.executable}: {e}") from None
+  for line in proc.stdout.decode("utf-8", errors="replace").splitlines():
+    if line.startswith(nonce + " "):
+      return json.loads(line[len(nonce) + 1:])
+  # No report: the runner died (e.g. the code under test hit a resource limit or killed it).
+  return dict(results={}, details={}, import_error=f"the test process died (exit {proc.returncode}) "
+                                                   "before reporting")
+
+
+def format_report(report: Mapping[str, Any], only: Sequence[str] = ()) -> str:
+  """Deterministic text of a runner report (no paths, no timings)."""
+  if report.get("import_error"):
+    return "cannot import the package:\n" + report["import_error"]
+  results = report["results"]
+  names = list(only) or list(results)
+  counts: dict[str, int] = {}
+  for n in names:
+    counts[results.get(n, "missing")] = counts.get(results.get(n, "missing"), 0) + 1
+  lines = [f"{len(names)} tests: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))]
+  for n in names:
+    status = results.get(n, "missing")
+    if status != "pass":
+      lines.append(f"{status.upper()} {n}")
+      if n in report.get("details", {}):
+        lines.append(report["details"][n])
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mutations.
+
+CMP_SWAP = {"<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "!=", "!=": "=="}
+ARITH_FLIP = {"+": "-", "-": "+", "+=": "-=", "-=": "+="}
+BOOL_SWAP = {"and": "or", "or": "and"}
+
+
+def _tokens(source: str) -> list[tokenize.TokenInfo]:
+  return [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+          if t.type in (tokenize.OP, tokenize.NAME)]
+
+
+def _token_between(toks, start: tuple[int, int], end: tuple[int, int], wanted: Mapping[str, str]):
+  hits = [t for t in toks if t.start >= start and t.end <= end and t.string in wanted]
+  if len(hits) != 1 or hits[0].start[0] != hits[0].end[0]:
+    return None
+  return hits[0]
+
+
+def candidate_mutations(module: str, source: str) -> list[dict[str, Any]]:
+  """Every single-line mutation of `source` by the operators above, in source order."""
+  if not source.isascii():
+    raise ValueError(f"{module}: the package sources must be ASCII (AST columns are byte offsets)")
+  tree, toks, lines = ast.parse(source), _tokens(source), source.splitlines()
+  out = []
+
+  def add(kind, line, col, original, replacement):
+    if lines[line - 1][col:col + len(original)] != original:
+      raise AssertionError(f"{module}:{line}:{col}: expected {original!r}")  # a bug in this generator
+    out.append(dict(module=module, line=line, col=col, kind=kind, original=original, replacement=replacement))
+
+  def between(a: ast.AST, b: ast.AST, table, kind):
+    t = _token_between(toks, (a.end_lineno, a.end_col_offset), (b.lineno, b.col_offset), table)
+    if t is not None:
+      add(kind, t.start[0], t.start[1], t.string, table[t.string])
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Compare):
+      operands = [node.left] + node.comparators
+      for a, b in zip(operands, operands[1:]):
+        between(a, b, CMP_SWAP, "cmp_swap")
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+      between(node.left, node.right, {"+": "-", "-": "+"}, "arith_flip")
+    elif isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Add, ast.Sub)):
+      between(node.target, node.value, {"+=": "-=", "-=": "+="}, "arith_flip")
+    elif isinstance(node, ast.BoolOp):
+      for a, b in zip(node.values, node.values[1:]):
+        between(a, b, BOOL_SWAP, "bool_swap")
+    elif isinstance(node, ast.Constant) and type(node.value) is int and node.lineno == node.end_lineno:
+      text = lines[node.lineno - 1][node.col_offset:node.end_col_offset]
+      for delta in (1, -1):
+        add("const_off_by_one", node.lineno, node.col_offset, text, str(node.value + delta))
+    elif isinstance(node, (ast.If, ast.While)) and node.test.lineno == node.test.end_lineno:
+      t = node.test
+      text = lines[t.lineno - 1][t.col_offset:t.end_col_offset]
+      add("negate_cond", t.lineno, t.col_offset, text, f"not ({text})")
+  out.sort(key=lambda m: (m["line"], m["col"], m["kind"], m["replacement"]))
+  return out
+
+
+def apply_mutation(source: str, m: Mapping[str, Any]) -> str:
+  """`source` with mutation `m` applied; raises EnvError if `source` is not the text `m` was made from."""
+  lines = source.splitlines(keepends=True)
+  line, col, orig = int(m["line"]), int(m["col"]), str(m["original"])
+  if not 1 <= line <= len(lines) or lines[line - 1][col:col + len(orig)] != orig:
+    raise EnvError(f"mutation {m!r} does not match {m.get('module')} (stale task for another package version?)")
+  text = lines[line - 1]
+  lines[line - 1] = text[:col] + str(m["replacement"]) + text[col + len(orig):]
+  return "".join(lines)
+
+
+def pristine(module: str) -> str:
+  return (PKG_DIR / module).read_text()
+
+
+def write_package(root: Path, mutation: Mapping[str, Any] | None = None) -> None:
+  """The editable modules (mutated if given) in `root`; the tests stay in PKG_DIR."""
+  for module in MODULES:
+    text = pristine(module)
+    if mutation is not None and mutation["module"] == module:
+      text = apply_mutation(text, mutation)
+    (root / module).write_text(text)
+
+
+def _try_mutation(m: dict[str, Any]) -> dict[str, Any] | None:
+  root = Path(tempfile.mkdtemp(prefix="crgen-"))
+  try:
+    write_package(root, m)
+    try:
+      compile((root / m["module"]).read_text(), m["module"], "exec")
+    except SyntaxError:
+      return None
+    try:
+      report = run_tests(root, per_test_s=GEN_PER_TEST_TIMEOUT_S, budget_s=RUN_BUDGET_S)
+    except RunnerTimeout:
+      return None
+    results = report["results"]
+    if report.get("import_error") or any(v != "pass" and v != "fail" for v in results.values()):
+      return None  # broken import, a hang or a budget overrun: not a clean, fast, deterministic task.
+    failing = [n for n, v in results.items() if v == "fail"]
+    return dict(m, failing_tests=failing) if failing else None   # no test fails: an equivalent mutant.
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def valid_mutations(module: str) -> tuple[dict[str, Any], ...]:
+  """The mutations of `module` that make at least one test fail, found by running the tests (cached)."""
+  if module not in MODULES:
+    raise ValueError(f"module={module!r}: not one of {MODULES}")
+  cands = candidate_mutations(module, pristine(module))
+  with concurrent.futures.ThreadPoolExecutor(max(2, min(8, 2 * (os.cpu_count() or 1)))) as ex:
+    found = list(ex.map(_try_mutation, cands))
+  return tuple(m for m in found if m is not None)
+
+
+def mutation_id(m: Mapping[str, Any]) -> str:
+  return f"{m['module']}:{m['line']}:{m['col']}:{m['kind']}:{m['replacement']}"
+
+
+TASK_VERSION = source_version(candidate_mutations, data=DATA_FILES)
+
+
+def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
+  """`n` tasks of `split`, drawn without replacement from its modules' mutations (cycling when n exceeds them)."""
+  if split not in SPLIT_MODULES:
+    raise ValueError(f"split={split!r}: not one of {sorted(SPLIT_MODULES)}")
+  if n < 0:
+    raise ValueError(f"n={n}: must be >= 0")
+  pool = [m for module in SPLIT_MODULES[split] for m in valid_mutations(module)]
+  if not pool:
+    raise RuntimeError(f"code_repair: no mutation of {SPLIT_MODULES[split]} makes a test fail")
+  rng = random.Random(f"code_repair:{split}:{seed}")
+  order: list[dict[str, Any]] = []
+  while len(order) < n:
+    batch = list(pool)
+    rng.shuffle(batch)
+    order += batch
+  out = []
+  for i, m in enumerate(order[:n]):
+    mutation = {k: m[k] for k in ("module", "line", "col", "kind", "original", "replacement")}
+    out.append(Task(id=f"cr-{split}-{seed}-{i}", split=split, version=TASK_VERSION, payload=dict(
+        module=m["module"], mutation=mutation, mutation_id=mutation_id(m), failing_test=m["failing_tests"][0],
+        failing_tests=list(m["failing_tests"]))))
+  return out
+
+
+def demo(task: Task, seed: int = 0) -> list[str]:
+  """The inverse mutation as one `replace` of the mutated line with its pristine text, then `submit`."""
+  m = task.payload["mutation"]
+  line = pristine(m["module"]).splitlines()[int(m["line"]) - 1]
+  return [f"replace {m['module']}:{m['line']} {line}", "submit"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Verifier and env.
+
+
+def _identifiers(source: str) -> set[str]:
+  names: set[str] = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Name):
+      names.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      names.add(node.attr)
+    elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.arg):
+      names.add(node.arg)
+    elif isinstance(node, ast.alias):
+      names.add(node.asname or node.name)
+  return names
+
+
+class CodeRepairVerifier(Verifier):
+  """Runs the pristine test file (from the package, not the agent's copy) against the submitted modules.
+
+  passed = every test passes (the task's failing test included) and no module uses an identifier its
+  pristine version does not (beyond a few builtins): repairs never need `open`, `sys` or `__import__`.
+  """
+
+  version = "code-repair-tests-" + source_version(data=(PKG_DIR / TESTS_FILE, RUNNER))
+
+  def score(self, task: Task, final: Path) -> Verdict:
+    root = Path(final)
+    new_names: dict[str, list[str]] = {}
+    for module in MODULES:
+      try:
+        extra = _identifiers((root / module).read_text()) - _identifiers(pristine(module)) - SAFE_NEW_NAMES
+      except (SyntaxError, ValueError, OSError):
+        continue  # the tests report the broken module
+      if extra:
+        new_names[module] = sorted(extra)
+    evidence: dict[str, Any] = dict(failing_test=task.payload["failing_test"], new_names=new_names,
+                                    python=sys.version.split()[0], runner_timeout=False)
+    try:
+      report = run_tests(root)
+    except RunnerTimeout as e:
+      evidence.update(runner_timeout=True, error=str(e))
+      return Verdict(False, 0.0, evidence, self.version)
+    results = report["results"]
+    all_pass = bool(results) and not report.get("import_error") and all(v == "pass" for v in results.values())
+    passed = all_pass and results.get(task.payload["failing_test"]) == "pass" and not new_names
+    evidence.update(results=dict(results), import_error=report.get("import_error"),
+                    failing_test_result=results.get(task.payload["failing_test"], "missing"),
+                    report=format_report(report)[:2000])
+    return Verdict(passed, 1.0 if passed else 0.0, evidence, self.version)
+
+
+_REPLACE = re.compile(r"(?:([A-Za-z_][\w.]*):)?(\d+)(?: (.*))?", re.S)
+
+
+class CodeRepairEnv(Env):
+  name = "code_repair"
+  description = ("repair a mutated Python package until its tests pass (sandboxed): show FILE, "
+                 "replace FILE:LINE TEXT, test, submit")
+  parser = ActionParser(tools=("show", "replace", "test", "submit"), max_chars=512)
+
+  def __init__(self, max_turns: int = 12, **kwargs):
+    super().__init__(max_turns=max_turns, **kwargs)
+    self.verifier = CodeRepairVerifier()
+    self.root: Path | None = None
+    self.current: str | None = None
+    self.edits = 0
+
+  def _reset(self, task: Task, seed: int) -> str:
+    self.close()
+    if task.version != TASK_VERSION:
+      raise EnvError(f"task {task.id} was generated for package version {task.version}, this env has "
+                     f"{TASK_VERSION}: regenerate the tasks")
+    p = task.payload
+    self.root = Path(tempfile.mkdtemp(prefix="crepair-"))
+    self.current, self.edits = None, 0
+    write_package(self.root, p["mutation"])
+    try:
+      report = run_tests(self.root, [p["failing_test"]])
+    except RunnerTimeout as e:
+      raise EnvError(f"task {task.id}: {e}") from None
+    if report["results"].get(p["failing_test"]) != "fail":
+      raise EnvError(f"task {task.id} does not reproduce: {p['failing_test']} gave "
+                     f"{report['results'].get(p['failing_test'])!r} ({report.get('import_error')})")
+    return (f"The test {p['failing_test']} fails:\n{report['details'][p['failing_test']]}\n"
+            f"Files: {' '.join(FILES)} ({TESTS_FILE} is read-only)\n"
+            "Actions: show FILE | replace FILE:LINE TEXT | test | submit")
+
+  def _file(self, name: str) -> Path:
+    if name not in FILES:
+      raise InvalidAction(f"unknown file {name[:40]!r}; files are {' '.join(FILES)}")
+    return PKG_DIR / name if name == TESTS_FILE else self.root / name
+
+  def _step(self, call: Call) -> StepResult:
+    if call.name == "show":
+      lines = self._file(call.arg).read_text().splitlines()
+      if call.arg != TESTS_FILE:
+        self.current = call.arg
+      return StepResult(Observation("\n".join(f"{i:3d}| {t}" for i, t in enumerate(lines, 1))), {}, False, None,
+                        dict(file=call.arg))
+    if call.name == "replace":
+      return self._replace(call.arg)
+    if call.name == "test":
+      if call.arg:
+        raise InvalidAction("test takes no argument")
+      try:
+        report = run_tests(self.root)
+      except RunnerTimeout as e:
+        return StepResult(Observation(f"test: {e}"), {}, True, ENV_TIMEOUT, dict(outcome=ENV_TIMEOUT, error=str(e)))
+      return StepResult(Observation(format_report(report)), {}, False, None,
+                        dict(results=dict(report["results"]), import_error=report.get("import_error")))
+    if call.arg:
+      raise InvalidAction("submit takes no argument")
+    v = self.verifier.score(self.task, self.root)
+    info = dict(passed=v.passed, verifier=v.version, evidence=dict(v.evidence), edits=self.edits)
+    if v.evidence.get("runner_timeout"):
+      return StepResult(Observation(f"submit: {v.evidence['error']}"), {"outcome": 0.0}, True, ENV_TIMEOUT,
+                        dict(info, outcome=ENV_TIMEOUT))
+    text = "passed" if v.passed else "failed\n" + v.evidence.get("report", "")
+    if v.evidence["new_names"]:
+      text += f"\nrejected: new identifiers {v.evidence['new_names']}"
+    return StepResult(Observation(text), {"outcome": v.reward}, True, COMPLETED, dict(info, outcome=COMPLETED))
+
+  def _replace(self, arg: str) -> StepResult:
+    m = _REPLACE.fullmatch(arg)
+    if m is None:
+      raise InvalidAction("use: replace FILE:LINE TEXT (or replace LINE TEXT after show FILE)")
+    name, line_no, text = m.group(1) or self.current, int(m.group(2)), m.group(3) or ""
+    if name is None:
+      raise InvalidAction("replace LINE needs a file: replace FILE:LINE TEXT, or show FILE first")
+    if name == TESTS_FILE:
+      raise InvalidAction(f"{TESTS_FILE} is read-only: fix the package, not the tests")
+    path = self._file(name)
+    lines = path.read_text().splitlines()
+    if not 1 <= line_no <= len(lines):
+      raise InvalidAction(f"{name} has lines 1..{len(lines)}, not {line_no}")
+    if text and not text[0].isspace():
+      old = lines[line_no - 1]
+      text = old[:len(old) - len(old.lstrip())] + text
+    lines[line_no - 1] = text.rstrip()
+    path.write_text("\n".join(lines) + "\n")
+    self.current, self.edits = name, self.edits + 1
+    return StepResult(Observation(f"{name}:{line_no}| {lines[line_no - 1]}"), {}, False, None,
+                      dict(file=name, line=line_no))
+
+  def close(self) -> None:
+    if self.root is not None:
+      shutil.rmtree(self.root, ignore_errors=True)
+      self.root = None
+
+
+SPEC = EnvSpec(name="code_repair", description=CodeRepairEnv.description, make=CodeRepairEnv, tasks=tasks,
+               demo=demo, version_sources=(CodeRepairEnv,), data_files=DATA_FILES, needs_sandbox=True)
