@@ -33,6 +33,7 @@ import random
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,24 +70,42 @@ def _run_env(home: str) -> dict[str, str]:
   return {"PATH": "/usr/bin:/bin", "HOME": home, "LC_ALL": "C", "PYTHONHASHSEED": "0"}
 
 
-def run_tests(pkg_dir: Path, names: Sequence[str] = (), *, per_test_s: float = PER_TEST_TIMEOUT_S,
-              budget_s: float = RUN_BUDGET_S, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+def run_tests(pkg_dir: Path, names: Sequence[str] = (), *, per_test_s: float | None = None,
+              budget_s: float | None = None, timeout_s: float | None = None) -> dict[str, Any]:
   """Run the pristine tests (or `names`) against the modules in `pkg_dir` in a fresh interpreter.
 
   Returns {results: {test: pass|fail|timeout|not_run|missing}, details: {test: text}, import_error: str|None}.
-  Raises RunnerTimeout when the process outlives `timeout_s`, EnvError when it cannot run or reports nothing.
+  Raises RunnerTimeout when the process outlives `timeout_s` (its whole process group is killed), EnvError
+  when it cannot start. Defaults: the module's PER_TEST_TIMEOUT_S, RUN_BUDGET_S, RUN_TIMEOUT_S.
   """
+  per_test_s = PER_TEST_TIMEOUT_S if per_test_s is None else per_test_s
+  budget_s = RUN_BUDGET_S if budget_s is None else budget_s
+  timeout_s = RUN_TIMEOUT_S if timeout_s is None else timeout_s
   nonce = secrets.token_hex(16)
   cmd = [sys.executable, "-s", "-S", "-B", str(RUNNER), str(pkg_dir), str(PKG_DIR / TESTS_FILE),
          repr(per_test_s), repr(budget_s), *names]
   try:
-    proc = subprocess.run(cmd, input=(nonce + "\n").encode(), capture_output=True, timeout=timeout_s,
-                          cwd=pkg_dir, env=_run_env(str(pkg_dir)), start_new_session=True)
-  except subprocess.TimeoutExpired:
-    raise RunnerTimeout(f"the tests did not finish within {timeout_s:g}s (killed)") from None
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            cwd=pkg_dir, env=_run_env(str(pkg_dir)), start_new_session=True)
   except OSError as e:
     raise EnvError(f"cannot start the test runner {sys.executable}: {e}") from None
-  for line in proc.stdout.decode("utf-8", errors="replace").splitlines():
+  try:
+    stdout, _ = proc.communicate((nonce + "\n").encode(), timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)  # the runner and anything the code under test started
+    except ProcessLookupError:
+      pass
+    try:
+      proc.communicate(timeout=2)
+    except subprocess.TimeoutExpired:  # a grandchild left the group and holds the pipe: abandon it
+      pass
+    raise RunnerTimeout(f"the tests did not finish within {timeout_s:g}s (killed)") from None
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  for line in stdout.decode("utf-8", errors="replace").splitlines():
     if line.startswith(nonce + " "):
       return json.loads(line[len(nonce) + 1:])
   # No report: the runner died (e.g. the code under test hit a resource limit or killed it).

@@ -31,7 +31,7 @@ def _alarm(signum, frame):
 
 def _describe(exc: BaseException, tests_file: str) -> str:
   me = os.path.abspath(__file__)
-  frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) != me]
+  frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) != me and not f.filename.startswith("<frozen")]
   lines = [f"  {os.path.basename(f.filename)}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
            for f in frames[-MAX_FRAMES:]]
   msg = str(exc)
