@@ -208,8 +208,8 @@ class Transformer(nnx.Module):
     if not config.tie_word_embeddings:
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
 
-  def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
-               cache: KVCache | None = None):
+  def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
+    """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them."""
     b, t = tokens_bt.shape
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
     if positions_bt is None:
@@ -231,10 +231,21 @@ class Transformer(nnx.Module):
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
     x_btd = self.final_norm(x_btd)
+    if cache is None:
+      return x_btd, None
+    return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=start + t)
+
+  def unembed(self, x_btd):
+    """float32 logits [B, T, V] from hidden states."""
     unembed_dv = (self.embed_vd[...].T if self.config.tie_word_embeddings
                   else self.w_unembed_dv[...])
-    logits_btv = jnp.einsum("btd,dv->btv", x_btd, unembed_dv, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", x_btd, unembed_dv, preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
+               cache: KVCache | None = None):
+    x_btd, cache_out = self.features(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt,
+                                     cache=cache)
+    logits_btv = self.unembed(x_btd)
     if cache is None:
       return logits_btv
-    return logits_btv, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs,
-                               index=start + t)
+    return logits_btv, cache_out

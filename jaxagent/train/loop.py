@@ -39,7 +39,8 @@ from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.state import TrainState, learning_rate_schedule
-from jaxagent.train.step import make_train_step
+from jaxagent.train.step import make_train_step, make_value_fn
+from jaxagent.train.value import ValueHead, ValueTargets
 from jaxagent import trajectory_store
 from jaxagent.trajectory_store import TrajectoryWriter
 
@@ -89,12 +90,17 @@ class Trainer:
     if self.model.config.vocab_size < self.tokenizer.vocab_size:
       raise config_lib.ConfigError(f"model vocab_size {self.model.config.vocab_size} < tokenizer vocab "
                                    f"{self.tokenizer.vocab_size} ({cfg.model.tokenizer})")
-    if cfg.algo.name != "grpo":
-      raise config_lib.ConfigError(f"algo.name={cfg.algo.name!r}: this build trains 'grpo' only (ppo needs the "
-                                   "value head, not built yet)")
+    if cfg.algo.name == "ppo" and cfg.algo.advantage != "gae":
+      raise config_lib.ConfigError(f"algo.name='ppo' needs algo.advantage='gae' (got {cfg.algo.advantage!r})")
+    if cfg.algo.name == "grpo" and cfg.algo.advantage == "gae":
+      raise config_lib.ConfigError("algo.advantage='gae' needs a value function: set algo.name='ppo'")
     if cfg.train.dynamic_sampling:
       raise config_lib.ConfigError("train.dynamic_sampling=true: not built yet; set it to false")
-    self.graphdef, params = nnx.split(self.model)
+    policy_graphdef, policy_params = nnx.split(self.model)
+    self.graphdefs, params = {"policy": policy_graphdef}, {"policy": policy_params}
+    if cfg.algo.name == "ppo":
+      self.graphdefs["value"], params["value"] = nnx.split(ValueHead(self.model.config.hidden_size, dtype=dtype))
+      self.value_fn = make_value_fn(self.graphdefs)
     rl_updates = cfg.train.iterations * cfg.train.updates_per_iteration
     schedule = optax.join_schedules(
         [optax.constant_schedule(cfg.train.bc_learning_rate), learning_rate_schedule(cfg.optim, rl_updates)],
@@ -106,9 +112,9 @@ class Trainer:
                     weight_decay=cfg.optim.weight_decay))
     self.state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
                             policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed))
-    self.rl_step = make_train_step(self.graphdef, self.optimizer, cfg.algo,
+    self.rl_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo,
                                    micro_batches=cfg.train.micro_batches, mode="rl")
-    self.bc_step = make_train_step(self.graphdef, self.optimizer, cfg.algo, micro_batches=1, mode="bc")
+    self.bc_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo, micro_batches=1, mode="bc")
 
     self.env_spec = envs.get(cfg.env.name)
     self.rows = cfg.train.tasks_per_iteration * cfg.train.group_size
@@ -176,8 +182,8 @@ class Trainer:
     if self.echo:
       print(*args, flush=True)
 
-  def _params(self):
-    return self.state.params
+  def policy_params(self):
+    return self.state.params["policy"]
 
   def _save(self) -> None:
     meta = {"iteration": self.iteration, "data_iterator": self.task_iter.get_state(),
@@ -204,7 +210,7 @@ class Trainer:
       turns = []
       stop = self.tokenizer.encode(self.config.rollout.stop[0])
       termination = tr.TerminationReason.MAX_TURNS
-      for action in self.env_spec.demo(task):
+      for action in self.env_spec.demo(task, **dict(self.config.env.demo_options or {})):
         tokens = self.tokenizer.encode(action) + stop
         span = stream.sampled(tokens, [0.0] * len(tokens))
         result = env.step(action)
@@ -259,7 +265,7 @@ class Trainer:
     for start in range(0, episodes, self.rows):
       chunk = tasks[start:start + self.rows]
       seeds = [_seed(cfg.run.seed, "eval", split, start + i) for i in range(len(chunk))]
-      trajs, _ = self.eval_engine.run(self.state.params, chunk, seeds, group_size=1,
+      trajs, _ = self.eval_engine.run(self.policy_params(), chunk, seeds, group_size=1,
                                       rng=jax.random.key(_seed(cfg.run.seed, "eval-rng", start)),
                                       policy_version=int(self.state.policy_version))
       for t in trajs:
@@ -281,21 +287,16 @@ class Trainer:
     seeds = [_seed(cfg.run.seed, "env", it, i) for i in range(self.rows)]
     rng = jax.random.fold_in(self.state.rng, it)
     with timer("rollout"):
-      trajs, stats = self.engine.run(self.state.params, tasks, seeds, group_size=cfg.train.group_size, rng=rng,
+      trajs, stats = self.engine.run(self.policy_params(), tasks, seeds, group_size=cfg.train.group_size, rng=rng,
                                      policy_version=int(self.state.policy_version))
     with timer("advantages"):
-      rewards_ns, mask_ns, group_ids = advantage_inputs(trajs, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
-      adv = algos.get_advantage(cfg.algo.advantage)(jnp.asarray(rewards_ns), jnp.asarray(mask_ns),
-                                                     jnp.asarray(group_ids), **algos.advantage_kwargs(cfg.algo))
-      adv_ns = np.asarray(adv.advantages)
-      per_turn = [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajs)]
-      batch = assemble(trajs, per_turn, level="turn", length=cfg.rollout.max_context, rows=self.rows,
-                       pad_id=self.tokenizer.pad_id)
+      batch, value_targets, value_normalizer, adv = self._advantages(trajs)
       normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
                                          norm_length=cfg.algo.norm_length, allow_empty=True)
     with timer("update"):
       for _ in range(cfg.train.updates_per_iteration):
-        self.state, m = self.rl_step(self.state, batch, jnp.float32(normalizer))
+        self.state, m = self.rl_step(self.state, batch, jnp.float32(normalizer), value_targets,
+                                     jnp.float32(value_normalizer))
       m = jax.device_get(m)
     if self.writer is not None:
       with timer("write"):
@@ -325,6 +326,40 @@ class Trainer:
     for t in trajs:
       out[f"termination/{t.termination.value}"] = out.get(f"termination/{t.termination.value}", 0) + 1
     return out
+
+  def _advantages(self, trajs: list[tr.Trajectory]):
+    """(batch, value targets or None, value normalizer, AdvantageOutput) for one rollout batch."""
+    cfg = self.config
+    rewards_ns, mask_ns, group_ids = advantage_inputs(trajs, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
+    layout = dict(length=cfg.rollout.max_context, rows=self.rows, pad_id=self.tokenizer.pad_id)
+    values_ns = value_targets = None
+    if cfg.algo.name == "ppo":
+      # V(s_t) is read at the token before action t (unpacked rows: trajectory i is row i from position 0).
+      state_pos = np.zeros(mask_ns.shape, np.int32)
+      for i, t in enumerate(trajs):
+        for j, turn in enumerate(t.turns):
+          state_pos[i, j] = turn.action.span[0] - 1
+      plain = assemble(trajs, **layout)
+      values_bt = np.asarray(self.value_fn(self.state.params, plain))
+      rows = np.arange(len(trajs))[:, None]
+      values_ns = np.where(mask_ns, values_bt[rows, state_pos], 0.0)
+    adv = algos.get_advantage(cfg.algo.advantage)(
+        jnp.asarray(rewards_ns), jnp.asarray(mask_ns), jnp.asarray(group_ids),
+        values_ns=None if values_ns is None else jnp.asarray(values_ns), **algos.advantage_kwargs(cfg.algo))
+    adv_ns = np.asarray(adv.advantages)
+    batch = assemble(trajs, [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajs)], level="turn", **layout)
+    value_normalizer = 0.0
+    if values_ns is not None:
+      shape = batch.tokens.shape
+      old, ret, vmask = np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.zeros(shape, bool)
+      returns_ns = np.asarray(adv.returns)
+      for i, t in enumerate(trajs):
+        for j in range(len(t.turns)):
+          p = state_pos[i, j]
+          old[i, p], ret[i, p], vmask[i, p] = values_ns[i, j], returns_ns[i, j], True
+      value_targets = ValueTargets(old_values=old, returns=ret, mask=vmask)
+      value_normalizer = float(vmask.sum())
+    return batch, value_targets, value_normalizer, adv
 
   def run(self) -> tuple[EvalResult | None, EvalResult | None]:
     cfg = self.config

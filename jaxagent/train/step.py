@@ -1,7 +1,7 @@
 """The jitted train step: masked policy-gradient (GRPO/PPO) or behavior-cloning loss, micro-batch gradient
 accumulation inside the step, one optimizer update, donated state.
 
-    step_fn = make_train_step(graphdef, optimizer, algo, micro_batches=4, mode="rl")
+    step_fn = make_train_step({"policy": graphdef}, optimizer, algo, micro_batches=4, mode="rl")
     state, metrics = step_fn(state, batch, normalizer)
 
 The loss normalizer is computed over the whole batch on the host (`algos.loss_normalizer`) and passed in,
@@ -22,16 +22,21 @@ from jaxagent import algos
 from jaxagent.assembly import Batch
 from jaxagent.config import AlgoConfig
 from jaxagent.train.state import TrainState
+from jaxagent.train.value import ValueTargets
 
 Mode = Literal["rl", "bc"]
 
 # Metrics that are means over loss tokens (combined across micro-batches weighted by loss tokens).
 _TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "pg_loss", "nll")
+# Value metrics are means over value positions; combined as plain means over micro-batches.
 
 
-def _loss(params, graphdef, batch: Batch, normalizer, algo: AlgoConfig, mode: Mode):
-  model = nnx.merge(graphdef, params)
-  logits_btv = model(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
+          algo: AlgoConfig, mode: Mode):
+  """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions."""
+  model = nnx.merge(graphdefs["policy"], params["policy"])
+  x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+  logits_btv = model.unembed(x_btd)
   mask_bt = batch.loss_mask
   logp_bt = algos.next_token_logprobs(logits_btv, batch.tokens, mask_bt)
   entropy_bt = algos.next_token_entropy(logits_btv, mask_bt)
@@ -45,6 +50,12 @@ def _loss(params, graphdef, batch: Batch, normalizer, algo: AlgoConfig, mode: Mo
   loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer,
                                     segment_ids_bt=batch.segment_ids, entropy_bt=entropy_bt,
                                     **algos.policy_loss_kwargs(algo))
+  if value_targets is not None:
+    values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd)
+    vloss, vmetrics = algos.value_loss(values_bt, value_targets.old_values, value_targets.returns,
+                                       value_targets.mask, value_normalizer, clip_eps=algo.value_clip_eps)
+    loss = loss + algo.value_coef * vloss
+    metrics = dict(metrics, value_loss=vloss, **vmetrics)
   return loss, metrics
 
 
@@ -63,13 +74,17 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     elif key == "ratio_max":
       out[key] = jnp.max(jnp.where(tokens > 0, value, -jnp.inf))
     else:
-      out[key] = jnp.sum(value) if key == "skipped" else jnp.mean(value)
+      out[key] = jnp.sum(value) if key in ("skipped", "value_loss") else jnp.mean(value)
   return out
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, algo: AlgoConfig, *,
-                    micro_batches: int = 1, mode: Mode = "rl"):
-  """Returns `step(state, batch, normalizer) -> (state, metrics)`, jitted with the state donated."""
+def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
+                    algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl"):
+  """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
+
+  Jitted with the state donated. The gradient is accumulated over `micro_batches` slices of the batch in a
+  `lax.scan`; every slice's loss is divided by the whole batch's normalizer, so the sum is the full loss.
+  """
 
   def split(x):
     b = x.shape[0]
@@ -77,20 +92,22 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
       raise ValueError(f"batch of {b} rows is not divisible into {micro_batches} micro-batches")
     return x.reshape((micro_batches, b // micro_batches) + x.shape[1:])
 
-  grad_fn = jax.value_and_grad(functools.partial(_loss, graphdef=graphdef, algo=algo, mode=mode), has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode), has_aux=True)
 
-  def step(state: TrainState, batch: Batch, normalizer: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-    micro = jax.tree.map(split, batch)
+  def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
+           value_normalizer: jax.Array | float = 0.0) -> tuple[TrainState, dict[str, Any]]:
+    micro = jax.tree.map(split, (batch, value_targets))
 
     def accumulate(grads, mb):
-      (loss, metrics), g = grad_fn(state.params, batch=mb, normalizer=normalizer)
+      (loss, metrics), g = grad_fn(state.params, batch=mb[0], normalizer=normalizer, value_targets=mb[1],
+                                   value_normalizer=value_normalizer)
       return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro)
     metrics = _combine(metrics)
     metrics["loss"] = jnp.sum(losses)  # each micro-batch loss is already divided by the global normalizer
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
@@ -98,3 +115,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     return new_state, metrics
 
   return jax.jit(step, donate_argnums=0)
+
+
+def make_value_fn(graphdefs: dict[str, nnx.GraphDef]):
+  """Jitted `values(params, batch) -> float32[B, T]` (value estimates at collection time, for GAE)."""
+
+  def values(params, batch: Batch):
+    model = nnx.merge(graphdefs["policy"], params["policy"])
+    x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+    return nnx.merge(graphdefs["value"], params["value"])(x_btd)
+
+  return jax.jit(values)
