@@ -21,8 +21,8 @@ What tunix needs and what this file supplies (adapters only; nothing here change
     turns*max_new + the observations + 1, so the cap only makes "max tokens per turn" equal on both sides.
   * timing: `rl_cluster.update_actor` is wrapped to record the end of each optimizer step (after blocking on
     the new parameters) and the tokens of the batch it trained on. Iteration k's time is the gap between
-    the ends of steps k-1 and k (rollout + advantages + update, as for ours); the first step is warm-up and
-    its start is `learner.train()`'s call.
+    the ends of steps k-1 and k (rollout + advantages + update, as for ours); the first `--warmup` steps are warm-up
+    (the first one's start is `learner.train()`'s call).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main():
   p.add_argument("--tasks", type=int, default=4)
   p.add_argument("--group", type=int, default=4)
   p.add_argument("--iters", type=int, default=3)
+  p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--max-new", type=int, default=16)
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--obs-tokens", type=int, default=16)
@@ -125,7 +126,7 @@ def run(args) -> dict:
   opts = pool_cfg.reset_options()
   env_kwargs = dict(max_turns=opts["max_turns"], max_obs_bytes=opts["max_obs_bytes"],
                     invalid_action=envs.InvalidActionRule(opts["invalid_action"], opts["penalty"]))
-  n_batches = args.iters + 1
+  n_batches = args.warmup + args.iters
   tasks = spec.tasks("train", args.tasks * n_batches, 0)
 
   class ByteChatParser(parser_lib.BaseChatTemplateParser):
@@ -225,7 +226,7 @@ def run(args) -> dict:
     records.append(dict(loss_tokens=loss, tokens=tokens, trajectories=rows))
     k = len(marks) - 1
     print(f"  tunix iter {k}: {marks[k] - (marks[k - 1] if k else t0):.2f}s loss_tokens={loss}"
-          + (" (warm-up)" if k == 0 else ""), flush=True)
+          + (" (warm-up)" if k < args.warmup else ""), flush=True)
     return out
 
   cluster.update_actor = timed_update_actor
@@ -246,8 +247,8 @@ def run(args) -> dict:
   learner.train(batches)
   if len(marks) < n_batches:
     raise RuntimeError(f"tunix ran {len(marks)} optimizer steps, expected {n_batches}")
-  gaps = np.diff(marks)
-  steady = records[1:]
+  gaps = np.diff(marks)[args.warmup - 1:]
+  steady = records[args.warmup:]
   s = float(np.mean(gaps))
   return dict(iteration_s=s, iteration_s_all=[round(float(g), 3) for g in gaps],
               trajectories_per_s=float(np.mean([r["trajectories"] for r in steady])) / s,

@@ -10,7 +10,9 @@ rule, stepped in-process on both sides — the tunix side wraps the very same en
 subclass), B tasks x G samples per iteration, at most `--max-new` sampled tokens per turn, observations cut to
 16 tokens, temperature 1.0, stop on "\\n" / <|eot|> / <eos>, GRPO advantages, clipped policy loss (eps 0.2,
 token-mean), no reference model / KL, AdamW 1e-4 with global-norm clip 1.0, one optimizer step per iteration.
-One warm-up iteration (compiles), then `--iters` timed iterations; we report the mean.
+`--warmup` untimed iterations (default 2: our trainer compiles its rollout and train step a second time in
+iteration 2, after the first update changes the parameters' placement), then `--iters` timed iterations on
+both sides; we report the mean.
 
 Equal work per trajectory: with random weights a turn almost never samples a stop token, and our rollout
 engine ends an episode whose action fills the turn budget (turn_budget_exhausted) while tunix hands that
@@ -55,7 +57,7 @@ def run_ours(args) -> dict:
       "train.bc_steps=0", "train.eval_episodes=0", f"env.name={ENV}", f"env.max_turns={MAX_TURNS}",
       "env.pool=inprocess", "env.invalid_action=error_observation", "train.save_trajectories=false",
       "train.plots=false", f"train.tasks_per_iteration={args.tasks}", f"train.group_size={args.group}",
-      f"train.iterations={args.iters + 1}", "train.updates_per_iteration=1", "train.micro_batches=1",
+      f"train.iterations={args.warmup + args.iters}", "train.updates_per_iteration=1", "train.micro_batches=1",
       f"rollout.temperature={args.temperature}", f"rollout.max_new_tokens={args.max_new}",
       f"rollout.max_observation_tokens={OBS_TOKENS}", f"rollout.max_context={MAX_CONTEXT}",
       "algo.kl_coef=0.0", "algo.aggregation=token-mean", f"optim.learning_rate={LR}", "optim.max_grad_norm=1.0",
@@ -85,7 +87,7 @@ def run_ours(args) -> dict:
   trainer.engine.run = run_and_count
   iters = []
   try:
-    for i in range(args.iters + 1):
+    for i in range(args.warmup + args.iters):
       t0 = time.perf_counter()
       m = trainer.rl_iteration()
       jax.block_until_ready(trainer.state.params)
@@ -95,10 +97,10 @@ def run_ours(args) -> dict:
                         turns=seen[-1]["turns"], trajectories=args.tasks * args.group,
                         reported_s=float(m["time/iteration_s"])))
       print(f"  ours iter {i}: {wall:.2f}s loss_tokens={m['loss_tokens']:.0f} turns/traj={seen[-1]['turns']:.2f}"
-            + (" (warm-up)" if i == 0 else ""), flush=True)
+            + (" (warm-up)" if i < args.warmup else ""), flush=True)
   finally:
     trainer.close()
-  return summarize(iters[1:])
+  return summarize(iters[args.warmup:])
 
 
 def summarize(iters: list[dict]) -> dict:
@@ -113,8 +115,8 @@ def summarize(iters: list[dict]) -> dict:
 
 def run_tunix(args) -> dict:
   cmd = [args.tunix_python, str(ROOT / "bench" / "_tunix_grpo.py"), "--tasks", str(args.tasks), "--group",
-         str(args.group), "--iters", str(args.iters), "--max-new", str(args.max_new), "--temperature",
-         str(args.temperature), "--obs-tokens", str(OBS_TOKENS), "--env", ENV, "--max-turns", str(MAX_TURNS),
+         str(args.group), "--iters", str(args.iters), "--warmup", str(args.warmup), "--max-new", str(args.max_new),
+         "--temperature", str(args.temperature), "--obs-tokens", str(OBS_TOKENS), "--env", ENV, "--max-turns", str(MAX_TURNS),
          "--max-context", str(MAX_CONTEXT), "--lr", str(LR), "--repo", str(ROOT)]
   env = dict(os.environ, PYTHONPATH="")
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tunix_timeout, env=env)
@@ -133,6 +135,7 @@ def main():
   parser.add_argument("--tasks", type=int, default=4, help="B: tasks per iteration")
   parser.add_argument("--group", type=int, default=4, help="G: samples per task")
   parser.add_argument("--iters", type=int, default=3, help="timed iterations after one warm-up")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (compiles), >= 1")
   parser.add_argument("--max-new", type=int, default=16, help="sampled tokens per turn at most")
   parser.add_argument("--temperature", type=float, default=1.0)
   parser.add_argument("--tunix-python", default="/tmp/tunixvenv/bin/python")
@@ -140,7 +143,7 @@ def main():
   parser.add_argument("--skip-tunix", action="store_true")
   args = parser.parse_args()
   print(f"B={args.tasks} tasks x G={args.group} samples, {MAX_TURNS} turns of <= {args.max_new} tokens, "
-        f"env {ENV}, temperature {args.temperature}, {args.iters} timed iterations after 1 warm-up; "
+        f"env {ENV}, temperature {args.temperature}, {args.iters} timed iterations after {args.warmup} warm-up; "
         f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}", flush=True)
 
   ours = run_ours(args)
