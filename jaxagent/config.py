@@ -210,6 +210,8 @@ class EnvConfig:
   action_timeout_s: float = field(10.0, gt=0.0)
   episode_timeout_s: float = field(120.0, gt=0.0)
   options: dict[str, Any] | None = field(None, help="keyword arguments of the task generator (e.g. max_operand)")
+  demo_options: dict[str, Any] | None = field(None, help="keyword arguments of the scripted demonstrations "
+                                              "(e.g. style: direct for calculator)")
 
 
 @dataclasses.dataclass(frozen=True)

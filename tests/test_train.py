@@ -59,22 +59,26 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
         assert (t.roles[start:stop] == tr.Role.TOOL).all()
 
 
+_COMPILES: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: _COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+
+
 def test_no_recompilation_after_the_first_iteration(tmp_path):
   trainer = loop.Trainer(_config(tmp_path, "train.iterations=3", "train.bc_steps=0", "train.eval_episodes=0"),
                          tmp_path / "run")
   try:
+    before = len(_COMPILES)
     trainer.rl_iteration()
-    compiled = lambda: (trainer.sampler._prefill._cache_size(), trainer.sampler._generate._cache_size(),
-                        trainer.sampler._extend._cache_size(), trainer.rl_step._cache_size())
-    first = compiled()
-    trainer.iteration += 1
-    trainer.rl_iteration()
-    trainer.iteration += 1
-    trainer.rl_iteration()
-    assert compiled() == first
-    assert first[1:] == (1, 1, 1)
+    first = len(_COMPILES) - before
+    for _ in range(2):
+      trainer.iteration += 1
+      trainer.rl_iteration()
+    later = len(_COMPILES) - before - first
   finally:
     trainer.close()
+  assert first > 0, "the compile counter saw nothing: the check would be vacuous"
+  assert later == 0, f"{later} XLA compilations after the first iteration"
 
 
 def _final_params(run_dir: Path, step: int):

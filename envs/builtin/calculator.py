@@ -4,7 +4,7 @@ Actions (one line each): `calc 12*7` -> observation `84`; `answer 89` ends the e
 first observation, e.g. `12*7+5`. Short, regular actions so a ~1M-parameter byte model learns them on CPU.
 
 Splits are isolated by template (the shape of the expression), not by id:
-  train: a*b+c, a*b-c, (a+b)*c    tune: (a-b)*c    eval: a+b*c, a*(b-c)
+  train: a*b+c, a*b-c, (a+b)*c, a+b+c, a+b-c, a*b*c, a-(b+c)    tune: (a-b)*c    eval: a+b*c, a*(b-c)
 Difficulty: `max_operand` bounds the numbers (default 9: single digits).
 """
 
@@ -23,11 +23,16 @@ TEMPLATES = {
     "a*b+c": ("{a}*{b}+{c}", ["{a}*{b}", "{r}+{c}"]),
     "a*b-c": ("{a}*{b}-{c}", ["{a}*{b}", "{r}-{c}"]),
     "(a+b)*c": ("({a}+{b})*{c}", ["{a}+{b}", "{r}*{c}"]),
+    "a+b+c": ("{a}+{b}+{c}", ["{a}+{b}", "{r}+{c}"]),
+    "a+b-c": ("{a}+{b}-{c}", ["{a}+{b}", "{r}-{c}"]),
+    "a*b*c": ("{a}*{b}*{c}", ["{a}*{b}", "{r}*{c}"]),
+    "a-(b+c)": ("{a}-({b}+{c})", ["{b}+{c}", "{a}-{r}"]),
     "(a-b)*c": ("({a}-{b})*{c}", ["{a}-{b}", "{r}*{c}"]),
     "a+b*c": ("{a}+{b}*{c}", ["{b}*{c}", "{a}+{r}"]),
     "a*(b-c)": ("{a}*({b}-{c})", ["{b}-{c}", "{a}*{r}"]),
 }
-SPLIT_TEMPLATES = {"train": ("a*b+c", "a*b-c", "(a+b)*c"), "tune": ("(a-b)*c",), "eval": ("a+b*c", "a*(b-c)")}
+SPLIT_TEMPLATES = {"train": ("a*b+c", "a*b-c", "(a+b)*c", "a+b+c", "a+b-c", "a*b*c", "a-(b+c)"),
+                   "tune": ("(a-b)*c",), "eval": ("a+b*c", "a*(b-c)")}
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 MAX_EXPR_CHARS = 32
 
@@ -116,6 +121,10 @@ def tasks(split: str, n: int, seed: int = 0, max_operand: int = 9) -> list[Task]
       b, c = max(b, c), min(b, c)
     if template == "a*b-c":
       c = rng.randint(0, a * b)
+    if template == "a+b-c":
+      c = rng.randint(0, a + b)
+    if template == "a-(b+c)":
+      a = b + c + rng.randint(0, max_operand)
     question = TEMPLATES[template][0].format(a=a, b=b, c=c)
     tid = hashlib.sha256(f"{template}:{question}".encode()).hexdigest()[:10]
     out.append(Task(id=f"calc-{tid}", split=split, payload=dict(question=question, template=template, a=a, b=b,
@@ -123,9 +132,17 @@ def tasks(split: str, n: int, seed: int = 0, max_operand: int = 9) -> list[Task]
   return out
 
 
-def demo(task: Task, seed: int = 0) -> list[str]:
-  """Scripted solution: the template's two calc steps, then the answer."""
+DEMO_STYLES = ("steps", "direct")
+
+
+def demo(task: Task, seed: int = 0, style: str = "steps") -> list[str]:
+  """Scripted solution. `steps`: the template's two calc steps, then the answer; `direct`: one calc of the
+  whole question, then the answer (a template-agnostic skill: copy the question, copy the tool's result)."""
+  if style not in DEMO_STYLES:
+    raise ValueError(f"demo style={style!r}: not one of {DEMO_STYLES}")
   p = task.payload
+  if style == "direct":
+    return [f"calc {p['question']}", f"answer {safe_eval(p['question'])}"]
   first, second = TEMPLATES[p["template"]][1]
   r = safe_eval(first.format(**p))
   return [f"calc {first.format(**p)}", f"calc {second.format(r=r, **p)}", f"answer {safe_eval(p['question'])}"]

@@ -66,6 +66,7 @@ class _Row:
   verifier: tr.Verifier = tr.Verifier()
   components: dict[str, float] = dataclasses.field(default_factory=dict)
   pending: list[int] = dataclasses.field(default_factory=list)  # observation tokens to append
+  provenance: dict[str, Any] = dataclasses.field(default_factory=dict)  # process / env worker that ran it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +129,13 @@ class RolloutEngine:
     first = self.pool.reset_many(slots, row_tasks, list(seeds))
     reset_s = time.perf_counter() - start
     rows = []
-    for task, seed, obs in zip(row_tasks, seeds, first):
+    pids = self.pool.worker_pids()
+    for slot, (task, seed, obs) in enumerate(zip(row_tasks, seeds, first)):
       stream = tr.TokenStream()
       self.chat.prompt(stream, obs.text, self.tokenizer)
-      rows.append(_Row(task=task, seed=int(seed), stream=stream))
+      worker = self.pool.slots[slot].worker
+      provenance = {"process": jax.process_index(), "env_worker": worker, "env_worker_pid": pids[worker]}
+      rows.append(_Row(task=task, seed=int(seed), stream=stream, provenance=provenance))
 
     prompts = [r.stream.arrays()["tokens"].tolist() for r in rows]
     shared = all(prompts[i] == prompts[i - i % group_size] for i in range(n))
@@ -148,7 +152,7 @@ class RolloutEngine:
         break
       t0 = time.perf_counter()
       state, out = self.sampler.generate(params, state, active)
-      out = jax.device_get(out)
+      out = self.sampler.to_host(out)
       t_decode = time.perf_counter() - t0
       decode_s += t_decode
 
@@ -188,7 +192,7 @@ class RolloutEngine:
       t0 = time.perf_counter()
       state, ok = self.sampler.extend(params, state, [rows[i].pending if not rows[i].done else []
                                                       for i in range(n)])
-      ok = bool(ok)
+      ok = bool(np.asarray(ok.addressable_data(0)))  # replicated scalar: every process has it
       extend_s += time.perf_counter() - t0
       for i in needs:
         row = rows[i]
@@ -259,4 +263,4 @@ class RolloutEngine:
         policy_version=policy_version, termination=row.termination,
         reward=tr.Reward(total=float(total), gamma=self.gamma, components=dict(row.components)),
         turns=tuple(row.turns), id=uuid.uuid4().hex, group_id=row.task.id,
-        timing=tr.Timing(reset_s=reset_s), verifier=row.verifier, **row.stream.arrays())
+        timing=tr.Timing(reset_s=reset_s), verifier=row.verifier, metadata=row.provenance, **row.stream.arrays())

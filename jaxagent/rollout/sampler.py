@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 import models
@@ -197,6 +198,18 @@ def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rul
                        segment_ids=con(cache.segment_ids, NamedSharding(mesh, seg_spec)))
 
 
+def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules) -> SamplerState:
+  """Pins every field's layout so consecutive calls see identical input shardings (no recompilation)."""
+  if mesh is None:
+    return state
+  con = lambda x, axes: jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
+  return state.replace(cache=_constrain_cache(state.cache, mesh, rules),
+                       next_logits=con(state.next_logits, ("batch", None)),
+                       next_position=con(state.next_position, ("batch",)),
+                       rng=jax.lax.with_sharding_constraint(state.rng, NamedSharding(mesh, jax.sharding.PartitionSpec())))
+
+
 def prefill(model: models.Transformer, tokens_bt: jax.Array, segment_ids_bt: jax.Array, rng: jax.Array,
             cache_size: int, *, mesh: Mesh | None = None, rules: models.Rules = models.DEFAULT_RULES
             ) -> SamplerState:
@@ -207,8 +220,8 @@ def prefill(model: models.Transformer, tokens_bt: jax.Array, segment_ids_bt: jax
   logits_btv, cache = model(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt, cache=cache)
   last_b = _last_valid(segment_ids_bt)
   rows = jnp.arange(b)
-  return SamplerState(cache=_constrain_cache(cache, mesh, rules), next_logits=logits_btv[rows, last_b],
-                      next_position=positions_bt[rows, last_b] + 1, rng=rng)
+  return _constrain_state(SamplerState(cache=cache, next_logits=logits_btv[rows, last_b],
+                                      next_position=positions_bt[rows, last_b] + 1, rng=rng), mesh, rules)
 
 
 def extend(model: models.Transformer, state: SamplerState, tokens_bt: jax.Array, lengths_b: jax.Array,
@@ -233,7 +246,7 @@ def extend(model: models.Transformer, state: SamplerState, tokens_bt: jax.Array,
                          next_logits=jnp.where(has[:, None], last_logits, state.next_logits),
                          next_position=state.next_position + lengths_b)
 
-  return jax.lax.cond(ok, run, lambda s: s, state), ok
+  return _constrain_state(jax.lax.cond(ok, run, lambda s: s, state), mesh, rules), ok
 
 
 def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array, config: SamplingConfig,
@@ -281,7 +294,8 @@ def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array
 
   c = jax.lax.while_loop(cond, body, init)
   finish = jnp.where(active_b & ~c["done"], Finish.CONTEXT_FULL, c["finish"]).astype(jnp.int32)
-  return c["state"], TurnOutput(tokens=c["tokens"], lengths=c["n"], logprobs=c["logprobs"],
+  return _constrain_state(c["state"], mesh, rules), TurnOutput(tokens=c["tokens"], lengths=c["n"],
+                                                                logprobs=c["logprobs"],
                                 raw_logprobs=c["raw"], finish=finish)
 
 
@@ -329,13 +343,27 @@ class Sampler:
     self._generate = jax.jit(lambda p, st, a: generate(merge(p), st, a, config, pad_id, **shard),
                              donate_argnums=1)
     self._extend = jax.jit(lambda p, st, t, n: extend(merge(p), st, t, n, **shard), donate_argnums=1)
-    self._repeat = jax.jit(repeat, static_argnums=1)
+    self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
 
   def _put_batch(self, x: np.ndarray) -> jax.Array:
+    """This process's rows -> the global batch array (rows of process p follow those of p - 1)."""
     if self.mesh is None:
       return jnp.asarray(x)
-    spec = models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, self.mesh)
-    return jax.device_put(x, NamedSharding(self.mesh, spec))
+    global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+    spec = models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), global_shape, self.mesh)
+    return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), x, global_shape)
+
+  def to_host(self, tree: Any) -> Any:
+    """Numpy copies of this process's rows of batch-leading arrays (all rows in a single process)."""
+    if jax.process_count() == 1:
+      return jax.device_get(tree)
+    full = multihost_utils.process_allgather(tree, tiled=True)
+
+    def local(x):
+      rows = x.shape[0] // jax.process_count()
+      return np.asarray(x[jax.process_index() * rows:(jax.process_index() + 1) * rows])
+
+    return jax.tree.map(local, full)
 
   def prefill(self, params: nnx.State, prompts: Sequence[Sequence[int]], rng: jax.Array) -> SamplerState:
     """Prefills token lists (left-padded to a bucket)."""
@@ -351,7 +379,7 @@ class Sampler:
   def generate(self, params: nnx.State, state: SamplerState, active: np.ndarray | jax.Array | None = None
                ) -> tuple[SamplerState, TurnOutput]:
     """Decodes one turn for `active` rows (default: all). The input state is donated."""
-    b = state.next_position.shape[0]
+    b = state.next_position.shape[0] // jax.process_count()
     active = np.ones((b,), bool) if active is None else np.asarray(active, bool)
     return self._generate(params, state, self._put_batch(active))
 

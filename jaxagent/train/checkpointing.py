@@ -83,9 +83,8 @@ class TrainCheckpointer:
                       "trying the previous one", RuntimeWarning, stacklevel=2)
         continue
       s = restored["state"]
-      state = TrainState(params=s["params"], opt_state=s["opt_state"], step=jnp.asarray(s["step"]),
-                         policy_version=jnp.asarray(s["policy_version"]),
-                         rng=jax.random.wrap_key_data(s["rng"]))
+      state = TrainState(params=s["params"], opt_state=s["opt_state"], step=s["step"],
+                         policy_version=s["policy_version"], rng=jax.random.wrap_key_data(s["rng"]))
       return step, state, stored["meta"]
     return None
 

@@ -25,12 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import envs
 import envs.pool
 import models
 from jaxagent import algos, checkpoint
 from jaxagent import config as config_lib
+from jaxagent import sharding as sharding_lib
 from jaxagent import trajectory as tr
 from jaxagent.assembly import advantage_inputs, assemble
 from jaxagent.config import Config
@@ -87,6 +91,11 @@ class Trainer:
       self.model = checkpoint.load_model(cfg.model.path, dtype=dtype)
     else:
       self.model = models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
+    self.process, self.num_processes = jax.process_index(), jax.process_count()
+    self.mesh = sharding_lib.mesh_from_config(cfg.mesh)
+    learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
+    rollout_rules = sharding_lib.rules_for("rollout", cfg.mesh)
+    self.model = models.shard_model(self.model, self.mesh, learner_rules)
     if self.model.config.vocab_size < self.tokenizer.vocab_size:
       raise config_lib.ConfigError(f"model vocab_size {self.model.config.vocab_size} < tokenizer vocab "
                                    f"{self.tokenizer.vocab_size} ({cfg.model.tokenizer})")
@@ -112,12 +121,36 @@ class Trainer:
                     weight_decay=cfg.optim.weight_decay))
     self.state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
                             policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed))
+    # Canonical layout: parameters (and their optimizer moments) as placed by the learner rules, every other
+    # leaf (step, counts, RNG) replicated on the mesh. Steps return exactly this layout.
+    def canonical(x):
+      sh = getattr(x, "sharding", None)
+      return sh if isinstance(sh, NamedSharding) and sh.mesh == self.mesh else NamedSharding(self.mesh, P())
+    self.state_shardings = jax.tree.map(canonical, self.state)
+    self.state = jax.device_put(self.state, self.state_shardings)
+    step_args = dict(state_shardings=self.state_shardings)
     self.rl_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo,
-                                   micro_batches=cfg.train.micro_batches, mode="rl")
-    self.bc_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo, micro_batches=1, mode="bc")
+                                   micro_batches=cfg.train.micro_batches, mode="rl", **step_args)
+    self.bc_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo, micro_batches=1, mode="bc",
+                                   **step_args)
+
+    sharding_lib.check_replication(self.state.params, cfg.mesh.max_replicated_fraction)
+    # Colocated placement: the policy lives in the learner layout and is resharded (donated) into the rollout
+    # layout for generation and back for the update, inside jitted programs: one layout at a time.
+    learner_sh = models.state_shardings(self.state.params["policy"], self.mesh, learner_rules)
+    rollout_sh = models.state_shardings(self.state.params["policy"], self.mesh, rollout_rules)
+    self.to_rollout = jax.jit(lambda p: p, out_shardings=rollout_sh, donate_argnums=0)
+    self.to_learner = jax.jit(lambda p: p, out_shardings=learner_sh, donate_argnums=0)
+    self.batch_sharding = lambda shape: NamedSharding(self.mesh, models.logical_to_spec(
+        ("batch",) + (None,) * (len(shape) - 1), shape, self.mesh, learner_rules))
 
     self.env_spec = envs.get(cfg.env.name)
-    self.rows = cfg.train.tasks_per_iteration * cfg.train.group_size
+    for name, value in (("train.tasks_per_iteration", cfg.train.tasks_per_iteration),
+                        ("train.eval_episodes", cfg.train.eval_episodes or self.num_processes)):
+      if value % self.num_processes:
+        raise config_lib.ConfigError(f"{name}={value}: must be divisible by the {self.num_processes} processes")
+    self.global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
+    self.rows = self.global_rows // self.num_processes  # this process's trajectories per iteration
     pool_cfg = envs.pool.PoolConfig(
         env=cfg.env.name, kind=cfg.env.pool, num_workers=cfg.env.workers,
         action_timeout_s=cfg.env.action_timeout_s, episode_timeout_s=cfg.env.episode_timeout_s,
@@ -132,12 +165,13 @@ class Trainer:
         cfg.rollout.max_context,)
     # Observation chunks are padded to one fixed length (body cap + framing): one compiled extend per run.
     extend = (cfg.rollout.max_observation_tokens + 3,)
+    shard = dict(mesh=self.mesh, rules=rollout_rules)
     self.sampler = Sampler(self.model, cache_size=cfg.rollout.max_context, config=sampling,
-                           pad_id=self.tokenizer.pad_id, buckets=buckets, extend_buckets=extend)
+                           pad_id=self.tokenizer.pad_id, buckets=buckets, extend_buckets=extend, **shard)
     self.eval_sampler = Sampler(
         self.model, cache_size=cfg.rollout.max_context,
         config=dataclasses.replace(sampling, temperature=cfg.train.eval_temperature),
-        pad_id=self.tokenizer.pad_id, buckets=buckets, extend_buckets=extend)
+        pad_id=self.tokenizer.pad_id, buckets=buckets, extend_buckets=extend, **shard)
     engine_args = dict(max_turns=cfg.env.max_turns, max_observation_tokens=cfg.rollout.max_observation_tokens,
                        stop_strings=cfg.rollout.stop, gamma=cfg.algo.gamma,
                        invalid_action_rule=cfg.env.invalid_action, chat=ChatFormat())
@@ -147,8 +181,13 @@ class Trainer:
     # Tasks: a grain pipeline over the train split, sharded by process; its iterator state is checkpointed.
     options = dict(cfg.env.options or {})
     task_list = self.env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **options)
-    source = grain.MapDataset.source(task_list)[jax.process_index()::jax.process_count()]
-    self.task_iter = iter(source.shuffle(seed=cfg.run.seed).repeat())
+    # Every process walks the same global sequence of batches and keeps its contiguous slice, so the global
+    # batch (and every row's seed and sampling key) is the same for any number of processes.
+    local = cfg.train.tasks_per_iteration // self.num_processes
+    dataset = (grain.MapDataset.source(task_list).shuffle(seed=cfg.run.seed).repeat()
+               .batch(cfg.train.tasks_per_iteration, batch_fn=list)
+               .map(lambda batch: batch[self.process * local:(self.process + 1) * local]))
+    self.task_iter = iter(dataset)
 
     self.checkpointer = checkpointing.TrainCheckpointer(self.run_dir / "checkpoints",
                                                         keep=cfg.train.keep_checkpoints)
@@ -163,17 +202,23 @@ class Trainer:
       self.iteration, self.state, meta = restored
       self.task_iter.set_state(meta["data_iterator"])
       self.counters = meta["counters"]
+      self.state = jax.device_put(self.state, self.state_shardings)
       resume_step = int(self.state.step)
       self._print(f"resumed from {self.run_dir / 'checkpoints' / str(self.iteration)} "
                   f"(iteration {self.iteration}, step {resume_step}, policy version {int(self.state.policy_version)})")
     self.metrics = metrics_lib.MetricsLogger(self.run_dir, enabled=jax.process_index() == 0,
                                              resume_step=resume_step)
+    prefix = "trajectories" if self.num_processes == 1 else f"trajectories-p{self.process}"
     if resume and cfg.train.save_trajectories:
-      moved = trajectory_store.discard_from(self.run_dir / "trajectories", meta.get("trajectory_shards", 0))
+      shards = meta.get("trajectory_shards", {})
+      moved = trajectory_store.discard_from(self.run_dir / "trajectories", int(shards.get(prefix, 0)),
+                                            prefix=prefix)
       if moved:
         self._print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
                     f"(trajectories/discarded/): their iterations are replayed")
-    self.writer = TrajectoryWriter(self.run_dir / "trajectories") if cfg.train.save_trajectories else None
+    self.writer = (TrajectoryWriter(self.run_dir / "trajectories", prefix=prefix) if cfg.train.save_trajectories
+                   else None)
+    self.prefix = prefix
     self._start_wall = time.perf_counter() - self.counters["wall_seconds"]
 
   # ------------------------------------------------------------------------------------------------
@@ -185,12 +230,50 @@ class Trainer:
   def policy_params(self):
     return self.state.params["policy"]
 
+  def _sum(self, value) -> np.ndarray:
+    """Sum over processes of a host value (identity in a single process)."""
+    if self.num_processes == 1:
+      return np.asarray(value)
+    return np.asarray(multihost_utils.process_allgather(np.asarray(value))).sum(axis=0)
+
+  def _gather(self, value) -> np.ndarray:
+    """Concatenation over processes (in process order) of a host array's rows."""
+    if self.num_processes == 1:
+      return np.asarray(value)
+    return np.asarray(multihost_utils.process_allgather(np.asarray(value), tiled=True))
+
+  def _global(self, tree):
+    """This process's rows of host arrays -> global batch arrays in the learner layout."""
+    def put(x):
+      x = np.asarray(x)
+      shape = (x.shape[0] * self.num_processes,) + x.shape[1:]
+      return jax.make_array_from_process_local_data(self.batch_sharding(shape), x, shape)
+    return jax.tree.map(put, tree)
+
+  def _local_rows(self, x) -> np.ndarray:
+    if self.num_processes == 1:
+      return np.asarray(jax.device_get(x))
+    full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    rows = full.shape[0] // self.num_processes
+    return full[self.process * rows:(self.process + 1) * rows]
+
+  def _rollout(self, engine, tasks, seeds, group_size, rng):
+    """Reshards the policy into the rollout layout, runs `engine`, reshards back (donating each time)."""
+    policy = self.to_rollout(self.state.params["policy"])
+    try:
+      return engine.run(policy, tasks, seeds, group_size=group_size, rng=rng,
+                        policy_version=int(self.state.policy_version))
+    finally:
+      self.state = self.state.replace(params={**self.state.params, "policy": self.to_learner(policy)})
+
   def _save(self) -> None:
+    shards = self._gather(np.asarray([self.writer.next_index if self.writer is not None else 0]))
     meta = {"iteration": self.iteration, "data_iterator": self.task_iter.get_state(),
             "counters": self.counters, "versions": checkpointing.versions(),
             "env": {"name": self.env_spec.name, "version": self.engine.env_version},
             "policy_version": int(self.state.policy_version),
-            "trajectory_shards": self.writer.next_index if self.writer is not None else 0}
+            "trajectory_shards": {("trajectories" if self.num_processes == 1 else f"trajectories-p{p}"): int(n)
+                                  for p, n in enumerate(shards)}}
     self.checkpointer.save(self.iteration, self.state, meta, self.model_config,
                            config_lib.to_dict(self.config))
 
@@ -242,11 +325,13 @@ class Trainer:
     progress = metrics_lib.Progress(cfg.bc_steps - start_step, "cold start (BC)", self.echo)
     for step in range(start_step, cfg.bc_steps):
       pick = rng.choice(len(demos), cfg.bc_batch_size, replace=False)
-      batch = assemble([demos[i] for i in pick], length=length, rows=cfg.bc_batch_size,
-                       pad_id=self.tokenizer.pad_id)
-      normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=self.config.algo.aggregation,
-                                         norm_length=self.config.algo.norm_length)
-      self.state, m = self.bc_step(self.state, batch, jnp.float32(normalizer))
+      local = cfg.bc_batch_size // self.num_processes
+      mine = pick[self.process * local:(self.process + 1) * local]
+      batch = assemble([demos[i] for i in mine], length=length, rows=local, pad_id=self.tokenizer.pad_id)
+      normalizer = self._sum(algos.loss_normalizer(
+          batch.loss_mask, batch.segment_ids, aggregation=self.config.algo.aggregation,
+          norm_length=self.config.algo.norm_length, allow_empty=True))
+      self.state, m = self.bc_step(self.state, self._global(batch), jnp.float32(normalizer))
       if step % 10 == 0 or step == cfg.bc_steps - 1:
         m = jax.device_get(m)
         self.metrics.log(int(self.state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"]})
@@ -261,19 +346,23 @@ class Trainer:
     split = split or cfg.train.eval_split
     episodes = cfg.train.eval_episodes if episodes is None else episodes
     tasks = self.env_spec.tasks(split, episodes, _seed(cfg.run.seed, "eval", split), **dict(cfg.env.options or {}))
-    successes, rewards, terms = 0, [], {}
-    for start in range(0, episodes, self.rows):
-      chunk = tasks[start:start + self.rows]
-      seeds = [_seed(cfg.run.seed, "eval", split, start + i) for i in range(len(chunk))]
-      trajs, _ = self.eval_engine.run(self.policy_params(), chunk, seeds, group_size=1,
-                                      rng=jax.random.key(_seed(cfg.run.seed, "eval-rng", start)),
-                                      policy_version=int(self.state.policy_version))
-      for t in trajs:
-        successes += bool(t.verifier.passed)
-        rewards.append(t.reward.total)
-        terms[t.termination.value] = terms.get(t.termination.value, 0) + 1
-    return EvalResult(split, episodes, successes, metrics_lib.wilson_interval(successes, episodes), terms,
-                      float(np.mean(rewards)) if rewards else 0.0)
+    names = [t.value for t in tr.TerminationReason]
+    passed, rewards, terms = 0, 0.0, np.zeros(len(names), np.int64)
+    for start in range(0, episodes, self.global_rows):
+      chunk = tasks[start:start + self.global_rows]
+      chunk += chunk[:1] * (self.global_rows - len(chunk))  # pad the last chunk; padding is not counted
+      mine = range(self.process * self.rows, (self.process + 1) * self.rows)
+      seeds = [_seed(cfg.run.seed, "eval", split, start + i) for i in mine]
+      trajs, _ = self._rollout(self.eval_engine, [chunk[i] for i in mine], seeds, 1,
+                               jax.random.key(_seed(cfg.run.seed, "eval-rng", start)))
+      for i, t in zip(mine, trajs):
+        if start + i < episodes:
+          passed += bool(t.verifier.passed)
+          rewards += t.reward.total
+          terms[names.index(t.termination.value)] += 1
+    passed, rewards, terms = self._sum(passed), self._sum(rewards), self._sum(terms)
+    return EvalResult(split, episodes, int(passed), metrics_lib.wilson_interval(int(passed), episodes),
+                      {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
 
   # ------------------------------------------------------------------------------------------------
   # Reinforcement learning.
@@ -283,16 +372,18 @@ class Trainer:
     it = self.iteration
     timer = metrics_lib.StageTimer()
     wall0 = time.perf_counter()
-    tasks = [next(self.task_iter) for _ in range(cfg.train.tasks_per_iteration)]
-    seeds = [_seed(cfg.run.seed, "env", it, i) for i in range(self.rows)]
+    tasks = next(self.task_iter)  # this process's slice of the global batch of tasks
+    seeds = [_seed(cfg.run.seed, "env", it, self.process * self.rows + i) for i in range(self.rows)]
     rng = jax.random.fold_in(self.state.rng, it)
     with timer("rollout"):
-      trajs, stats = self.engine.run(self.policy_params(), tasks, seeds, group_size=cfg.train.group_size, rng=rng,
-                                     policy_version=int(self.state.policy_version))
+      trajs, stats = self._rollout(self.engine, tasks, seeds, cfg.train.group_size, rng)
     with timer("advantages"):
       batch, value_targets, value_normalizer, adv = self._advantages(trajs)
-      normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
-                                         norm_length=cfg.algo.norm_length, allow_empty=True)
+      normalizer = self._sum(algos.loss_normalizer(batch.loss_mask, batch.segment_ids,
+                                                   aggregation=cfg.algo.aggregation,
+                                                   norm_length=cfg.algo.norm_length, allow_empty=True))
+      value_normalizer = self._sum(value_normalizer)
+      batch, value_targets = self._global(batch), self._global(value_targets)
     with timer("update"):
       for _ in range(cfg.train.updates_per_iteration):
         self.state, m = self.rl_step(self.state, batch, jnp.float32(normalizer), value_targets,
@@ -304,12 +395,12 @@ class Trainer:
           self.writer.write(t)
         self.writer.flush()
 
-    totals = np.asarray([t.reward.total for t in trajs])
-    passed = np.asarray([bool(t.verifier.passed) for t in trajs])
+    totals = self._gather(np.asarray([t.reward.total for t in trajs], np.float64))
+    passed = self._gather(np.asarray([bool(t.verifier.passed) for t in trajs]))
     groups = totals.reshape(cfg.train.tasks_per_iteration, cfg.train.group_size)
     stage = timer.pop()
-    self.counters["env_interactions"] += stats.env_steps
-    self.counters["action_tokens"] += stats.action_tokens
+    self.counters["env_interactions"] += int(self._sum(stats.env_steps))
+    self.counters["action_tokens"] += int(self._sum(stats.action_tokens))
     self.counters["device_seconds"] += stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0)
     self.counters["wall_seconds"] = time.perf_counter() - self._start_wall
     out = {
@@ -323,8 +414,9 @@ class Trainer:
     }
     for key in sorted({k for t in trajs for k in t.reward.components}):
       out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in trajs]))
-    for t in trajs:
-      out[f"termination/{t.termination.value}"] = out.get(f"termination/{t.termination.value}", 0) + 1
+    names = [t.value for t in tr.TerminationReason]
+    counts = self._sum(np.asarray([sum(t.termination.value == n for t in trajs) for n in names]))
+    out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
     return out
 
   def _advantages(self, trajs: list[tr.Trajectory]):
@@ -340,7 +432,7 @@ class Trainer:
         for j, turn in enumerate(t.turns):
           state_pos[i, j] = turn.action.span[0] - 1
       plain = assemble(trajs, **layout)
-      values_bt = np.asarray(self.value_fn(self.state.params, plain))
+      values_bt = self._local_rows(self.value_fn(self.state.params, self._global(plain)))
       rows = np.arange(len(trajs))[:, None]
       values_ns = np.where(mask_ns, values_bt[rows, state_pos], 0.0)
     adv = algos.get_advantage(cfg.algo.advantage)(
@@ -364,7 +456,8 @@ class Trainer:
   def run(self) -> tuple[EvalResult | None, EvalResult | None]:
     cfg = self.config
     self._print(f"RUN_DIR {self.run_dir.resolve()}")
-    (self.run_dir / "config.yaml").write_text(config_lib.dump(cfg))
+    if self.process == 0:
+      (self.run_dir / "config.yaml").write_text(config_lib.dump(cfg))
     before = after = None
     if int(self.state.step) < cfg.train.bc_steps:
       self.behavior_cloning()
@@ -403,14 +496,24 @@ class Trainer:
 
 
 def new_run_dir(config: Config) -> Path:
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  run_dir = Path(config.run.root) / f"{config.run.name}-{stamp}"
-  run_dir.mkdir(parents=True, exist_ok=False)
+  """`<root>/<name>-<timestamp>`; in a multi-process run every process gets process 0's timestamp."""
+  stamp = np.int64(int(datetime.datetime.now().strftime("%Y%m%d%H%M%S")))
+  if jax.process_count() > 1:
+    stamp = multihost_utils.broadcast_one_to_all(stamp)
+  text = str(int(stamp))
+  run_dir = Path(config.run.root) / f"{config.run.name}-{text[:8]}-{text[8:]}"
+  run_dir.mkdir(parents=True, exist_ok=jax.process_count() > 1)
   return run_dir
 
 
 def train(config: Config, *, run_dir: Path | None = None, resume: bool = False) -> Trainer:
-  """Trains per `config` in `run_dir` (a new one unless resuming). Returns the closed trainer."""
+  """Trains per `config` in `run_dir` (a new one unless resuming). Returns the closed trainer.
+
+  `jax.distributed` is initialized first (a no-op for a single process), so the same command runs on one
+  machine or on every host of a cluster.
+  """
+  from jaxagent import distributed  # pylint: disable=g-import-not-at-top
+  distributed.initialize(config.distributed)
   if resume and run_dir is None:
     raise ValueError("--resume needs the run directory")
   run_dir = run_dir or new_run_dir(config)

@@ -79,10 +79,10 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
-                    algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl"):
+                    algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
-  Jitted with the state donated. The gradient is accumulated over `micro_batches` slices of the batch in a
+  Jitted with the state donated (and its layout pinned to `state_shardings` when given). The gradient is accumulated over `micro_batches` slices of the batch in a
   `lax.scan`; every slice's loss is divided by the whole batch's normalizer, so the sum is the full loss.
   """
 
@@ -114,7 +114,9 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
                               policy_version=state.policy_version + 1)
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=0)
+  # Pinning the new state's layout to the old one keeps every call's input shardings identical.
+  out_shardings = None if state_shardings is None else (state_shardings, None)
+  return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
 
 def make_value_fn(graphdefs: dict[str, nnx.GraphDef]):
