@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 import envs
 from jaxagent import trajectory as tr
@@ -51,6 +52,13 @@ class ChatFormat:
     """(prefix, body, suffix) token lists of an observation whose text encoded to `tokens`."""
     return ([tokenizer.special(self.tool)], list(tokens),
             [tokenizer.special(self.end_of_turn), tokenizer.special(self.assistant)])
+
+
+def _any_process(flag: bool) -> bool:
+  """True if `flag` is true on any process (the same answer on all of them)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(np.asarray(multihost_utils.process_allgather(np.asarray(bool(flag)))).any())
 
 
 @dataclasses.dataclass
@@ -148,7 +156,7 @@ class RolloutEngine:
     env_steps = action_tokens = 0
     for turn_index in range(self.max_turns):
       active = np.asarray([not r.done for r in rows])
-      if not active.any():
+      if not _any_process(active.any()):  # every process must make the same collective calls
         break
       t0 = time.perf_counter()
       state, out = self.sampler.generate(params, state, active)
@@ -187,7 +195,7 @@ class RolloutEngine:
                             last_turn=turn_index == self.max_turns - 1)
 
       needs = [i for i, r in enumerate(rows) if not r.done]
-      if not needs:
+      if not _any_process(bool(needs)):
         break
       t0 = time.perf_counter()
       state, ok = self.sampler.extend(params, state, [rows[i].pending if not rows[i].done else []

@@ -337,6 +337,7 @@ class Sampler:
     self.buckets = tuple(buckets)
     self.extend_buckets = tuple(extend_buckets)
     self.mesh = mesh
+    self.rules = rules
     shard = dict(mesh=mesh, rules=rules)
     merge = lambda params: nnx.merge(self.graphdef, params)
     self._prefill = jax.jit(lambda p, t, s, r: prefill(merge(p), t, s, r, cache_size, **shard))
@@ -350,7 +351,9 @@ class Sampler:
     if self.mesh is None:
       return jnp.asarray(x)
     global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-    spec = models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), global_shape, self.mesh)
+    spec = models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), global_shape, self.mesh, self.rules)
+    if spec[0] is None and jax.process_count() > 1:  # rows too few to shard: every process holds all of them
+      x = np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), x, global_shape)
 
   def to_host(self, tree: Any) -> Any:

@@ -87,28 +87,34 @@ class Trainer:
     cfg = config
     self.tokenizer = models.load_tokenizer(cfg.model.tokenizer)
     dtype = jnp.dtype(cfg.model.dtype)
-    if cfg.model.path:
-      self.model = checkpoint.load_model(cfg.model.path, dtype=dtype)
-    else:
-      self.model = models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
     self.process, self.num_processes = jax.process_index(), jax.process_count()
     self.mesh = sharding_lib.mesh_from_config(cfg.mesh)
     learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
     rollout_rules = sharding_lib.rules_for("rollout", cfg.mesh)
-    self.model = models.shard_model(self.model, self.mesh, learner_rules)
-    if self.model.config.vocab_size < self.tokenizer.vocab_size:
-      raise config_lib.ConfigError(f"model vocab_size {self.model.config.vocab_size} < tokenizer vocab "
-                                   f"{self.tokenizer.vocab_size} ({cfg.model.tokenizer})")
     if cfg.algo.name == "ppo" and cfg.algo.advantage != "gae":
       raise config_lib.ConfigError(f"algo.name='ppo' needs algo.advantage='gae' (got {cfg.algo.advantage!r})")
     if cfg.algo.name == "grpo" and cfg.algo.advantage == "gae":
       raise config_lib.ConfigError("algo.advantage='gae' needs a value function: set algo.name='ppo'")
     if cfg.train.dynamic_sampling:
       raise config_lib.ConfigError("train.dynamic_sampling=true: not built yet; set it to false")
-    policy_graphdef, policy_params = nnx.split(self.model)
-    self.graphdefs, params = {"policy": policy_graphdef}, {"policy": policy_params}
+
+    # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
+    # the same on every process of a multi-host run.
+    init_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
+    if cfg.model.path:
+      loaded = checkpoint.load_model(cfg.model.path, dtype=dtype, mesh=self.mesh, rules=learner_rules)
+      self.model = loaded
+      policy_params = nnx.split(loaded)[1]
+    else:
+      self.model = nnx.eval_shape(init_model)  # abstract: the graph and config (the sampler needs no values)
+      policy_params = None
+    if self.model.config.vocab_size < self.tokenizer.vocab_size:
+      raise config_lib.ConfigError(f"model vocab_size {self.model.config.vocab_size} < tokenizer vocab "
+                                   f"{self.tokenizer.vocab_size} ({cfg.model.tokenizer})")
+    self.graphdefs = {"policy": nnx.split(self.model)[0]}
+    make_value = lambda: ValueHead(self.model.config.hidden_size, dtype=dtype)
     if cfg.algo.name == "ppo":
-      self.graphdefs["value"], params["value"] = nnx.split(ValueHead(self.model.config.hidden_size, dtype=dtype))
+      self.graphdefs["value"] = nnx.split(nnx.eval_shape(make_value))[0]
       self.value_fn = make_value_fn(self.graphdefs)
     rl_updates = cfg.train.iterations * cfg.train.updates_per_iteration
     schedule = optax.join_schedules(
@@ -119,15 +125,35 @@ class Trainer:
         optax.clip_by_global_norm(cfg.optim.max_grad_norm),
         optax.adamw(schedule, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps,
                     weight_decay=cfg.optim.weight_decay))
-    self.state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
-                            policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed))
-    # Canonical layout: parameters (and their optimizer moments) as placed by the learner rules, every other
-    # leaf (step, counts, RNG) replicated on the mesh. Steps return exactly this layout.
-    def canonical(x):
-      sh = getattr(x, "sharding", None)
-      return sh if isinstance(sh, NamedSharding) and sh.mesh == self.mesh else NamedSharding(self.mesh, P())
-    self.state_shardings = jax.tree.map(canonical, self.state)
-    self.state = jax.device_put(self.state, self.state_shardings)
+
+    def init_state(policy):
+      params = {"policy": nnx.split(init_model())[1] if policy is None else policy}
+      if cfg.algo.name == "ppo":
+        params["value"] = nnx.split(make_value())[1]
+      return TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                        policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed))
+
+    # Canonical layout: parameters and their optimizer moments by the learner rules, every other leaf (step,
+    # counts, RNG) replicated. Every jitted step returns exactly this layout, so nothing recompiles.
+    abstract = jax.eval_shape(init_state, policy_params)
+    param_sh = jax.tree.map(lambda v: v.replace(models.variable_sharding(v, self.mesh, learner_rules)),
+                            abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    replicated = NamedSharding(self.mesh, P())
+    params_def = jax.tree.structure(abstract.params)
+
+    def like_params(node):
+      if jax.tree.structure(node) == params_def:
+        return param_sh
+      if isinstance(node, (tuple, list)) and not hasattr(node, "shape"):
+        children = [like_params(c) for c in node]
+        return type(node)(*children) if hasattr(node, "_fields") else type(node)(children)
+      if isinstance(node, dict):
+        return {k: like_params(v) for k, v in node.items()}
+      return jax.tree.map(lambda _: replicated, node)
+
+    self.state_shardings = TrainState(params=param_sh, opt_state=like_params(abstract.opt_state),
+                                      step=replicated, policy_version=replicated, rng=replicated)
+    self.state = jax.jit(init_state, out_shardings=self.state_shardings)(policy_params)
     step_args = dict(state_shardings=self.state_shardings)
     self.rl_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo,
                                    micro_batches=cfg.train.micro_batches, mode="rl", **step_args)
@@ -137,8 +163,8 @@ class Trainer:
     sharding_lib.check_replication(self.state.params, cfg.mesh.max_replicated_fraction)
     # Colocated placement: the policy lives in the learner layout and is resharded (donated) into the rollout
     # layout for generation and back for the update, inside jitted programs: one layout at a time.
-    learner_sh = models.state_shardings(self.state.params["policy"], self.mesh, learner_rules)
-    rollout_sh = models.state_shardings(self.state.params["policy"], self.mesh, rollout_rules)
+    learner_sh = param_sh["policy"]
+    rollout_sh = models.state_shardings(abstract.params["policy"], self.mesh, rollout_rules)
     self.to_rollout = jax.jit(lambda p: p, out_shardings=rollout_sh, donate_argnums=0)
     self.to_learner = jax.jit(lambda p: p, out_shardings=learner_sh, donate_argnums=0)
     self.batch_sharding = lambda shape: NamedSharding(self.mesh, models.logical_to_spec(
@@ -202,7 +228,7 @@ class Trainer:
       self.iteration, self.state, meta = restored
       self.task_iter.set_state(meta["data_iterator"])
       self.counters = meta["counters"]
-      self.state = jax.device_put(self.state, self.state_shardings)
+      self.state = jax.jit(lambda x: x, out_shardings=self.state_shardings)(self.state)
       resume_step = int(self.state.step)
       self._print(f"resumed from {self.run_dir / 'checkpoints' / str(self.iteration)} "
                   f"(iteration {self.iteration}, step {resume_step}, policy version {int(self.state.policy_version)})")
