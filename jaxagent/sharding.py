@@ -204,3 +204,17 @@ def check_replication(state: Any, max_replicated_fraction: float, *, top: int = 
         f"Largest replicated: {listing}. Use a rules table that shards them (mesh.rules.*), a mesh with "
         f"fsdp/tensor > 1 whose sizes divide these dimensions, or raise the limit.")
   return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Resharding between layouts on the same devices.
+
+
+def reshard(tree: Any, shardings: Any) -> Any:
+  """Moves every array of `tree` to the matching sharding of `shardings`, one array at a time, donating each.
+
+  One array at a time keeps the peak at about the larger of the two layouts plus one array (a single program
+  for the whole tree holds every input and every output at once). Works across processes: the move is a
+  collective on the mesh, never a host round trip.
+  """
+  return jax.tree.map(lambda x, s: jax.device_put(x, s, donate=True), tree, shardings)

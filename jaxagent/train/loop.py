@@ -161,12 +161,12 @@ class Trainer:
                                    **step_args)
 
     sharding_lib.check_replication(self.state.params, cfg.mesh.max_replicated_fraction)
-    # Colocated placement: the policy lives in the learner layout and is resharded (donated) into the rollout
-    # layout for generation and back for the update, inside jitted programs: one layout at a time.
+    # Colocated placement: the policy lives in the learner layout and is resharded (donated, array by array)
+    # into the rollout layout for generation and back for the update: one layout at a time, on device.
     learner_sh = param_sh["policy"]
     rollout_sh = models.state_shardings(abstract.params["policy"], self.mesh, rollout_rules)
-    self.to_rollout = jax.jit(lambda p: p, out_shardings=rollout_sh, donate_argnums=0)
-    self.to_learner = jax.jit(lambda p: p, out_shardings=learner_sh, donate_argnums=0)
+    self.to_rollout = lambda p: sharding_lib.reshard(p, rollout_sh)
+    self.to_learner = lambda p: sharding_lib.reshard(p, learner_sh)
     self.batch_sharding = lambda shape: NamedSharding(self.mesh, models.logical_to_spec(
         ("batch",) + (None,) * (len(shape) - 1), shape, self.mesh, learner_rules))
 
