@@ -23,7 +23,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 run: $(VENV)/.installed
-	$(BIN)/jaxagent demo $(CONFIG)
+	$(BIN)/jaxagent train $(CONFIG)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -16,22 +16,7 @@ from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.models.llama3 import model as llama3
 
-
-class ByteTokenizer:
-  def encode(self, text, **kwargs):
-    return list(text.encode())
-
-  def decode(self, ids, **kwargs):
-    return bytes(i for i in ids if i < 256).decode(errors="replace")
-
-  def bos_id(self):
-    return 257
-
-  def eos_id(self):
-    return 258
-
-  def pad_id(self):
-    return 256
+from _tunix_grpo import ByteTokenizer  # same byte tokenizer as the GRPO bench (bench/ is on sys.path)
 
 
 def main():

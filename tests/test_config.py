@@ -49,6 +49,14 @@ def test_bad_values_name_the_key_and_what_is_valid(override, pattern):
     config_lib.load("tiny_cpu", [override])
 
 
+def test_yaml_exponent_without_dot_is_a_number(tmp_path):
+  path = tmp_path / "lr.yaml"
+  path.write_text("optim:\n  learning_rate: 2e-4\n")  # YAML 1.1 reads this as a string
+  assert config_lib.load(path).optim.learning_rate == 2e-4
+  with pytest.raises(ConfigError, match=r"optim\.learning_rate='fast': expected a number"):
+    config_lib.load(path, ["optim.learning_rate=fast"])
+
+
 def test_error_names_the_file(tmp_path):
   path = tmp_path / "bad.yaml"
   path.write_text("generate:\n  max_new_tokns: 3\n")
