@@ -16,6 +16,7 @@ actions) before their next step, so other trajectories are not affected when env
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import dataclasses
 import itertools
@@ -296,7 +297,7 @@ class _SharedExclusive:
       self._cond.notify_all()
 
 
-class Worker:
+class Worker(abc.ABC):
   """One worker: start(), address, connection, kill(). Subclasses differ in how the process runs."""
 
   def __init__(self, cfg: PoolConfig, index: int):
@@ -305,8 +306,9 @@ class Worker:
     self.conn: Any = None
     self.access = _SharedExclusive()
 
+  @abc.abstractmethod
   def start(self) -> None:
-    raise NotImplementedError
+    """Starts (or restarts) the worker and connects `self.conn`."""
 
   def kill(self) -> None:
     if self.conn is not None:
