@@ -206,32 +206,38 @@ class SocketConnection:
 class InProcessConnection:
   """Same interface, no socket: ops run on a thread pool against a `Host` in this process.
 
-  A hung step cannot be killed in-process; its thread is abandoned and the instance table replaced.
+  A hung step cannot be killed in-process; its thread is abandoned and the instance table replaced. Ops run
+  on daemon threads so that an abandoned one never keeps the interpreter from exiting (a ThreadPoolExecutor
+  joins its threads at exit: one hung `time.sleep(3600)` would hold the process for an hour).
   """
 
   def __init__(self, env: str, max_inflight: int):
     from envs.server import Host  # pylint: disable=g-import-not-at-top
     self.host = Host(env)
-    self.executor = concurrent.futures.ThreadPoolExecutor(max_inflight, thread_name_prefix="inproc-env")
+    self._running = threading.BoundedSemaphore(max_inflight)  # at most max_inflight ops run at once
     self.closed = False
 
   def call(self, op: str, args: dict[str, Any], timeout: float) -> concurrent.futures.Future:
     from envs.server import RequestError  # pylint: disable=g-import-not-at-top
     out: concurrent.futures.Future = concurrent.futures.Future()
 
+    if self.closed:
+      out.set_exception(WorkerCrashed("in-process connection is closed"))
+      return out
+
     def run():
-      try:
-        out.set_result(P.msgpack.unpackb(P.msgpack.packb(self.host.handle(op, args), use_bin_type=True)))
-      except RequestError as e:
-        out.set_exception(RemoteError(e.kind, str(e)))
-      except Exception as e:
-        out.set_exception(RemoteError("env_error", f"{type(e).__name__}: {e}"))
-    self.executor.submit(run)
+      with self._running:
+        try:
+          out.set_result(P.msgpack.unpackb(P.msgpack.packb(self.host.handle(op, args), use_bin_type=True)))
+        except RequestError as e:
+          out.set_exception(RemoteError(e.kind, str(e)))
+        except Exception as e:  # pylint: disable=broad-except
+          out.set_exception(RemoteError("env_error", f"{type(e).__name__}: {e}"))
+    threading.Thread(target=run, name="inproc-env", daemon=True).start()
     return out
 
   def close(self, error: Exception | None = None) -> None:
     self.closed = True
-    self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------------------------
