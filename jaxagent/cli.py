@@ -104,8 +104,7 @@ def _cmd_eval(args) -> int:
   saved = run_dir / "config.yaml"
   if not saved.is_file():
     raise config_lib.ConfigError(f"--checkpoint {args.checkpoint}: expected a run directory with config.yaml")
-  overrides = list(args.overrides) + ["train.save_trajectories=false"]
-  trainer = loop.Trainer(config_lib.load(saved, overrides), run_dir, resume=True)
+  trainer = loop.Trainer(config_lib.load(saved, args.overrides), run_dir, resume=True, read_only=True)
   try:
     result = trainer.evaluate(args.split, args.episodes)
   finally:

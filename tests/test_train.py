@@ -42,6 +42,14 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
   assert config_lib.load(run / "config.yaml") == config
   assert trainer.iteration == 2 and int(trainer.state.policy_version) == 3 + 2  # 3 BC + 2 RL updates
 
+  # `jaxagent eval` restores the latest checkpoint and reports, without writing into the run directory.
+  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  metrics_before = (run / "metrics.jsonl").read_bytes()
+  assert cli.main(["eval", "--checkpoint", str(run / "checkpoints"), "--episodes", "8", "--split", "tune"]) == 0
+  report = capsys.readouterr().out
+  assert "tune success" in report and "95% CI" in report and "termination" in report
+  assert (run / "metrics.jsonl").read_bytes() == metrics_before
+
   trajs = list(trajectory_store.read(run / "trajectories"))
   assert len(trajs) == 2 * 2 * 4
   assert sorted({t.policy_version for t in trajs}) == [3, 4]

@@ -80,7 +80,9 @@ class EvalResult:
 class Trainer:
   """Holds the run's parts; `run()` trains, `evaluate()` measures held-out success."""
 
-  def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, echo: bool = True):
+  def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, echo: bool = True,
+               read_only: bool = False):
+    """`read_only`: restore and evaluate without writing anything into the run directory (`jaxagent eval`)."""
     self.config = config
     self.run_dir = Path(run_dir)
     self.echo = echo and jax.process_index() == 0
@@ -232,18 +234,18 @@ class Trainer:
       resume_step = int(self.state.step)
       self._print(f"resumed from {self.run_dir / 'checkpoints' / str(self.iteration)} "
                   f"(iteration {self.iteration}, step {resume_step}, policy version {int(self.state.policy_version)})")
-    self.metrics = metrics_lib.MetricsLogger(self.run_dir, enabled=jax.process_index() == 0,
+    self.metrics = metrics_lib.MetricsLogger(self.run_dir, enabled=jax.process_index() == 0 and not read_only,
                                              resume_step=resume_step)
     prefix = "trajectories" if self.num_processes == 1 else f"trajectories-p{self.process}"
-    if resume and cfg.train.save_trajectories:
+    save = cfg.train.save_trajectories and not read_only
+    if resume and save:
       shards = meta.get("trajectory_shards", {})
       moved = trajectory_store.discard_from(self.run_dir / "trajectories", int(shards.get(prefix, 0)),
                                             prefix=prefix)
       if moved:
         self._print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
                     f"(trajectories/discarded/): their iterations are replayed")
-    self.writer = (TrajectoryWriter(self.run_dir / "trajectories", prefix=prefix) if cfg.train.save_trajectories
-                   else None)
+    self.writer = TrajectoryWriter(self.run_dir / "trajectories", prefix=prefix) if save else None
     self.prefix = prefix
     self._start_wall = time.perf_counter() - self.counters["wall_seconds"]
 
