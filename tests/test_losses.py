@@ -193,7 +193,8 @@ def test_masked_positions_have_exactly_zero_gradient(cfg, seed, shifted):
   else:
     dead = ~p["mask"]
   assert np.all(grad[dead] == 0.0)
-  assert np.any(grad[~dead] != 0.0)
+  # Vacuous draws (every live token clipped, so the true gradient is 0) prove nothing: discard them.
+  hypothesis.assume(np.any(grad[~dead] != 0.0))
 
 
 @SETTINGS
@@ -247,4 +248,5 @@ def test_micro_batches_sum_to_the_full_batch_gradient(aggregation, cfg, seed, pa
   parts = [run(rows) for rows in (np.arange(2), np.arange(2, 4))]
   np.testing.assert_allclose(sum(l for l, _ in parts), full_loss, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(sum(g for _, g in parts), full, rtol=1e-5, atol=1e-6)
-  assert np.any(np.asarray(full) != 0)
+  # Vacuous draws (every token clipped, so the true gradient is 0) prove nothing about accumulation: discard them.
+  hypothesis.assume(np.any(np.asarray(full) != 0))
