@@ -79,7 +79,8 @@ class EnvInfo:
   seed: int
   clock: str = "frozen"                # clock policy
   network: str = "none"                # network policy
-  invalid_action_rule: Literal["reject", "terminate", "penalize"] = "reject"   # DESIGN.md §2.3
+  # DESIGN.md §2.3; the same names as envs.INVALID_ACTION_RULES (one vocabulary from env to record)
+  invalid_action_rule: Literal["error_observation", "terminate", "penalty"] = "error_observation"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,6 @@ import envs
 from jaxagent import trajectory as tr
 from jaxagent.rollout.sampler import Finish, Sampler
 
-# envs' invalid-action rule names -> the trajectory record's names (DESIGN.md §2.3).
-_RULE_NAMES = {"error_observation": "reject", "terminate": "terminate", "penalty": "penalize"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +112,9 @@ class RolloutEngine:
     self.max_observation_tokens = max_observation_tokens
     self.stop_strings = tuple(stop_strings)
     self.gamma = gamma
-    self.rule = _RULE_NAMES[invalid_action_rule]
+    if invalid_action_rule not in envs.INVALID_ACTION_RULES:
+      raise ValueError(f"invalid_action_rule={invalid_action_rule!r}: not one of {envs.INVALID_ACTION_RULES}")
+    self.rule = invalid_action_rule
     self.chat = chat
     self.env_version = pool.version or env_spec.version
 
