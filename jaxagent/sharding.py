@@ -26,17 +26,8 @@ from jaxagent.config import MeshAxes, MeshConfig
 MESH_AXES = models.MESH_AXES
 
 # Decode: weights split over `tensor` only (no all-gather per generated token), the batch over the rest.
-TENSOR_PARALLEL_RULES: models.Rules = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", None),
-    ("mlp", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("norm", None),
-    ("length", None),
-)
+TENSOR_PARALLEL_RULES: models.Rules = tuple((name, None if name == "embed" else target)
+                                            for name, target in models.DEFAULT_RULES)
 
 # Everything replicated but the batch: small models, debugging; the replication guard rejects it on a
 # multi-device learner mesh unless mesh.max_replicated_fraction allows it.

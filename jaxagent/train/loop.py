@@ -323,6 +323,7 @@ class Trainer:
       termination = tr.TerminationReason.MAX_TURNS
       for action in self.env_spec.demo(task, **dict(self.config.env.demo_options or {})):
         tokens = self.tokenizer.encode(action) + stop
+        # The scripted policy puts probability 1 on its action: behavior log-prob 0, policy_version -1.
         span = stream.sampled(tokens, [0.0] * len(tokens))
         result = env.step(action)
         turns.append(tr.Turn(action=tr.Action(span=span, text=action), reward=result.reward,
