@@ -8,7 +8,6 @@ measured in this run; the text it generates is from untrained weights.
 
 from __future__ import annotations
 
-import datetime
 import time
 from pathlib import Path
 
@@ -20,43 +19,26 @@ from flax import nnx
 import models
 from jaxagent import checkpoint
 from jaxagent.config import Config
-
-
-def make_run_dir(config: Config) -> Path:
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  run_dir = Path(config.run.root) / f"{config.run.name}-{stamp}"
-  run_dir.mkdir(parents=True, exist_ok=False)
-  return run_dir
+from jaxagent.rollout.sampler import Sampler, SamplingConfig
+from jaxagent.train.loop import new_run_dir
 
 
 def greedy_decode(model: models.Transformer, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-  """Greedy decoding with the KV cache (prefill, then one jitted step per token). Returns tokens, seconds."""
-  graphdef, state = nnx.split(model)
-  size = len(prompt) + max_new_tokens
-
-  @jax.jit
-  def prefill(state, tokens):
-    cache = models.KVCache.init(model.config, 1, size, model.dtype)
-    logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
-    return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
-
-  @jax.jit(donate_argnums=2)
-  def step(state, token, cache):
-    logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
-    return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
-  token, cache = prefill(state, jnp.asarray([prompt], jnp.int32))
-  out = [token]
-  jax.block_until_ready(step.lower(state, token, cache).compile())
+  """Greedy decoding with the rollout sampler (KV cache, one compiled while_loop). Returns tokens, seconds."""
+  sampler = Sampler(model, cache_size=len(prompt) + max_new_tokens,
+                    config=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens), pad_id=0,
+                    buckets=(len(prompt),))
+  params = nnx.split(model)[1]
+  state = sampler.prefill(params, [prompt], jax.random.key(0))
+  jax.block_until_ready(sampler._generate.lower(params, state, jnp.ones((1,), bool)).compile())
   start = time.perf_counter()
-  for _ in range(max_new_tokens - 1):
-    token, cache = step(state, token, cache)
-    out.append(token)
-  tokens = [int(t[0]) for t in jax.device_get(out)]
+  _, turn = sampler.generate(params, state)
+  tokens = jax.device_get(turn.tokens[0]).tolist()
   return tokens, time.perf_counter() - start
 
 
 def run(config: Config) -> Path:
-  run_dir = make_run_dir(config)
+  run_dir = new_run_dir(config)
   print(f"RUN_DIR {run_dir.resolve()}")
   print("note: the trainer is not built yet; this job exercises the model, checkpoint and decode path.")
   tokenizer = models.load_tokenizer(config.model.tokenizer)
@@ -83,7 +65,7 @@ def run(config: Config) -> Path:
   full = restored(jnp.asarray([prompt + new], jnp.int32))
   reference = np.asarray(jnp.argmax(full[0, len(prompt) - 1:-1], -1)).tolist()
   agree = sum(int(a == b) for a, b in zip(new, reference))
-  print(f"greedy decode with KV cache: {len(new)} tokens, {(len(new) - 1) / max(seconds, 1e-9):.0f} tokens/s; "
+  print(f"greedy decode with KV cache: {len(new)} tokens, {len(new) / max(seconds, 1e-9):.0f} tokens/s; "
         f"agrees with no-cache argmax on {agree}/{len(new)} tokens")
   print(f"continuation (untrained weights): {tokenizer.decode(new)!r}")
   if agree != len(new):
