@@ -78,11 +78,14 @@ class Host:
         if env.done:
           raise RequestError("episode_done", f"instance {instance!r}: the episode already ended")
         return env.step(action).to_wire()
-      if op == "snapshot":
-        return env.snapshot()
-      if op == "restore":
-        env.restore(args.get("state"))
-        return None
+      if op in ("snapshot", "restore"):
+        try:  # optional capabilities: an env without them answers `unsupported`, not an env fault
+          if op == "snapshot":
+            return env.snapshot()
+          env.restore(args.get("state"))
+          return None
+        except NotImplementedError as e:
+          raise RequestError("unsupported", str(e)) from None
       if op == "close":
         with self._lock:
           self._instances.pop(instance, None)

@@ -129,3 +129,21 @@ def test_guess_budget_is_not_completion():
   wrong = 1 if target != 1 else 2
   results = [env.step(f"guess {wrong}") for _ in range(envs.builtin.guess.budget(16))]
   assert results[-1].termination == "turn_budget_exhausted" and not any(r.done for r in results[:-1])
+
+
+def test_snapshot_is_an_optional_capability_answered_over_the_wire():
+  from envs.server import Host, RequestError  # pylint: disable=g-import-not-at-top
+  host = Host("faults")  # offers no snapshot
+  host.handle("reset", {"instance": "a", "task": envs.get("faults").tasks("train", 1, 0)[0].to_wire(), "seed": 0,
+                        "options": {}})
+  for op, args in (("snapshot", {"instance": "a"}), ("restore", {"instance": "a", "state": None})):
+    with pytest.raises(RequestError, match="does not support") as err:
+      host.handle(op, args)
+    assert err.value.kind == "unsupported"
+  calc = Host("calculator")
+  task = envs.get("calculator").tasks("train", 1, 0)[0]
+  calc.handle("reset", {"instance": "a", "task": task.to_wire(), "seed": 0, "options": {}})
+  saved = calc.handle("snapshot", {"instance": "a"})
+  first = calc.handle("step", {"instance": "a", "action": "calc 1+1"})
+  calc.handle("restore", {"instance": "a", "state": saved})
+  assert calc.handle("step", {"instance": "a", "action": "calc 1+1"}) == first
