@@ -45,8 +45,8 @@ def main():
 
     run(1)
     run(args.new)  # compile both
-    prefill = min(run(1)[0] for _ in range(3))
-    total, out = min((run(args.new) for _ in range(3)), key=lambda r: r[0])
+    prefill = min(run(1)[0] for _ in range(7))
+    total, out = min((run(args.new) for _ in range(7)), key=lambda r: r[0])
     lengths = [len(t) for t in out.tokens]
   print(json.dumps({"decode_tok_s": args.batch * (args.new - 1) / (total - prefill), "prefill_s": prefill,
                     "total_s": total, "min_len": min(lengths)}))

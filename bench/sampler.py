@@ -28,7 +28,7 @@ from jaxagent.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
 PROMPT, NEW = 64, 64
 
 
-def _time(fn, repeats=3):
+def _time(fn, repeats=7):
   best = float("inf")
   for _ in range(repeats):
     start = time.perf_counter()

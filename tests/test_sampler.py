@@ -98,7 +98,7 @@ def test_extend_then_continue_equals_prefilling_the_concatenation(model):
 def test_same_seed_same_samples():
   logits = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)) * 3, jnp.float32)
   cfg = SamplingConfig(temperature=1.0)
-  keys = lambda seed: jax.random.split(jax.random.key(seed), 16)
+  keys = jax.random.key
   a = sampler_lib.sample_logits(logits, keys(3), cfg)[0]
   b = sampler_lib.sample_logits(logits, keys(3), cfg)[0]
   c = sampler_lib.sample_logits(logits, keys(4), cfg)[0]
@@ -112,7 +112,7 @@ def test_truncated_sampling_frequencies(cfg):
   base = np.log(np.asarray([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02]))
   n = 20000
   logits = jnp.asarray(np.tile(base, (n, 1)), jnp.float32)
-  tokens, logp, _ = sampler_lib.sample_logits(logits, jax.random.split(jax.random.key(0), n), cfg)
+  tokens, logp, _ = sampler_lib.sample_logits(logits, jax.random.key(0), cfg)
   scaled = base / cfg.temperature
   probs = np.exp(scaled - scaled.max())
   probs /= probs.sum()

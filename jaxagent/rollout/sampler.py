@@ -145,15 +145,19 @@ def pad_right(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[
 # Pure functions (usable inside a larger jitted program).
 
 
-def sample_logits(logits_bv: jax.Array, keys_b: jax.Array, config: SamplingConfig):
-  """Samples one token per row. Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B])."""
+def sample_logits(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
+  """Samples one token per row with one key for the batch (rows draw independent Gumbel noise from it; with
+  jax's partitionable threefry the draw is the same however the batch is sharded).
+
+  Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B]).
+  """
   logits_bv = logits_bv.astype(jnp.float32)
   raw_logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
   if config.temperature == 0:
     tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     raw_b = jnp.take_along_axis(raw_logp_bv, tokens_b[:, None], axis=-1)[:, 0]
     return tokens_b, jnp.zeros_like(raw_b), raw_b
-  scaled_bv = logits_bv / config.temperature
+  scaled_bv = logits_bv if config.temperature == 1.0 else logits_bv / config.temperature
   neg_inf = jnp.finfo(jnp.float32).min
   if config.top_k and config.top_k < logits_bv.shape[-1]:
     kth_b = jax.lax.top_k(scaled_bv, config.top_k)[0][:, -1:]
@@ -165,8 +169,9 @@ def sample_logits(logits_bv: jax.Array, keys_b: jax.Array, config: SamplingConfi
     keep_bv = before_bv < config.top_p
     cutoff_b = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
     scaled_bv = jnp.where(scaled_bv < cutoff_b, neg_inf, scaled_bv)
-  tokens_b = jax.vmap(jax.random.categorical)(keys_b, scaled_bv).astype(jnp.int32)
-  logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
+  tokens_b = jax.random.categorical(key, scaled_bv, axis=-1).astype(jnp.int32)
+  # Untempered and untruncated: the sampled distribution is the model's, one log_softmax serves both.
+  logp_bv = raw_logp_bv if scaled_bv is logits_bv else jax.nn.log_softmax(scaled_bv, axis=-1)
   take = lambda x: jnp.take_along_axis(x, tokens_b[:, None], axis=-1)[:, 0]
   return tokens_b, take(logp_bv), take(raw_logp_bv)
 
@@ -190,7 +195,7 @@ def _last_valid(segment_ids_bt: jax.Array) -> jax.Array:
 def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rules) -> models.KVCache:
   if mesh is None:
     return cache
-  kv_spec = models.logical_to_spec(("batch", "length", "kv_heads", "head_dim"), cache.k[0].shape, mesh, rules)
+  kv_spec = models.logical_to_spec(models.KVCache.AXES, cache.k[0].shape, mesh, rules)
   seg_spec = models.logical_to_spec(("batch", "length"), cache.segment_ids.shape, mesh, rules)
   kv = NamedSharding(mesh, kv_spec)
   con = jax.lax.with_sharding_constraint
@@ -258,7 +263,9 @@ def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array
   table_np, window = _stop_table(config)
   table = jnp.asarray(table_np)
   rng, turn_key = jax.random.split(state.rng)
-  rows = jnp.arange(b)
+  # One key per decode step, drawn before the loop. Inside it, sampling uses XLA's RngBitGenerator (jax's
+  # "rbg" keys): one op per step, where threefry on CPU is a nested while loop of its own.
+  step_keys = jax.random.wrap_key_data(jax.random.bits(turn_key, (m, 4), jnp.uint32), impl="rbg")
 
   init = dict(
       state=state.replace(rng=rng), step=jnp.zeros((), jnp.int32), done=~active_b,
@@ -273,11 +280,13 @@ def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array
   def body(c):
     st = c["state"]
     running = ~c["done"]
-    keys = jax.random.split(jax.random.fold_in(turn_key, c["step"]), b)
-    token, logp, raw = sample_logits(st.next_logits, keys, config)
-    slot = jnp.minimum(c["n"], m - 1)
-    put = lambda buf, x: buf.at[rows, slot].set(jnp.where(running, x, buf[rows, slot]))
-    tokens, logprobs, raws = put(c["tokens"], token), put(c["logprobs"], logp), put(c["raw"], raw)
+    token, logp, raw = sample_logits(st.next_logits, step_keys[c["step"]], config)
+    # A running row has produced exactly `step` tokens this turn (rows start together and never restart),
+    # so every row writes column `step`: one in-place column update instead of a per-row scatter.
+    put = lambda buf, x, fill: jax.lax.dynamic_update_slice(
+        buf, jnp.where(running, x, fill).astype(buf.dtype)[:, None], (0, c["step"]))
+    tokens, logprobs = put(c["tokens"], token, pad_id), put(c["logprobs"], logp, 0.0)
+    raws = put(c["raw"], raw, 0.0)
     n = c["n"] + running
     recent = jnp.where(running[:, None], jnp.concatenate([c["recent"][:, 1:], token[:, None]], 1), c["recent"])
     match = ((recent[:, None, :] == table[None]) | (table[None] == -1)).all(-1).any(-1)
