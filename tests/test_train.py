@@ -170,3 +170,71 @@ def test_algo_config_combinations_are_checked(tmp_path):
     loop.Trainer(_config(tmp_path, "algo.name=ppo"), tmp_path / "run1")
   with pytest.raises(config_lib.ConfigError, match="needs a value function"):
     loop.Trainer(_config(tmp_path, "algo.advantage=gae"), tmp_path / "run2")
+
+
+def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path):
+  trainer = loop.Trainer(_config(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "optim.learning_rate=1e-2"),
+                         tmp_path / "run")
+  try:
+    trainer.behavior_cloning()
+    trainer.set_reference()
+    start = jax.tree.map(np.array, trainer.state.params["policy"])
+    assert jax.tree.all(jax.tree.map(np.array_equal, start, jax.tree.map(np.asarray, trainer.state.ref_params)))
+    first = trainer.rl_iteration()
+    trainer.iteration += 1
+    second = trainer.rl_iteration()
+    moved = jax.tree.map(np.asarray, trainer.state.params["policy"])
+    ref = jax.tree.map(np.asarray, trainer.state.ref_params)
+    trainer._save()
+    trainer.checkpointer.wait()
+    _, restored, _ = trainer.checkpointer.restore_latest(trainer.state, trainer.model_config)
+  finally:
+    trainer.close()
+  # The first update starts at the reference: KL is 0 up to float32 rounding (the two forwards are fused
+  # differently); after an update with lr 1e-2 it is many orders of magnitude larger.
+  assert abs(first["kl"]) < 1e-10, first["kl"]
+  assert second["kl"] > 1e-6, "after an update the policy differs from the reference"
+  assert not jax.tree.all(jax.tree.map(np.array_equal, start, moved)), "the policy did not move"
+  assert jax.tree.all(jax.tree.map(np.array_equal, start, ref)), "the reference changed during RL"
+  assert jax.tree.all(jax.tree.map(np.array_equal, ref, jax.tree.map(np.asarray, restored.ref_params)))
+
+
+def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path):
+  """Selection logic on scripted rewards: varied groups replace flat ones, rounds are bounded and counted."""
+  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
+  from jaxagent.rollout.engine import RolloutStats  # pylint: disable=g-import-not-at-top
+  trainer = loop.Trainer(_config(tmp_path, "train.tasks_per_iteration=3", "train.group_size=2",
+                                 "train.dynamic_sampling=true", "train.dynamic_sampling_rounds=2",
+                                 "train.eval_episodes=0"), tmp_path / "run")
+  # Rewards per round (3 groups of 2): round 0 has one varied group, round 1 one more, round 2 none.
+  rounds = [[1, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1], [1, 1, 0, 0, 1, 1]]
+  calls = []
+
+  def fake_rollout(engine, tasks, seeds, group_size, rng):
+    rewards = rounds[len(calls)]
+    calls.append([t.id for t in tasks])
+    trajs = [SimpleNamespace(name=f"r{len(calls) - 1}g{i // 2}", reward=SimpleNamespace(total=float(r)))
+             for i, r in enumerate(rewards)]
+    return trajs, RolloutStats(1.0, 1.0, 1.0, 1.0, 6, 10)
+
+  try:
+    trainer._rollout = fake_rollout
+    first, stats = fake_rollout(None, next(trainer.task_iter), None, 2, None)
+    trained, unused, stats, metrics = trainer._dynamic_sampling(first, stats, jax.random.key(0))
+    del trainer._rollout  # and one real iteration end to end: every sampled trajectory is stored
+    real = trainer.rl_iteration()
+  finally:
+    trainer.close()
+  stored = list(trajectory_store.read(tmp_path / "run" / "trajectories"))
+  unused_stored = [t for t in stored if t.metadata.get("trained") is False]
+  assert len(stored) - len(unused_stored) == 6
+  assert len(stored) == 2 * real["dynamic_sampling/groups_sampled"]
+  assert 0 <= real["dynamic_sampling/rounds"] <= 2
+  names = [t.name for t in trained]
+  # Varied groups first (r0g0, r1g1), then one flat group (r0g1) fills the last place after 2 extra rounds.
+  assert names == ["r0g0", "r0g0", "r1g1", "r1g1", "r0g1", "r0g1"]
+  assert sorted({t.name for t in unused}) == ["r0g2", "r1g0", "r1g2", "r2g0", "r2g1", "r2g2"]
+  assert metrics == {"dynamic_sampling/rounds": 2, "dynamic_sampling/groups_sampled": 9,
+                     "dynamic_sampling/zero_variance_groups_trained": 1}
+  assert stats.env_steps == 18 and stats.decode_s == 3.0
+  assert len(calls) == 3 and len({tuple(c) for c in calls}) == 3, "each round draws a new batch of tasks"

@@ -34,8 +34,11 @@ def versions() -> dict[str, str]:
 
 
 def _to_saveable(state: TrainState) -> dict[str, Any]:
-  return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
-          "policy_version": state.policy_version, "rng": jax.random.key_data(state.rng)}
+  out = {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+         "policy_version": state.policy_version, "rng": jax.random.key_data(state.rng)}
+  if state.ref_params is not None:
+    out["ref_params"] = state.ref_params
+  return out
 
 
 class TrainCheckpointer:
@@ -84,7 +87,8 @@ class TrainCheckpointer:
         continue
       s = restored["state"]
       state = TrainState(params=s["params"], opt_state=s["opt_state"], step=s["step"],
-                         policy_version=s["policy_version"], rng=jax.random.wrap_key_data(s["rng"]))
+                         policy_version=s["policy_version"], rng=jax.random.wrap_key_data(s["rng"]),
+                         ref_params=s.get("ref_params"))
       return step, state, stored["meta"]
     return None
 

@@ -38,7 +38,7 @@ from jaxagent import sharding as sharding_lib
 from jaxagent import trajectory as tr
 from jaxagent.assembly import advantage_inputs, assemble
 from jaxagent.config import Config
-from jaxagent.rollout.engine import ChatFormat, RolloutEngine
+from jaxagent.rollout.engine import ChatFormat, RolloutEngine, RolloutStats
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
@@ -97,8 +97,6 @@ class Trainer:
       raise config_lib.ConfigError(f"algo.name='ppo' needs algo.advantage='gae' (got {cfg.algo.advantage!r})")
     if cfg.algo.name == "grpo" and cfg.algo.advantage == "gae":
       raise config_lib.ConfigError("algo.advantage='gae' needs a value function: set algo.name='ppo'")
-    if cfg.train.dynamic_sampling:
-      raise config_lib.ConfigError("train.dynamic_sampling=true: not built yet; set it to false")
 
     # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
     # the same on every process of a multi-host run.
@@ -132,8 +130,11 @@ class Trainer:
       params = {"policy": nnx.split(init_model())[1] if policy is None else policy}
       if cfg.algo.name == "ppo":
         params["value"] = nnx.split(make_value())[1]
+      # The frozen reference starts as the initial policy; `run()` re-points it after the cold start.
+      ref = params["policy"] if cfg.algo.kl_coef > 0 else None
       return TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
-                        policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed))
+                        policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed),
+                        ref_params=ref)
 
     # Canonical layout: parameters and their optimizer moments by the learner rules, every other leaf (step,
     # counts, RNG) replicated. Every jitted step returns exactly this layout, so nothing recompiles.
@@ -154,7 +155,8 @@ class Trainer:
       return jax.tree.map(lambda _: replicated, node)
 
     self.state_shardings = TrainState(params=param_sh, opt_state=like_params(abstract.opt_state),
-                                      step=replicated, policy_version=replicated, rng=replicated)
+                                      step=replicated, policy_version=replicated, rng=replicated,
+                                      ref_params=param_sh["policy"] if cfg.algo.kl_coef > 0 else None)
     self.state = jax.jit(init_state, out_shardings=self.state_shardings)(policy_params)
     step_args = dict(state_shardings=self.state_shardings)
     self.rl_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo,
@@ -250,6 +252,12 @@ class Trainer:
     self._start_wall = time.perf_counter() - self.counters["wall_seconds"]
 
   # ------------------------------------------------------------------------------------------------
+
+  def set_reference(self) -> None:
+    """Makes the current policy the frozen KL reference (a copy; no-op without `algo.kl_coef`)."""
+    if self.config.algo.kl_coef > 0:
+      self.state = jax.jit(lambda s: s.replace(ref_params=s.params["policy"]), donate_argnums=0,
+                           out_shardings=self.state_shardings)(self.state)
 
   def _print(self, *args) -> None:
     if self.echo:
@@ -405,9 +413,11 @@ class Trainer:
     seeds = [_seed(cfg.run.seed, "env", it, self.process * self.rows + i) for i in range(self.rows)]
     rng = jax.random.fold_in(self.state.rng, it)
     with timer("rollout"):
-      trajs, stats = self._rollout(self.engine, tasks, seeds, cfg.train.group_size, rng)
+      sampled, stats = self._rollout(self.engine, tasks, seeds, cfg.train.group_size, rng)
+      trajs, extra, stats, refill = self._dynamic_sampling(sampled, stats, rng) if cfg.train.dynamic_sampling \
+          else (sampled, [], stats, {})
     with timer("advantages"):
-      batch, value_targets, value_normalizer, adv = self._advantages(trajs)
+      batch, value_targets, value_normalizer, _ = self._advantages(trajs)
       normalizer = self._sum(algos.loss_normalizer(batch.loss_mask, batch.segment_ids,
                                                    aggregation=cfg.algo.aggregation,
                                                    norm_length=cfg.algo.norm_length, allow_empty=True))
@@ -422,10 +432,13 @@ class Trainer:
       with timer("write"):
         for t in trajs:
           self.writer.write(t)
+        for t in extra:  # sampled by dynamic sampling but not trained on: kept, marked
+          self.writer.write(dataclasses.replace(t, metadata={**t.metadata, "trained": False}))
         self.writer.flush()
 
-    totals = self._gather(np.asarray([t.reward.total for t in trajs], np.float64))
-    passed = self._gather(np.asarray([bool(t.verifier.passed) for t in trajs]))
+    # Policy metrics describe the first-round sample (dynamic sampling's refills are selected, not sampled).
+    totals = self._gather(np.asarray([t.reward.total for t in sampled], np.float64))
+    passed = self._gather(np.asarray([bool(t.verifier.passed) for t in sampled]))
     groups = totals.reshape(cfg.train.tasks_per_iteration, cfg.train.group_size)
     stage = timer.pop()
     self.counters["env_interactions"] += int(self._sum(stats.env_steps))
@@ -435,11 +448,11 @@ class Trainer:
     out = {
         "reward_mean": float(totals.mean()), "success_rate": float(passed.mean()),
         "reward_std_within_group": float(groups.std(axis=1).mean()),
-        "zero_variance_group_fraction": float(adv.zero_variance_groups) / cfg.train.tasks_per_iteration,
+        "zero_variance_group_fraction": float((np.ptp(groups, axis=1) == 0).mean()),
         "policy_lag": 0.0, "learning_rate": float(self.schedule(int(self.state.step) - 1)),
         "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
         "time/extend_s": stats.extend_s, "time/iteration_s": time.perf_counter() - wall0,
-        **stage, **{k: float(v) for k, v in m.items()}, **self.counters,
+        **stage, **{k: float(v) for k, v in m.items()}, **self.counters, **refill,
     }
     for key in sorted({k for t in trajs for k in t.reward.components}):
       out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in trajs]))
@@ -447,6 +460,41 @@ class Trainer:
     counts = self._sum(np.asarray([sum(t.termination.value == n for t in trajs) for n in names]))
     out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
     return out
+
+  def _dynamic_sampling(self, sampled: list[tr.Trajectory], stats, rng):
+    """DAPO dynamic sampling (Yu et al. 2025): groups whose rewards are all equal carry no GRPO signal, so
+    more tasks are rolled out (at most `train.dynamic_sampling_rounds` extra rounds) and their varied groups
+    take those places. The batch keeps its fixed size: when the rounds run out, the remaining places keep
+    zero-variance groups (their advantage is 0; counted). Rounds are decided collectively, so every process
+    draws the same number of task batches and the data order stays exact across resume.
+
+    Returns (trained trajectories, sampled-but-unused trajectories, merged stats, metrics).
+    """
+    cfg = self.config
+    g = cfg.train.group_size
+    local_groups = len(sampled) // g
+    chunks = lambda ts: [ts[i * g:(i + 1) * g] for i in range(len(ts) // g)]
+    varied = lambda group: len({t.reward.total for t in group}) > 1
+    keep, flat = [], []
+    for group in chunks(sampled):
+      (keep if varied(group) else flat).append(group)
+    rounds = 0
+    while rounds < cfg.train.dynamic_sampling_rounds and self._sum(np.asarray(len(keep) < local_groups)) > 0:
+      rounds += 1
+      tasks = next(self.task_iter)
+      seeds = [_seed(cfg.run.seed, "env", self.iteration, "refill", rounds, self.process * self.rows + i)
+               for i in range(self.rows)]
+      more, more_stats = self._rollout(self.engine, tasks, seeds, g, jax.random.fold_in(rng, 1000 + rounds))
+      stats = RolloutStats(*(a + b for a, b in zip(dataclasses.astuple(stats), dataclasses.astuple(more_stats))))
+      for group in chunks(more):
+        (keep if varied(group) else flat).append(group)
+    short = max(local_groups - len(keep), 0)
+    chosen = keep[:local_groups] + flat[:short]
+    unused = keep[local_groups:] + flat[short:]
+    metrics = {"dynamic_sampling/rounds": rounds,
+               "dynamic_sampling/groups_sampled": int(self._sum(len(keep) + len(flat))),
+               "dynamic_sampling/zero_variance_groups_trained": int(self._sum(short))}
+    return [t for group in chosen for t in group], [t for group in unused for t in group], stats, metrics
 
   def _advantages(self, trajs: list[tr.Trajectory]):
     """(batch, value targets or None, value normalizer, AdvantageOutput) for one rollout batch."""
@@ -490,6 +538,7 @@ class Trainer:
     before = after = None
     if int(self.state.step) < cfg.train.bc_steps:
       self.behavior_cloning()
+      self.set_reference()
       self._save()
     if cfg.train.eval_episodes and self.iteration == 0:
       before = self.evaluate()

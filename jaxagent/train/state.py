@@ -23,6 +23,8 @@ class TrainState:
     step: int32[] optimizer updates applied.
     policy_version: int32[] version of `params`; +1 per update; stamped on every sampled trajectory.
     rng: the run's base key; per-step keys are `fold_in(rng, step)`, never a mutated key.
+    ref_params: the frozen reference policy for the KL term (`algo.kl_coef > 0`), else None. Set to the
+      policy at the start of RL (after the cold start); never updated; checkpointed with the rest.
   """
 
   params: Any
@@ -30,6 +32,7 @@ class TrainState:
   step: jax.Array
   policy_version: jax.Array
   rng: jax.Array
+  ref_params: Any = None
 
 
 def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:

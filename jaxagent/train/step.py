@@ -32,8 +32,9 @@ _TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "pg
 
 
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
-          algo: AlgoConfig, mode: Mode):
-  """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions."""
+          algo: AlgoConfig, mode: Mode, ref_params=None):
+  """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
+  `ref_params` the frozen reference policy (KL term), not differentiated."""
   model = nnx.merge(graphdefs["policy"], params["policy"])
   x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
   logits_btv = model.unembed(x_btd)
@@ -47,8 +48,14 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
     count = jnp.sum(mask_bt)
     mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(count, 1)
     return loss, {"loss_tokens": count.astype(jnp.float32), "nll": mean(nll_bt), "entropy": mean(entropy_bt)}
+  ref_logp_bt = None
+  if ref_params is not None:
+    ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
+    ref_logits_btv = ref(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+    ref_logp_bt = jax.lax.stop_gradient(algos.next_token_logprobs(ref_logits_btv, batch.tokens, mask_bt))
   loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer,
-                                    segment_ids_bt=batch.segment_ids, entropy_bt=entropy_bt,
+                                    ref_logp_bt=ref_logp_bt, segment_ids_bt=batch.segment_ids,
+                                    entropy_bt=entropy_bt,
                                     **algos.policy_loss_kwargs(algo))
   if value_targets is not None:
     values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd)
@@ -100,7 +107,8 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
 
     def accumulate(grads, mb):
       (loss, metrics), g = grad_fn(state.params, batch=mb[0], normalizer=normalizer, value_targets=mb[1],
-                                   value_normalizer=value_normalizer)
+                                   value_normalizer=value_normalizer,
+                                   ref_params=state.ref_params if mode == "rl" else None)
       return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
