@@ -230,6 +230,7 @@ class TrainConfig:
   checkpoint_every: int = field(10, ge=1, help="iterations between checkpoints (and at the end)")
   keep_checkpoints: int = field(3, ge=1)
   eval_episodes: int = field(200, ge=0, help="held-out episodes after the cold start and at the end")
+  eval_every: int = field(0, ge=0, help="also evaluate every N iterations (0: only before and after RL)")
   eval_split: str = field("eval", choices=("train", "tune", "eval"))
   eval_temperature: float = field(0.0, ge=0.0, help="0: greedy evaluation")
   save_trajectories: bool = field(True)

@@ -12,6 +12,7 @@ A role (rollout, learner, reference) maps logical axes to mesh axes through a na
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -201,11 +202,46 @@ def check_replication(state: Any, max_replicated_fraction: float, *, top: int = 
 # Resharding between layouts on the same devices.
 
 
-def reshard(tree: Any, shardings: Any) -> Any:
-  """Moves every array of `tree` to the matching sharding of `shardings`, one array at a time, donating each.
+def chunk_plan(nbytes: Sequence[int], fraction: float) -> list[range]:
+  """Consecutive groups of arrays of at most `fraction` of the total bytes each (an array larger than that
+  is a group of its own)."""
+  budget = fraction * sum(nbytes)
+  groups, start, size = [], 0, 0
+  for i, n in enumerate(nbytes):
+    if i > start and size + n > budget:
+      groups.append(range(start, i))
+      start, size = i, 0
+    size += n
+  if nbytes:
+    groups.append(range(start, len(nbytes)))
+  return groups
 
-  One array at a time keeps the peak at about the larger of the two layouts plus one array (a single program
-  for the whole tree holds every input and every output at once). Works across processes: the move is a
-  collective on the mesh, never a host round trip.
+
+@functools.lru_cache(maxsize=None)
+def _mover(out_shardings: tuple[Any, ...]):
+  """One jitted identity that lays its arguments out as `out_shardings` (XLA slices locally where the
+  destination is more sharded and all-gathers where it is less; nothing goes through the host)."""
+  return jax.jit(lambda *xs: xs, out_shardings=out_shardings)
+
+
+def reshard(tree: Any, shardings: Any, *, chunk_fraction: float = 0.125) -> Any:
+  """Moves every array of `tree` to the matching sharding of `shardings`; the source arrays are deleted.
+
+  Arrays move in a few groups of at most `chunk_fraction` of the bytes each, one jitted program per group,
+  and each group's sources are freed as soon as it lands: the peak stays about the larger of the two layouts
+  plus one group (one program for the whole tree would hold every input and every output at once; jit
+  donation cannot free an input whose shape differs from every output), while the per-program dispatch
+  cost is paid a few times instead of once per array. Arrays already in their target layout stay as they
+  are. Works across processes: each group is a collective on the mesh.
   """
-  return jax.tree.map(lambda x, s: jax.device_put(x, s, donate=True), tree, shardings)
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = treedef.flatten_up_to(shardings)
+  out = list(leaves)
+  moving = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not x.sharding.is_equivalent_to(s, x.ndim)]
+  for group in chunk_plan([leaves[i].nbytes for i in moving], chunk_fraction):
+    idx = [moving[g] for g in group]
+    moved = jax.block_until_ready(_mover(tuple(targets[i] for i in idx))(*[leaves[i] for i in idx]))
+    for i, y in zip(idx, moved):
+      leaves[i].delete()
+      out[i] = y
+  return treedef.unflatten(out)

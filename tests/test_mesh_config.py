@@ -116,3 +116,36 @@ def test_replication_guard():
   assert sharding.check_replication(single, 0.0).replicated_bytes == 0
   with pytest.raises(ValueError, match=r"max_replicated_fraction=1.5: must be in \[0, 1\]"):
     sharding.check_replication(learner, 1.5)
+
+
+@pytest.mark.parametrize("sizes, fraction, expected", [
+    ([1, 1, 1, 1], 0.5, [range(0, 2), range(2, 4)]),
+    ([5, 1, 1, 1], 0.25, [range(0, 1), range(1, 3), range(3, 4)]),   # an array over budget is its own group
+    ([1] * 8, 1.0, [range(0, 8)]),
+    ([], 0.5, []),
+])
+def test_chunk_plan(sizes, fraction, expected):
+  assert sharding.chunk_plan(sizes, fraction) == expected
+
+
+def test_reshard_round_trip_between_role_layouts_frees_sources_and_keeps_values():
+  mesh = sharding.mesh_from_config(_mesh_config("mesh.ici.data=2", "mesh.ici.tensor=2"))  # (2, 2, 2)
+  cfg = _mesh_config()
+  abstract = nnx.split(nnx.eval_shape(lambda: models.Transformer(CONFIG, rngs=nnx.Rngs(0))))[1]
+  layouts = {role: models.state_shardings(abstract, mesh, sharding.rules_for(role, cfg))
+             for role in ("learner", "rollout")}
+  params = jax.jit(lambda: nnx.split(models.Transformer(CONFIG, rngs=nnx.Rngs(0)))[1],
+                   out_shardings=layouts["learner"])()
+  expected = jax.tree.map(np.asarray, params)
+  source = jax.tree.leaves(params)
+  same = [x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(source, jax.tree.leaves(layouts["rollout"]))]
+  assert not all(same), "the two layouts do not differ: the test would be vacuous"
+  rollout = sharding.reshard(params, layouts["rollout"], chunk_fraction=0.3)
+  for x, y, kept in zip(source, jax.tree.leaves(rollout), same):
+    assert (y is x) if kept else x.is_deleted(), "moved sources are freed; arrays already in place stay"
+  for x, s in zip(jax.tree.leaves(rollout), jax.tree.leaves(layouts["rollout"])):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  back = sharding.reshard(rollout, layouts["learner"], chunk_fraction=0.3)
+  for x, s, e in zip(jax.tree.leaves(back), jax.tree.leaves(layouts["learner"]), jax.tree.leaves(expected)):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+    np.testing.assert_array_equal(np.asarray(x), e)

@@ -165,7 +165,7 @@ class Trainer:
                                    **step_args)
 
     sharding_lib.check_replication(self.state.params, cfg.mesh.max_replicated_fraction)
-    # Colocated placement: the policy lives in the learner layout and is resharded (donated, array by array)
+    # Colocated placement: the policy lives in the learner layout and is resharded (donated, in small groups)
     # into the rollout layout for generation and back for the update: one layout at a time, on device.
     learner_sh = param_sh["policy"]
     rollout_sh = models.state_shardings(abstract.params["policy"], self.mesh, rollout_rules)
@@ -552,6 +552,11 @@ class Trainer:
       self.iteration += 1
       self.metrics.log(int(self.state.step), m, iteration=self.iteration)
       progress.update(1, reward=f"{m['reward_mean']:.2f}", succ=f"{m['success_rate']:.2f}")
+      every = cfg.train.eval_every
+      if cfg.train.eval_episodes and every and self.iteration % every == 0 and self.iteration < cfg.train.iterations:
+        mid = self.evaluate()
+        progress.write(f"iteration {self.iteration}: {mid.line()}")
+        self.metrics.log(int(self.state.step), {"eval_success_rate": mid.success_rate}, iteration=self.iteration)
       if self.iteration % cfg.train.checkpoint_every == 0 or self.iteration == cfg.train.iterations:
         self._save()
     progress.close()

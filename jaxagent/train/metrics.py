@@ -369,6 +369,11 @@ class Progress:
       self._bar.set_postfix(shown, refresh=False)
     self._bar.update(n)
 
+  def write(self, line: str) -> None:
+    """Prints a line to stdout above the bar without breaking it (nothing where the bar is disabled)."""
+    if not self._bar.disable:
+      self._bar.write(line, file=sys.stdout)
+
   def close(self) -> None:
     """Draws the final state and releases the bar."""
     self._bar.close()
