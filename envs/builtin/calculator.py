@@ -4,7 +4,8 @@ Actions (one line each): `calc 12*7` -> observation `84`; `answer 89` ends the e
 first observation, e.g. `12*7+5`. Short, regular actions so a ~1M-parameter byte model learns them on CPU.
 
 Splits are isolated by template (the shape of the expression), not by id:
-  train: a*b+c, a*b-c, (a+b)*c, a+b+c, a+b-c, a*b*c, a-(b+c)    tune: (a-b)*c    eval: a+b*c, a*(b-c)
+  train: a*b+c, a*b-c, (a+b)*c, a+b+c, a+b-c, a*b*c, a-(b+c), a*(b+c)    tune: (a-b)*c
+  eval: a+b*c, a*(b-c)
 Difficulty: `max_operand` bounds the numbers (default 9: single digits).
 """
 
@@ -30,8 +31,12 @@ TEMPLATES = {
     "(a-b)*c": ("({a}-{b})*{c}", ["{a}-{b}", "{r}*{c}"]),
     "a+b*c": ("{a}+{b}*{c}", ["{b}*{c}", "{a}+{r}"]),
     "a*(b-c)": ("{a}*({b}-{c})", ["{b}-{c}", "{a}*{r}"]),
+    "a*(b+c)": ("{a}*({b}+{c})", ["{b}+{c}", "{a}*{r}"]),
 }
-SPLIT_TEMPLATES = {"train": ("a*b+c", "a*b-c", "(a+b)*c", "a+b+c", "a+b-c", "a*b*c", "a-(b+c)"),
+# Every held-out template is built from character patterns that occur in some training question (`*(` from
+# a*(b+c), `-c)` ... ): the held-out split tests copying a new *shape*, not a byte pair the policy never saw.
+# (Measured: without a*(b+c) in train, no policy at any stage solved a*(b-c): its `*(` appears in no question.)
+SPLIT_TEMPLATES = {"train": ("a*b+c", "a*b-c", "(a+b)*c", "a+b+c", "a+b-c", "a*b*c", "a-(b+c)", "a*(b+c)"),
                    "tune": ("(a-b)*c",), "eval": ("a+b*c", "a*(b-c)")}
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 MAX_EXPR_CHARS = 32
