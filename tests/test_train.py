@@ -50,8 +50,9 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
   assert "tune success" in report and "95% CI" in report and "termination" in report
   assert (run / "metrics.jsonl").read_bytes() == metrics_before
 
-  trajs = list(trajectory_store.read(run / "trajectories"))
-  assert len(trajs) == 2 * 2 * 4
+  stored = list(trajectory_store.read(run / "trajectories"))
+  trajs = [t for t in stored if t.metadata.get("trained", True)]  # the default config samples dynamically
+  assert len(trajs) == 2 * 2 * 4 and len(stored) % 4 == 0
   assert sorted({t.policy_version for t in trajs}) == [3, 4]
   for t in trajs:
     policy = t.roles == tr.Role.POLICY
@@ -137,9 +138,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     np.testing.assert_array_equal(x, y)  # bitwise on CPU
 
   # Data order and policy versions continue: same tasks in the same order, nothing repeated or skipped.
-  order = lambda run: [(t.task.id, t.policy_version, t.env.seed) for t in trajectory_store.read(run / "trajectories")]
+  # (With the default's dynamic sampling: refill rounds included, trained or not.)
+  order = lambda run: [(t.task.id, t.policy_version, t.env.seed, t.metadata.get("trained", True))
+                       for t in trajectory_store.read(run / "trajectories")]
   assert order(run_a) == order(run_b)
-  assert len(order(run_a)) == 5 * 2 * 4
+  assert sum(trained for *_, trained in order(run_a)) == 5 * 2 * 4
 
 
 def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
