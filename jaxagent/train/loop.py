@@ -462,39 +462,42 @@ class Trainer:
     return out
 
   def _dynamic_sampling(self, sampled: list[tr.Trajectory], stats, rng):
-    """DAPO dynamic sampling (Yu et al. 2025): groups whose rewards are all equal carry no GRPO signal, so
-    more tasks are rolled out (at most `train.dynamic_sampling_rounds` extra rounds) and their varied groups
-    take those places. The batch keeps its fixed size: when the rounds run out, the remaining places keep
-    zero-variance groups (their advantage is 0; counted). Rounds are decided collectively, so every process
-    draws the same number of task batches and the data order stays exact across resume.
+    """DAPO dynamic sampling (Yu et al. 2025): a group whose rewards are all equal carries no GRPO signal.
+
+    The batch keeps its B task slots. While some slot (on any process) holds such a flat group, and at most
+    `train.dynamic_sampling_rounds` times, a new batch of tasks is rolled out and each flat slot takes the
+    group rolled out in its own slot if that one varies. Slot by slot, so the choice does not depend on how
+    the slots are spread over processes; rounds are decided collectively, so every process draws the same
+    task batches and the data order stays exact across resume and topologies. Slots still flat at the end
+    are trained as they are (advantage 0) and counted.
 
     Returns (trained trajectories, sampled-but-unused trajectories, merged stats, metrics).
     """
     cfg = self.config
     g = cfg.train.group_size
-    local_groups = len(sampled) // g
     chunks = lambda ts: [ts[i * g:(i + 1) * g] for i in range(len(ts) // g)]
     varied = lambda group: len({t.reward.total for t in group}) > 1
-    keep, flat = [], []
-    for group in chunks(sampled):
-      (keep if varied(group) else flat).append(group)
-    rounds = 0
-    while rounds < cfg.train.dynamic_sampling_rounds and self._sum(np.asarray(len(keep) < local_groups)) > 0:
+    chosen = chunks(sampled)
+    flat = [not varied(group) for group in chosen]
+    unused, rounds, sampled_groups = [], 0, len(chosen)
+    while rounds < cfg.train.dynamic_sampling_rounds and self._sum(np.asarray(sum(flat))) > 0:
       rounds += 1
       tasks = next(self.task_iter)
       seeds = [_seed(cfg.run.seed, "env", self.iteration, "refill", rounds, self.process * self.rows + i)
                for i in range(self.rows)]
       more, more_stats = self._rollout(self.engine, tasks, seeds, g, jax.random.fold_in(rng, 1000 + rounds))
       stats = RolloutStats(*(a + b for a, b in zip(dataclasses.astuple(stats), dataclasses.astuple(more_stats))))
-      for group in chunks(more):
-        (keep if varied(group) else flat).append(group)
-    short = max(local_groups - len(keep), 0)
-    chosen = keep[:local_groups] + flat[:short]
-    unused = keep[local_groups:] + flat[short:]
+      for slot, group in enumerate(chunks(more)):
+        sampled_groups += 1
+        if flat[slot] and varied(group):
+          unused += chosen[slot]
+          chosen[slot], flat[slot] = group, False
+        else:
+          unused += group
     metrics = {"dynamic_sampling/rounds": rounds,
-               "dynamic_sampling/groups_sampled": int(self._sum(len(keep) + len(flat))),
-               "dynamic_sampling/zero_variance_groups_trained": int(self._sum(short))}
-    return [t for group in chosen for t in group], [t for group in unused for t in group], stats, metrics
+               "dynamic_sampling/groups_sampled": int(self._sum(sampled_groups)),
+               "dynamic_sampling/zero_variance_groups_trained": int(self._sum(sum(flat)))}
+    return [t for group in chosen for t in group], unused, stats, metrics
 
   def _advantages(self, trajs: list[tr.Trajectory]):
     """(batch, value targets or None, value normalizer, AdvantageOutput) for one rollout batch."""
