@@ -217,6 +217,12 @@ def chunk_plan(nbytes: Sequence[int], fraction: float) -> list[range]:
   return groups
 
 
+def reshard_plan(leaves: Sequence[Any], targets: Sequence[Any], chunk_fraction: float) -> list[list[int]]:
+  """The groups of leaf indices `reshard` moves, in order: only arrays not already in their target layout."""
+  moving = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not x.sharding.is_equivalent_to(s, x.ndim)]
+  return [[moving[g] for g in group] for group in chunk_plan([leaves[i].nbytes for i in moving], chunk_fraction)]
+
+
 @functools.lru_cache(maxsize=None)
 def _mover(out_shardings: tuple[Any, ...]):
   """One jitted identity that lays its arguments out as `out_shardings` (XLA slices locally where the
@@ -237,9 +243,7 @@ def reshard(tree: Any, shardings: Any, *, chunk_fraction: float = 0.125) -> Any:
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(shardings)
   out = list(leaves)
-  moving = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not x.sharding.is_equivalent_to(s, x.ndim)]
-  for group in chunk_plan([leaves[i].nbytes for i in moving], chunk_fraction):
-    idx = [moving[g] for g in group]
+  for idx in reshard_plan(leaves, targets, chunk_fraction):
     moved = jax.block_until_ready(_mover(tuple(targets[i] for i in idx))(*[leaves[i] for i in idx]))
     for i, y in zip(idx, moved):
       leaves[i].delete()

@@ -42,9 +42,8 @@ class KVCache:
   """Key/value cache shared by all rows; a slot is written for every row at once.
 
   Attributes:
-    k: per layer, [B, K, S, H] keys (RoPE already applied). Heads before slots, so decode attention is a
-      batched matmul over (B, K) that reads the cache in place (a [B, S, K, H] cache is transposed, i.e.
-      copied whole, by XLA on every decode step).
+    k: per layer, [B, K, S, H] keys (RoPE already applied). Heads before slots: attention reads the cache in
+      place (XLA transposed a [B, S, K, H] cache, i.e. copied it whole, on every decode step).
     v: per layer, [B, K, S, H] values.
     segment_ids: int32[B, S]; 0 = empty or padding slot.
     index: int32[] next slot to write. Callers keep `index + T <= S` (the sampler enforces it).

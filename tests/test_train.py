@@ -31,10 +31,11 @@ def _config(tmp_path, *extra):
 
 
 def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
-  config = _config(tmp_path, "train.iterations=2")
+  config = _config(tmp_path, "train.iterations=2", "train.eval_every=1")
   trainer = loop.train(config, run_dir=tmp_path / "run")
   out = capsys.readouterr().out
   assert "after cold start: eval success" in out and "after RL:" in out
+  assert "iteration 1: eval success" in out and "iteration 2: eval" not in out  # eval_every; the end once
   run = tmp_path / "run"
   for name in ("config.yaml", "metrics.jsonl", "checkpoints", "trajectories", "tensorboard", "plots"):
     assert (run / name).exists(), name
@@ -191,8 +192,19 @@ def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path
     trainer._save()
     trainer.checkpointer.wait()
     _, restored, _ = trainer.checkpointer.restore_latest(trainer.state, trainer.model_config)
+    # Resuming with algo.kl_coef turned off drops the stored reference; turned on, a checkpoint without one
+    # makes its policy the reference.
+    with pytest.warns(RuntimeWarning, match="dropped"):
+      _, without, _ = trainer.checkpointer.restore_latest(trainer.state.replace(ref_params=None),
+                                                          trainer.model_config)
+    trainer.checkpointer.save(99, trainer.state.replace(ref_params=None), {"iteration": 99}, trainer.model_config, {})
+    trainer.checkpointer.wait()
+    with pytest.warns(RuntimeWarning, match="becomes the reference"):
+      _, with_new_ref, _ = trainer.checkpointer.restore_latest(trainer.state, trainer.model_config)
   finally:
     trainer.close()
+  assert without.ref_params is None
+  assert jax.tree.all(jax.tree.map(np.array_equal, jax.tree.map(np.asarray, with_new_ref.ref_params), moved))
   # The first update starts at the reference: KL is 0 up to float32 rounding (the two forwards are fused
   # differently); after an update with lr 1e-2 it is many orders of magnitude larger.
   assert abs(first["kl"]) < 1e-10, first["kl"]

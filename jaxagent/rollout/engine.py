@@ -218,7 +218,11 @@ class RolloutEngine:
       if not row.done:  # only reachable if the env allows more turns than the engine's bound
         row.done = True
         row.termination = tr.TerminationReason.MAX_TURNS
-    trajectories = [self._trajectory(r, policy_version, reset_s / max(n, 1)) for r in rows]
+    # One advantage group per task slot (its G samples), named by the task and the slot's first env seed:
+    # two slots that drew the same question stay two groups, in every batch, round and topology.
+    trajectories = [self._trajectory(r, policy_version, reset_s / max(n, 1),
+                                     group_id=f"{r.task.id}/{seeds[i - i % group_size]}")
+                    for i, r in enumerate(rows)]
     return trajectories, RolloutStats(reset_s=reset_s, decode_s=decode_s, env_s=env_s, extend_s=extend_s,
                                       env_steps=env_steps, action_tokens=action_tokens)
 
@@ -262,7 +266,7 @@ class RolloutEngine:
       raise RuntimeError("observation tokens in the record differ from the tokens appended to the cache")
     row.pending = []
 
-  def _trajectory(self, row: _Row, policy_version: int, reset_s: float) -> tr.Trajectory:
+  def _trajectory(self, row: _Row, policy_version: int, reset_s: float, group_id: str) -> tr.Trajectory:
     total = sum(t.reward * self.gamma ** k for k, t in enumerate(row.turns))
     return tr.Trajectory(
         task=tr.Task(id=row.task.id, split=row.task.split, version=row.task.version),
@@ -270,5 +274,5 @@ class RolloutEngine:
                        invalid_action_rule=self.rule),
         policy_version=policy_version, termination=row.termination,
         reward=tr.Reward(total=float(total), gamma=self.gamma, components=dict(row.components)),
-        turns=tuple(row.turns), id=uuid.uuid4().hex, group_id=row.task.id,
+        turns=tuple(row.turns), id=uuid.uuid4().hex, group_id=group_id,
         timing=tr.Timing(reset_s=reset_s), verifier=row.verifier, metadata=row.provenance, **row.stream.arrays())

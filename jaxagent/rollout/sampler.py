@@ -146,8 +146,10 @@ def pad_right(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[
 
 
 def sample_logits(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
-  """Samples one token per row with one key for the batch (rows draw independent Gumbel noise from it; with
-  jax's partitionable threefry the draw is the same however the batch is sharded).
+  """Samples one token per row with one key for the batch (rows draw independent Gumbel noise from it).
+
+  `generate` passes "rbg" keys (XLA's RngBitGenerator: one op per step); the draw is the same however the
+  batch is sharded (tested on 8 devices), but may differ between backends and XLA versions. Any key works.
 
   Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B]).
   """
@@ -330,7 +332,7 @@ class Sampler:
     cache_size: KV-cache slots per row (prompt + every action and observation of a trajectory).
     config: sampling parameters.
     pad_id: token written to unused output slots.
-    mesh, rules: generation layout; the cache is constrained to (batch, -, kv_heads, -).
+    mesh, rules: generation layout; the cache is constrained to `KVCache.AXES` (batch, kv_heads, -, -).
     buckets: allowed prompt lengths (static shapes).
     extend_buckets: allowed lengths of appended chunks (observations).
   """

@@ -79,16 +79,37 @@ class TrainCheckpointer:
       target = _to_saveable(abstract_state)
       target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                             target)
-      try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-      except Exception as e:  # pylint: disable=broad-except
-        warnings.warn(f"checkpoint {self.directory / str(step)}: state unreadable ({type(e).__name__}: {e}); "
-                      "trying the previous one", RuntimeWarning, stacklevel=2)
+      # The same state with and without a KL reference policy: a run may resume with `algo.kl_coef` turned
+      # on (the checkpoint has no reference: its policy becomes one) or off (the stored reference is dropped).
+      toggled = dict(target)
+      if "ref_params" in toggled:
+        del toggled["ref_params"]
+      else:
+        toggled["ref_params"] = target["params"]["policy"]
+      restored, error = None, None
+      for candidate in (target, toggled):
+        try:
+          restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(candidate)))
+          break
+        except Exception as e:  # pylint: disable=broad-except
+          error = error or e
+      if restored is None:
+        warnings.warn(f"checkpoint {self.directory / str(step)}: state unreadable ({type(error).__name__}: "
+                      f"{error}); trying the previous one", RuntimeWarning, stacklevel=2)
         continue
       s = restored["state"]
+      ref = s.get("ref_params")
+      if abstract_state.ref_params is None and ref is not None:
+        warnings.warn(f"checkpoint {self.directory / str(step)} has a KL reference policy; algo.kl_coef is 0 now, "
+                      "so it is dropped", RuntimeWarning, stacklevel=2)
+        ref = None
+      elif abstract_state.ref_params is not None and ref is None:
+        warnings.warn(f"checkpoint {self.directory / str(step)} has no KL reference policy (saved with "
+                      "algo.kl_coef = 0); its policy becomes the reference from here", RuntimeWarning, stacklevel=2)
+        ref = jax.tree.map(jnp.copy, s["params"]["policy"])  # its own buffers: the state is donated per step
       state = TrainState(params=s["params"], opt_state=s["opt_state"], step=s["step"],
                          policy_version=s["policy_version"], rng=jax.random.wrap_key_data(s["rng"]),
-                         ref_params=s.get("ref_params"))
+                         ref_params=ref)
       return step, state, stored["meta"]
     return None
 

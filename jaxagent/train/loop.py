@@ -165,7 +165,7 @@ class Trainer:
                                    **step_args)
 
     sharding_lib.check_replication(self.state.params, cfg.mesh.max_replicated_fraction)
-    # Colocated placement: the policy lives in the learner layout and is resharded (donated, in small groups)
+    # Colocated placement: the policy lives in the learner layout and is resharded (in small groups, sources freed)
     # into the rollout layout for generation and back for the update: one layout at a time, on device.
     learner_sh = param_sh["policy"]
     rollout_sh = models.state_shardings(abstract.params["policy"], self.mesh, rollout_rules)
@@ -454,10 +454,12 @@ class Trainer:
         "time/extend_s": stats.extend_s, "time/iteration_s": time.perf_counter() - wall0,
         **stage, **{k: float(v) for k, v in m.items()}, **self.counters, **refill,
     }
-    for key in sorted({k for t in trajs for k in t.reward.components}):
-      out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in trajs]))
+    # Like reward_mean, over the first-round sample. Reward components: this process's rows (their names
+    # come from the env and may differ between processes, so they are not gathered).
+    for key in sorted({k for t in sampled for k in t.reward.components}):
+      out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in sampled]))
     names = [t.value for t in tr.TerminationReason]
-    counts = self._sum(np.asarray([sum(t.termination.value == n for t in trajs) for n in names]))
+    counts = self._sum(np.asarray([sum(t.termination.value == n for t in sampled) for n in names]))
     out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
     return out
 
