@@ -35,8 +35,8 @@ TEMPLATES = {
 }
 # Every held-out template is built from character pairs that occur in some training question (`*(` only in
 # a*(b+c)): the held-out split tests copying a new *shape*, not bytes the policy never saw. Measured with the
-# default run (64 eval episodes, 32 per template): a+b*c is learned by RL (21/32 solved after 250 iterations), a*(b-c)
-# stays hard (1/32: the tiny policy copies it as the training shape a-(b+c)).
+# default run (64 eval episodes, 32 per template): a+b*c is learned by RL (14/32 solved after 250 iterations),
+# a*(b-c) stays hard (1/32: the tiny policy copies it as the training shape a-(b+c)).
 SPLIT_TEMPLATES = {"train": ("a*b+c", "a*b-c", "(a+b)*c", "a+b+c", "a+b-c", "a*b*c", "a-(b+c)", "a*(b+c)"),
                    "tune": ("(a-b)*c",), "eval": ("a+b*c", "a*(b-c)")}
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
