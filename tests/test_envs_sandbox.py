@@ -48,14 +48,20 @@ def _docker_client():
     return None, f"{type(e).__name__}: {e}"
 
 
+def _docker_or_skip():
+  """The docker client; without one, fails under JAXAGENT_REQUIRE_DOCKER=1 (CI), else skips with the reason printed."""
+  client, why = _docker_client()
+  if client is None:
+    if os.environ.get("JAXAGENT_REQUIRE_DOCKER") == "1":
+      pytest.fail(f"JAXAGENT_REQUIRE_DOCKER=1 but docker is unavailable: {why}")
+    print(f"SKIP docker: {why} (run envs/docker/setup.sh)")
+    pytest.skip(f"docker unavailable: {why}")
+  return client
+
+
 def _sandboxed_pool(kind):
   if kind == "docker":
-    client, why = _docker_client()
-    if client is None:
-      if os.environ.get("JAXAGENT_REQUIRE_DOCKER") == "1":
-        pytest.fail(f"JAXAGENT_REQUIRE_DOCKER=1 but docker is unavailable: {why}")
-      print(f"SKIP docker isolation: {why} (run envs/docker/setup.sh)")
-      pytest.skip(f"docker unavailable: {why}")
+    _docker_or_skip()
     return pool_lib.make_pool(2, env="faults", kind="docker", num_workers=1, start_timeout_s=60)
   if not pool_lib.bwrap_available():
     reason = "bubblewrap not installed or no user namespaces (apt-get install -y bubblewrap)"
@@ -95,12 +101,7 @@ def test_actions_cannot_read_write_or_connect(kind, secret, listener):
 
 
 def test_docker_worker_limits_and_recovery():
-  client, why = _docker_client()
-  if client is None:
-    if os.environ.get("JAXAGENT_REQUIRE_DOCKER") == "1":
-      pytest.fail(f"JAXAGENT_REQUIRE_DOCKER=1 but docker is unavailable: {why}")
-    print(f"SKIP docker: {why}")
-    pytest.skip(f"docker unavailable: {why}")
+  client = _docker_or_skip()
   with pool_lib.make_pool(2, env="faults", kind="docker", num_workers=1, action_timeout_s=3,
                           start_timeout_s=60) as p:
     c = client.containers.get(p.workers[0].container.id)
