@@ -61,7 +61,8 @@ def _cmd_generate(args) -> int:
   tokenizer = models.load_tokenizer(tokenizer_spec)
   prompt = tokenizer.encode(args.prompt)
   if not prompt:
-    raise ValueError("--prompt encodes to no tokens")
+    from jaxagent.config import ConfigError  # pylint: disable=g-import-not-at-top
+    raise ConfigError("--prompt encodes to no tokens")
   stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
   config = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           max_new_tokens=args.max_new_tokens, stop_sequences=stops)
@@ -167,10 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   from jaxagent.config import ConfigError
+  from jaxagent.sharding import ReplicationError
+  from jaxagent.trajectory import TrajectoryFormatError
+  from jaxagent.trajectory_store import TrajectoryReadError
   import models
+  # User errors (bad config, checkpoint, trajectory file, layout) print one line; anything else is a bug and
+  # keeps its traceback.
   try:
     return args.func(args)
-  except (ConfigError, models.CheckpointError, models.UnsupportedModelError, ValueError) as e:
+  except (ConfigError, models.CheckpointError, models.UnsupportedModelError, TrajectoryFormatError,
+          TrajectoryReadError, ReplicationError) as e:
     print(f"jaxagent {args.command}: error: {e}", file=sys.stderr)
     return 2
 

@@ -23,14 +23,16 @@ from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train.loop import new_run_dir
 
 
-def greedy_decode(model: models.Transformer, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-  """Greedy decoding with the rollout sampler (KV cache, one compiled while_loop). Returns tokens, seconds."""
+def greedy_decode(model: models.Transformer, prompt: list[int], max_new_tokens: int, pad_id: int
+                  ) -> tuple[list[int], float]:
+  """Greedy decoding with the rollout sampler (KV cache, one compiled while_loop). Returns tokens and the
+  seconds of a second, compiled, call."""
   sampler = Sampler(model, cache_size=len(prompt) + max_new_tokens,
-                    config=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens), pad_id=0,
+                    config=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens), pad_id=pad_id,
                     buckets=(len(prompt),))
   params = nnx.split(model)[1]
+  jax.block_until_ready(sampler.generate(params, sampler.prefill(params, [prompt], jax.random.key(0)))[1])
   state = sampler.prefill(params, [prompt], jax.random.key(0))
-  jax.block_until_ready(sampler._generate.lower(params, state, jnp.ones((1,), bool)).compile())
   start = time.perf_counter()
   _, turn = sampler.generate(params, state)
   tokens = jax.device_get(turn.tokens[0]).tolist()

@@ -447,6 +447,10 @@ class TokenStream:
       raise ValueError("sampled control tokens (e.g. the policy's own end-of-turn) go through `sampled`")
     return self._append([tokenizer.special(name)], role, False, None)
 
+  def tokens(self, start: int, stop: int) -> list[int]:
+    """The token ids of the span [start, stop) (no copy of the whole stream)."""
+    return self._tokens[start:stop]
+
   def arrays(self) -> dict[str, np.ndarray]:
     """`tokens`, `roles`, `loss_mask`, `behavior_logprobs` for `Trajectory(**stream.arrays(), ...)`."""
     return {"tokens": np.array(self._tokens, np.int32), "roles": np.array(self._roles, np.int8),

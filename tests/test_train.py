@@ -152,13 +152,16 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
   trainer = loop.Trainer(config, tmp_path / "run")
   try:
     metrics = trainer.rl_iteration()  # a real rollout + PPO update end to end
-    assert np.isfinite(metrics["value_loss"]) and metrics["value_loss"] >= 0 and np.isfinite(metrics["loss"])
+    assert np.isfinite(metrics["value_loss"]) and np.isfinite(metrics["loss"])
     # Solved demonstrations have return 1: GAE targets are non-zero, so the value head must move.
     demos = trainer.demonstrations(trainer.rows, seed=0)
     batch, targets, value_normalizer, adv = trainer._advantages(demos)
     assert value_normalizer == sum(len(t.turns) for t in demos)
-    assert np.allclose(np.asarray(adv.returns)[np.asarray([[j < len(t.turns) for j in range(4)] for t in demos])],
-                       1.0, atol=1e-5) or targets.returns.max() > 0
+    assert all(t.reward.total == 1.0 for t in demos), "scripted demonstrations solve their tasks"
+    last = np.asarray([len(t.turns) - 1 for t in demos])
+    # GAE return at the last turn = r + 0 bootstrap = 1 whatever V is; earlier turns are λ-returns (> 0).
+    np.testing.assert_allclose(np.asarray(adv.returns)[np.arange(len(demos)), last], 1.0, atol=1e-5)
+    assert (np.asarray(adv.returns)[:, 0] > 0).all()
     before = np.asarray(trainer.state.params["value"]["b"][...]).copy()
     trainer.state, m = trainer.rl_step(trainer.state, batch, np.float32(batch.loss_mask.sum()), targets,
                                        np.float32(value_normalizer))
@@ -254,3 +257,41 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
                      "dynamic_sampling/zero_variance_groups_trained": 1}
   assert stats.env_steps == 18 and stats.decode_s == 3.0
   assert len(calls) == 3 and len({tuple(c) for c in calls}) == 3, "each round draws a new batch of tasks"
+
+
+def test_all_masked_batch_is_an_explicit_skip(tmp_path):
+  """DESIGN 2.2: nothing to learn from -> skipped=1 and the state unchanged (no AdamW decay, same versions)."""
+  trainer = loop.Trainer(_config(tmp_path, "train.bc_steps=0", "train.eval_episodes=0",
+                                 "optim.weight_decay=0.1"), tmp_path / "run")
+  try:
+    batch, _, _, _ = trainer._advantages(trainer.demonstrations(trainer.rows, seed=0))
+    batch = batch.replace(loss_mask=np.zeros_like(batch.loss_mask))
+    before = jax.tree.map(np.array, trainer.state.params)
+    step, version = int(trainer.state.step), int(trainer.state.policy_version)
+    trainer.state, m = trainer.rl_step(trainer.state, trainer._global(batch), np.float32(0.0), None, np.float32(0.0))
+    after = jax.tree.map(np.asarray, trainer.state.params)
+  finally:
+    trainer.close()
+  assert float(m["skipped"]) == 1.0 and float(m["loss"]) == 0.0
+  assert jax.tree.all(jax.tree.map(np.array_equal, before, after)), "a skipped step changed the weights"
+  assert (int(trainer.state.step), int(trainer.state.policy_version)) == (step, version)
+
+
+def test_training_refuses_sampling_the_learner_cannot_score(tmp_path):
+  for override, match in (("rollout.temperature=0", "temperature > 0"), ("rollout.top_k=5", "truncated sampling"),
+                          ("rollout.top_p=0.9", "truncated sampling")):
+    with pytest.raises(config_lib.ConfigError, match=match):
+      loop.Trainer(_config(tmp_path, override), tmp_path / override.replace("=", "-"))
+
+
+def test_tempered_rollouts_are_on_policy_for_the_learner(tmp_path):
+  """The learner scores tokens under the rollout's temperature: the first update's ratio π_θ/μ is 1."""
+  trainer = loop.Trainer(_config(tmp_path, "rollout.temperature=0.6", "train.bc_steps=0", "train.eval_episodes=0"),
+                         tmp_path / "run")
+  try:
+    m = trainer.rl_iteration()
+  finally:
+    trainer.close()
+  assert m["loss_tokens"] > 0
+  assert abs(m["ratio_min"] - 1) < 1e-4 and abs(m["ratio_max"] - 1) < 1e-4, (m["ratio_min"], m["ratio_max"])
+  assert m["policy_lag"] == 0.0

@@ -154,10 +154,10 @@ class RolloutEngine:
 
     decode_s = env_s = extend_s = 0.0
     env_steps = action_tokens = 0
-    for turn_index in range(self.max_turns):
+    # Every turn starts with some row running on some process: turn 0 has all rows, and a later turn is
+    # reached only when the collective check after the env step found one.
+    for _ in range(self.max_turns):
       active = np.asarray([not r.done for r in rows])
-      if not _any_process(active.any()):  # every process must make the same collective calls
-        break
       t0 = time.perf_counter()
       state, out = self.sampler.generate(params, state, active)
       out = self.sampler.to_host(out)
@@ -191,8 +191,7 @@ class RolloutEngine:
         env_s += t_env
         env_steps += len(stepping)
         for i, result in zip(stepping, results):
-          self._record_step(rows[i], result, *turns_pending[i], policy_version, t_decode, t_env,
-                            last_turn=turn_index == self.max_turns - 1)
+          self._record_step(rows[i], result, *turns_pending[i], policy_version, t_decode, t_env)
 
       needs = [i for i, r in enumerate(rows) if not r.done]
       if not _any_process(bool(needs)):
@@ -227,7 +226,7 @@ class RolloutEngine:
                                       env_steps=env_steps, action_tokens=action_tokens)
 
   def _record_step(self, row: _Row, result: envs.StepResult, span, text: str, policy_version: int,
-                   t_decode: float, t_env: float, last_turn: bool) -> None:
+                   t_decode: float, t_env: float) -> None:
     for key, value in result.reward_components.items():
       row.components[key] = row.components.get(key, 0.0) + float(value) * self.gamma ** len(row.turns)
     info = result.info or {}
@@ -257,12 +256,11 @@ class RolloutEngine:
   def _append_observation(self, row: _Row) -> None:
     """Records the observation tokens that `extend` just appended, through the stream's own doors."""
     obs = row.turns[-1].observation
-    row.stream.control(self.chat.tool, tr.Role.TOOL, self.tokenizer)
+    start, _ = row.stream.control(self.chat.tool, tr.Role.TOOL, self.tokenizer)
     row.stream.text(obs.text, tr.Role.TOOL, self.tokenizer, max_tokens=self.max_observation_tokens)
     row.stream.control(self.chat.end_of_turn, tr.Role.TOOL, self.tokenizer)
-    row.stream.control(self.chat.assistant, tr.Role.TOOL, self.tokenizer)
-    appended = row.stream.arrays()["tokens"][-len(row.pending):].tolist()
-    if appended != row.pending:  # encode is deterministic; anything else is a bug worth stopping for
+    _, stop = row.stream.control(self.chat.assistant, tr.Role.TOOL, self.tokenizer)
+    if row.stream.tokens(start, stop) != row.pending:  # encode is deterministic; anything else is a bug worth stopping for
       raise RuntimeError("observation tokens in the record differ from the tokens appended to the cache")
     row.pending = []
 

@@ -173,15 +173,3 @@ class EnvBridge:
     with self._lock:
       out, self.history = self.history, []
     return out
-
-
-def encode_observations(tokenizer: TextTokenizer, texts: Sequence[str], obs_len: int) -> tuple[np.ndarray,
-                                                                                               np.ndarray]:
-  """Host helper for first observations (after reset): int32[N, obs_len] padded, int32[N] lengths."""
-  out = np.full((len(texts), obs_len), tokenizer.pad_id, np.int32)
-  lens = np.zeros((len(texts),), np.int32)
-  for i, t in enumerate(texts):
-    ids = tokenizer.encode(t)[:obs_len]
-    out[i, :len(ids)], lens[i] = ids, len(ids)
-  return out, lens
-

@@ -97,6 +97,15 @@ class Trainer:
       raise config_lib.ConfigError(f"algo.name='ppo' needs algo.advantage='gae' (got {cfg.algo.advantage!r})")
     if cfg.algo.name == "grpo" and cfg.algo.advantage == "gae":
       raise config_lib.ConfigError("algo.advantage='gae' needs a value function: set algo.name='ppo'")
+    # The learner scores tokens under softmax(logits / rollout.temperature): the ratio to the recorded
+    # behavior log-probs is exact only for that distribution, so truncated sampling is refused here.
+    if cfg.rollout.temperature <= 0:
+      raise config_lib.ConfigError(f"rollout.temperature={cfg.rollout.temperature}: training samples from the "
+                                   "policy; use a temperature > 0 (greedy decoding is for eval/generate)")
+    if cfg.rollout.top_k or cfg.rollout.top_p < 1.0:
+      raise config_lib.ConfigError(f"rollout.top_k={cfg.rollout.top_k}, rollout.top_p={cfg.rollout.top_p}: "
+                                   "truncated sampling would make the importance ratio wrong; use top_k=0, "
+                                   "top_p=1.0 for training (they remain available to `jaxagent generate`)")
 
     # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
     # the same on every process of a multi-host run.
@@ -159,8 +168,8 @@ class Trainer:
                                       ref_params=param_sh["policy"] if cfg.algo.kl_coef > 0 else None)
     self.state = jax.jit(init_state, out_shardings=self.state_shardings)(policy_params)
     step_args = dict(state_shardings=self.state_shardings)
-    self.rl_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo,
-                                   micro_batches=cfg.train.micro_batches, mode="rl", **step_args)
+    self.rl_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo, micro_batches=cfg.train.micro_batches,
+                                   mode="rl", temperature=cfg.rollout.temperature, **step_args)
     self.bc_step = make_train_step(self.graphdefs, self.optimizer, cfg.algo, micro_batches=1, mode="bc",
                                    **step_args)
 
@@ -449,7 +458,7 @@ class Trainer:
         "reward_mean": float(totals.mean()), "success_rate": float(passed.mean()),
         "reward_std_within_group": float(groups.std(axis=1).mean()),
         "zero_variance_group_fraction": float((np.ptp(groups, axis=1) == 0).mean()),
-        "policy_lag": 0.0, "learning_rate": float(self.schedule(int(self.state.step) - 1)),
+        "learning_rate": float(self.schedule(int(self.state.step) - 1)),
         "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
         "time/extend_s": stats.extend_s, "time/iteration_s": time.perf_counter() - wall0,
         **stage, **{k: float(v) for k, v in m.items()}, **self.counters, **refill,

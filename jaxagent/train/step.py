@@ -27,17 +27,23 @@ from jaxagent.train.value import ValueTargets
 Mode = Literal["rl", "bc"]
 
 # Metrics that are means over loss tokens (combined across micro-batches weighted by loss tokens).
-_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "pg_loss", "nll")
+_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "pg_loss", "nll", "policy_lag")
 # Value metrics are means over value positions; combined as plain means over micro-batches.
 
 
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
-          algo: AlgoConfig, mode: Mode, ref_params=None):
+          algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
-  `ref_params` the frozen reference policy (KL term), not differentiated."""
+  `ref_params` the frozen reference policy (KL term), not differentiated.
+
+  In RL mode π_θ is the distribution the rollout samples from, softmax(logits / temperature), so that the
+  ratio π_θ/μ against the recorded behavior log-probs is 1 on-policy.
+  """
   model = nnx.merge(graphdefs["policy"], params["policy"])
   x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
   logits_btv = model.unembed(x_btd)
+  if mode == "rl" and temperature != 1.0:
+    logits_btv = logits_btv / temperature
   mask_bt = batch.loss_mask
   logp_bt = algos.next_token_logprobs(logits_btv, batch.tokens, mask_bt)
   entropy_bt = algos.next_token_entropy(logits_btv, mask_bt)
@@ -51,12 +57,15 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   ref_logp_bt = None
   if ref_params is not None:
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
-    ref_logits_btv = ref(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+    ref_logits_btv = ref(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids) / temperature
     ref_logp_bt = jax.lax.stop_gradient(algos.next_token_logprobs(ref_logits_btv, batch.tokens, mask_bt))
   loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer,
                                     ref_logp_bt=ref_logp_bt, segment_ids_bt=batch.segment_ids,
                                     entropy_bt=entropy_bt,
                                     **algos.policy_loss_kwargs(algo))
+  # Policy lag: updates between the behavior policy of each trained token and the policy being updated.
+  lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
+  metrics = dict(metrics, policy_lag=jnp.sum(jnp.where(mask_bt, lag_bt, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1))
   if value_targets is not None:
     values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd)
     vloss, vmetrics = algos.value_loss(values_bt, value_targets.old_values, value_targets.returns,
@@ -81,13 +90,19 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     elif key == "ratio_max":
       out[key] = jnp.max(jnp.where(tokens > 0, value, -jnp.inf))
     else:
-      out[key] = jnp.sum(value) if key in ("skipped", "value_loss") else jnp.mean(value)
+      out[key] = (jnp.max(value) if key == "skipped" else jnp.sum(value) if key == "value_loss"
+                  else jnp.mean(value))
   return out
 
 
 def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
-                    algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None):
+                    algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
+                    temperature: float = 1.0):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
+
+  `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). A batch with nothing to
+  learn from (normalizer and value normalizer 0) is an explicit skip: metrics say `skipped=1` and the state
+  is returned unchanged (no optimizer step, no weight decay, same step and policy version).
 
   Jitted with the state donated (and its layout pinned to `state_shardings` when given). The gradient is accumulated over `micro_batches` slices of the batch in a
   `lax.scan`; every slice's loss is divided by the whole batch's normalizer, so the sum is the full loss.
@@ -99,7 +114,11 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
       raise ValueError(f"batch of {b} rows is not divisible into {micro_batches} micro-batches")
     return x.reshape((micro_batches, b // micro_batches) + x.shape[1:])
 
-  grad_fn = jax.value_and_grad(functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode), has_aux=True)
+  if mode == "rl" and not temperature > 0:
+    raise ValueError(f"temperature={temperature}: RL needs a sampling temperature > 0 (greedy rollouts have no "
+                     "behavior distribution to correct for)")
+  grad_fn = jax.value_and_grad(functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode,
+                                                 temperature=temperature), has_aux=True)
 
   def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
            value_normalizer: jax.Array | float = 0.0) -> tuple[TrainState, dict[str, Any]]:
@@ -108,7 +127,8 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
     def accumulate(grads, mb):
       (loss, metrics), g = grad_fn(state.params, batch=mb[0], normalizer=normalizer, value_targets=mb[1],
                                    value_normalizer=value_normalizer,
-                                   ref_params=state.ref_params if mode == "rl" else None)
+                                   ref_params=state.ref_params if mode == "rl" else None,
+                                   policy_version=state.policy_version)
       return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -118,8 +138,12 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
     metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                              policy_version=state.policy_version + 1)
+    skip = (normalizer <= 0) & (jnp.asarray(value_normalizer) <= 0)
+    metrics["skipped"] = skip.astype(jnp.float32)
+    keep = lambda old, new: jax.tree.map(lambda a, b: jnp.where(skip, a, b), old, new)
+    new_state = state.replace(params=keep(state.params, params), opt_state=keep(state.opt_state, opt_state),
+                              step=jnp.where(skip, state.step, state.step + 1),
+                              policy_version=jnp.where(skip, state.policy_version, state.policy_version + 1))
     return new_state, metrics
 
   # Pinning the new state's layout to the old one keeps every call's input shardings identical.
