@@ -42,7 +42,7 @@ from jaxagent.rollout.engine import ChatFormat, RolloutEngine, RolloutStats
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train.state import TrainState, learning_rate_schedule
+from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
 from jaxagent.train.step import make_train_step, make_value_fn
 from jaxagent.train.value import ValueHead, ValueTargets
 from jaxagent import trajectory_store
@@ -130,10 +130,7 @@ class Trainer:
         [optax.constant_schedule(cfg.train.bc_learning_rate), learning_rate_schedule(cfg.optim, rl_updates)],
         [cfg.train.bc_steps])
     self.schedule = schedule
-    self.optimizer = optax.chain(
-        optax.clip_by_global_norm(cfg.optim.max_grad_norm),
-        optax.adamw(schedule, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps,
-                    weight_decay=cfg.optim.weight_decay))
+    self.optimizer = make_optimizer(cfg.optim, schedule)
 
     def init_state(policy):
       params = {"policy": nnx.split(init_model())[1] if policy is None else policy}
@@ -148,22 +145,11 @@ class Trainer:
     # Canonical layout: parameters and their optimizer moments by the learner rules, every other leaf (step,
     # counts, RNG) replicated. Every jitted step returns exactly this layout, so nothing recompiles.
     abstract = jax.eval_shape(init_state, policy_params)
-    param_sh = jax.tree.map(lambda v: v.replace(models.variable_sharding(v, self.mesh, learner_rules)),
-                            abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    param_sh = models.state_shardings(abstract.params, self.mesh, learner_rules)
     replicated = NamedSharding(self.mesh, P())
-    params_def = jax.tree.structure(abstract.params)
-
-    def like_params(node):
-      if jax.tree.structure(node) == params_def:
-        return param_sh
-      if isinstance(node, (tuple, list)) and not hasattr(node, "shape"):
-        children = [like_params(c) for c in node]
-        return type(node)(*children) if hasattr(node, "_fields") else type(node)(children)
-      if isinstance(node, dict):
-        return {k: like_params(v) for k, v in node.items()}
-      return jax.tree.map(lambda _: replicated, node)
-
-    self.state_shardings = TrainState(params=param_sh, opt_state=like_params(abstract.opt_state),
+    opt_sh = optax.tree_utils.tree_map_params(self.optimizer, lambda _, s: s, abstract.opt_state, param_sh,
+                                              transform_non_params=lambda _: replicated)
+    self.state_shardings = TrainState(params=param_sh, opt_state=opt_sh,
                                       step=replicated, policy_version=replicated, rng=replicated,
                                       ref_params=param_sh["policy"] if cfg.algo.kl_coef > 0 else None)
     self.state = jax.jit(init_state, out_shardings=self.state_shardings)(policy_params)
@@ -257,7 +243,6 @@ class Trainer:
         self._print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
                     f"(trajectories/discarded/): their iterations are replayed")
     self.writer = TrajectoryWriter(self.run_dir / "trajectories", prefix=prefix) if save else None
-    self.prefix = prefix
     self._start_wall = time.perf_counter() - self.counters["wall_seconds"]
 
   # ------------------------------------------------------------------------------------------------
@@ -271,9 +256,6 @@ class Trainer:
   def _print(self, *args) -> None:
     if self.echo:
       print(*args, flush=True)
-
-  def policy_params(self):
-    return self.state.params["policy"]
 
   def _sum(self, value) -> np.ndarray:
     """Sum over processes of a host value (identity in a single process)."""

@@ -6,9 +6,7 @@ from typing import Any
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from jaxagent.config import OptimConfig
 
@@ -49,17 +47,8 @@ def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Sched
                               [config.warmup_steps])
 
 
-def make_optimizer(config: OptimConfig, total_steps: int, learning_rate: float | None = None
-                   ) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; `learning_rate` overrides the schedule with a constant."""
-  schedule = (optax.constant_schedule(learning_rate) if learning_rate is not None
-              else learning_rate_schedule(config, total_steps))
+def make_optimizer(config: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """AdamW on `schedule` with global-norm clipping (the trainer joins its cold-start and RL schedules)."""
   return optax.chain(
       optax.clip_by_global_norm(config.max_grad_norm),
       optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay))
-
-
-def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-  _, params = nnx.split(model)
-  return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
-                    policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(seed))
