@@ -146,7 +146,8 @@ class RolloutEngine:
       rows.append(_Row(task=task, seed=int(seed), stream=stream, provenance=provenance))
 
     prompts = [r.stream.arrays()["tokens"].tolist() for r in rows]
-    shared = all(prompts[i] == prompts[i - i % group_size] for i in range(n))
+    # Prefix reuse only if every process can (prefill's row count is part of the global shape).
+    shared = not _any_process(not all(prompts[i] == prompts[i - i % group_size] for i in range(n)))
     if shared and group_size > 1:  # prefix reuse: prefill each distinct prompt once
       state = self.sampler.repeat(self.sampler.prefill(params, prompts[::group_size], rng), group_size)
     else:

@@ -367,6 +367,14 @@ class Sampler:
       x = np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), x, global_shape)
 
+  @staticmethod
+  def _longest(lengths: Sequence[int]) -> int:
+    """The longest length over every process: all of them must pick the same bucket (one global shape)."""
+    n = max(lengths, default=0)
+    if jax.process_count() == 1:
+      return n
+    return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
+
   def to_host(self, tree: Any) -> Any:
     """Numpy copies of this process's rows of batch-leading arrays (all rows in a single process)."""
     if jax.process_count() == 1:
@@ -381,7 +389,7 @@ class Sampler:
 
   def prefill(self, params: nnx.State, prompts: Sequence[Sequence[int]], rng: jax.Array) -> SamplerState:
     """Prefills token lists (left-padded to a bucket)."""
-    length = bucket(max(map(len, prompts)), self.buckets)
+    length = bucket(self._longest([len(p) for p in prompts]), self.buckets)
     if length > self.cache_size:
       raise ValueError(f"prompts need {length} slots (bucketed), the cache has {self.cache_size}")
     tokens, segments = pad_left(prompts, length, self.pad_id)
@@ -400,6 +408,6 @@ class Sampler:
   def extend(self, params: nnx.State, state: SamplerState, chunks: Sequence[Sequence[int]]
              ) -> tuple[SamplerState, jax.Array]:
     """Appends one token list per row (empty: untouched), right-padded to a bucket. State is donated."""
-    length = bucket(max(1, max(map(len, chunks))), self.extend_buckets)
+    length = bucket(max(1, self._longest([len(c) for c in chunks])), self.extend_buckets)
     tokens, lengths = pad_right(chunks, length, self.pad_id)
     return self._extend(params, state, self._put_batch(tokens), self._put_batch(lengths))
