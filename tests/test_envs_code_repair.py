@@ -93,6 +93,17 @@ def test_actions_and_invalid_actions_inprocess():
   env.close()
 
 
+def test_train_episodes_cannot_read_or_edit_held_out_modules():
+  task = SPEC.tasks("train", 1, 0)[0]
+  env = SPEC.make()
+  first = env.reset(task, 0).text
+  assert "search.py" not in first and "intervals.py" not in first  # only the split's modules are listed
+  for action in ("show search.py", "replace search.py:1 x = 1", "show intervals.py"):
+    r = env.step(action)
+    assert r.info["outcome"] == "invalid_action_continued" and "unknown file" in r.observation.text, (action, r)
+  env.close()
+
+
 def test_hangs_are_bounded(monkeypatch):
   task = next(t for t in SPEC.tasks("eval", 40, 0) if t.payload["failing_test"] != "test_isqrt")
   env = SPEC.make()

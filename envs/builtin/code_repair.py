@@ -356,6 +356,7 @@ class CodeRepairEnv(Env):
     self.verifier = CodeRepairVerifier()
     self.root: Path | None = None
     self.current: str | None = None
+    self.files: tuple[str, ...] = ()
     self.edits = 0
 
   def _reset(self, task: Task, seed: int) -> str:
@@ -366,6 +367,9 @@ class CodeRepairEnv(Env):
     p = task.payload
     self.root = Path(tempfile.mkdtemp(prefix="crepair-"))
     self.current, self.edits = None, 0
+    # Only the task split's modules can be shown or edited: a train episode never reads the pristine source
+    # of a held-out module (the answer to its mutations). The others still exist so the package imports.
+    self.files = tuple(sorted(SPLIT_MODULES[task.split] + (TESTS_FILE,)))
     write_package(self.root, p["mutation"])
     try:
       report = run_tests(self.root, [p["failing_test"]])
@@ -375,12 +379,12 @@ class CodeRepairEnv(Env):
       raise EnvError(f"task {task.id} does not reproduce: {p['failing_test']} gave "
                      f"{report['results'].get(p['failing_test'])!r} ({report.get('import_error')})")
     return (f"The test {p['failing_test']} fails:\n{report['details'][p['failing_test']]}\n"
-            f"Files: {' '.join(FILES)} ({TESTS_FILE} is read-only)\n"
+            f"Files: {' '.join(self.files)} ({TESTS_FILE} is read-only)\n"
             "Actions: show FILE | replace FILE:LINE TEXT | test | submit")
 
   def _file(self, name: str) -> Path:
-    if name not in FILES:
-      raise InvalidAction(f"unknown file {name[:40]!r}; files are {' '.join(FILES)}")
+    if name not in self.files:
+      raise InvalidAction(f"unknown file {name[:40]!r}; files are {' '.join(self.files)}")
     return PKG_DIR / name if name == TESTS_FILE else self.root / name
 
   def _step(self, call: Call) -> StepResult:
