@@ -5,6 +5,8 @@ run for real on a 2x4 mesh. Single-device code is unaffected: arrays default to 
 """
 
 import os
+import socket
+import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -13,8 +15,33 @@ import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-posit
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import hypothesis  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Property tests draw the same examples on every run: CI is reproducible and a failure names its seed-free case.
 hypothesis.settings.register_profile("jaxagent", derandomize=True, print_blob=True)
 hypothesis.settings.load_profile("jaxagent")
+
+
+
+# Isolation probes (env sandbox tests): things a sandboxed action must not reach.
+
+
+@pytest.fixture
+def secret(tmp_path):
+  """A file like a trainer's held-out answers: outside any sandbox, readable by this process."""
+  path = tmp_path / "heldout" / "eval_answers.txt"
+  path.parent.mkdir()
+  path.write_text("42\n")
+  return path
+
+
+@pytest.fixture
+def listener():
+  """"127.0.0.1:PORT" of a loopback server that accepts (and closes) every connection."""
+  srv = socket.socket()
+  srv.bind(("127.0.0.1", 0))
+  srv.listen(8)
+  threading.Thread(target=lambda: [srv.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+  yield f"127.0.0.1:{srv.getsockname()[1]}"
+  srv.close()

@@ -3,10 +3,6 @@ verifier), splits are isolated by module, replay is exact, the bubblewrap pool r
 can neither escape the sandbox nor hang the env."""
 
 import os
-import shutil
-import socket
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -16,6 +12,7 @@ import envs
 from envs import cli as envs_cli
 from envs import pool as pool_lib
 from envs.builtin import code_repair as cr
+from tests._sandbox import require_bwrap
 
 SPEC = envs.get("code_repair")
 
@@ -127,10 +124,7 @@ def test_hangs_are_bounded(monkeypatch):
 
 @pytest.fixture
 def bwrap():
-  if not pool_lib.bwrap_available():
-    if os.environ.get("CI"):
-      pytest.fail("bubblewrap unavailable in CI")
-    pytest.skip("bubblewrap unavailable (apt-get install -y bubblewrap)")
+  require_bwrap()
 
 
 def test_sandboxed_pool_runs_demos_with_exact_replay(bwrap):
@@ -155,24 +149,6 @@ def test_sandboxed_pool_runs_demos_with_exact_replay(bwrap):
   assert r["pool"] == "local" and r["replay_rate"] == 1.0 and r["outcomes"]["completed"] == 8, r
 
 
-@pytest.fixture
-def secret():
-  d = Path(tempfile.mkdtemp(prefix="heldout-"))
-  (d / "eval_answers.txt").write_text("42\n")
-  yield d / "eval_answers.txt"
-  shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def listener():
-  srv = socket.socket()
-  srv.bind(("127.0.0.1", 0))
-  srv.listen(8)
-  threading.Thread(target=lambda: [srv.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
-  yield srv.getsockname()[1]
-  srv.close()
-
-
 def _probe(p, task, line):
   p.reset(0, task, 0)
   r = p.step(0, f"replace textops.py:1 {line}")
@@ -188,7 +164,7 @@ def test_edited_code_cannot_escape_the_sandbox(bwrap, secret, listener):
       "write": f"open('{secret.parent}/pwned', 'w').write('x'); raise RuntimeError('wrote')",
       # where the verifier reads the pristine tests from inside the sandbox (envs/ is bound read-only there)
       "tests": "open('/opt/jaxagent/envs/builtin/code_repair_pkg/pkg_tests.py', 'a').write('x'); raise RuntimeError('wrote')",
-      "net": f"import socket; socket.create_connection(('127.0.0.1', {listener}), 1); raise RuntimeError('connected')",
+      "net": f"import socket; socket.create_connection(('{listener.split(':')[0]}', {listener.split(':')[1]}), 1); raise RuntimeError('connected')",
   }
   # Control, unsandboxed: the same edits do read, write and connect, so a failure below is the sandbox's doing.
   with pool_lib.make_pool(1, env="code_repair", kind="local", sandbox="none") as p:

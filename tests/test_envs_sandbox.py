@@ -6,35 +6,15 @@ with the reason printed; with JAXAGENT_REQUIRE_DOCKER=1 (set by .ci/run) a missi
 """
 
 import os
-import socket
-import threading
 import time
 
 import pytest
 
 import envs
 from envs import pool as pool_lib
+from tests._sandbox import require_bwrap
 
 FAULTS = envs.get("faults")
-
-
-@pytest.fixture(scope="module")
-def secret(tmp_path_factory):
-  # Somewhere a trainer keeps held-out answers: outside the sandbox, readable by this process.
-  d = tmp_path_factory.mktemp("heldout")
-  path = d / "eval_answers.txt"
-  path.write_text("42\n")
-  return str(path)
-
-
-@pytest.fixture(scope="module")
-def listener():
-  srv = socket.socket()
-  srv.bind(("127.0.0.1", 0))
-  srv.listen(8)
-  threading.Thread(target=lambda: [srv.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
-  yield f"127.0.0.1:{srv.getsockname()[1]}"
-  srv.close()
 
 
 def _docker_client():
@@ -63,12 +43,7 @@ def _sandboxed_pool(kind):
   if kind == "docker":
     _docker_or_skip()
     return pool_lib.make_pool(2, env="faults", kind="docker", num_workers=1, start_timeout_s=60)
-  if not pool_lib.bwrap_available():
-    reason = "bubblewrap not installed or no user namespaces (apt-get install -y bubblewrap)"
-    if os.environ.get("CI") or os.environ.get("JAXAGENT_REQUIRE_DOCKER") == "1":
-      pytest.fail(reason)
-    print(f"SKIP bwrap isolation: {reason}")
-    pytest.skip(reason)
+  require_bwrap()
   return pool_lib.make_pool(2, env="faults", kind="local", sandbox="bwrap", num_workers=1)
 
 

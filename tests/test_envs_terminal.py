@@ -4,6 +4,7 @@ import pytest
 
 import envs
 from envs import pool as pool_lib
+from tests._sandbox import require_bwrap
 
 SPEC = envs.get("terminal")
 
@@ -21,8 +22,7 @@ def test_demos_pass_and_wrong_state_fails_inprocess():
 
 
 def test_runs_sandboxed_with_full_replay():
-  if not pool_lib.bwrap_available():
-    pytest.skip("bubblewrap unavailable")
+  require_bwrap()
   tasks = SPEC.tasks("train", 4, 0)
   traces = []
   with pool_lib.make_pool(4, env="terminal", kind="local", sandbox="bwrap") as p:
