@@ -466,9 +466,18 @@ class Pool:
       raise
     self.version = hello["version"]
 
+  def _unsandboxed(self, why: str) -> None:
+    """An env whose actions run real programs never runs outside a sandbox unless pool.sandbox='none' says so."""
+    from envs._registry import get  # pylint: disable=g-import-not-at-top
+    if get(self.cfg.env).needs_sandbox and self.cfg.sandbox != "none":
+      raise RuntimeError(f"env {self.cfg.env!r} runs real programs and needs a sandbox, but {why}; use the local "
+                         "pool with bubblewrap or the docker pool (pool.sandbox='none' runs it unsandboxed anyway)")
+
   def _make_worker(self, i: int) -> Worker:
     cfg = self.cfg
     if cfg.kind == "inprocess":
+      if i == 0:
+        self._unsandboxed("pool.kind='inprocess' runs it in this process")
       return InProcessWorker(cfg, i)
     if cfg.kind == "remote":
       if len(cfg.addresses) < cfg.num_workers:
@@ -487,6 +496,7 @@ class Pool:
         raise RuntimeError("pool.sandbox='bwrap' but bubblewrap is not installed or cannot create namespaces "
                            "here (apt-get install -y bubblewrap)")
       if want and not self.sandboxed:
+        self._unsandboxed("bubblewrap is unavailable here")
         warnings.warn("envs local pool: bubblewrap unavailable, env workers run UNSANDBOXED (network, host "
                       "filesystem reachable); install bubblewrap or use the docker pool", RuntimeWarning,
                       stacklevel=3)

@@ -77,8 +77,8 @@ class EnvInfo:
   name: str
   version: str                         # code hash or image digest
   seed: int
-  clock: str = "frozen"                # clock policy
-  network: str = "none"                # network policy
+  clock: str = "host"                  # clock policy ("host": the real clock; no pool freezes it yet)
+  network: str = "host"                # network policy ("none" inside a sandbox pool)
   # DESIGN.md §2.3; the same names as envs.INVALID_ACTION_RULES (one vocabulary from env to record)
   invalid_action_rule: Literal["error_observation", "terminate", "penalty"] = "error_observation"
 

@@ -181,3 +181,10 @@ def test_edited_code_cannot_escape_the_sandbox(bwrap, secret, listener):
   assert "RuntimeError: connected" not in got["net"] and ("OSError" in got["net"] or "Error" in got["net"]), got
   assert not (secret.parent / "pwned").exists() and secret.read_text() == "42\n"
   assert (cr.PKG_DIR / cr.TESTS_FILE).read_bytes() == pkg_tests
+
+
+def test_pools_refuse_to_run_it_unsandboxed_unless_told():
+  with pytest.raises(RuntimeError, match="needs a sandbox"):
+    pool_lib.make_pool(1, env="code_repair", kind="inprocess")
+  with pool_lib.make_pool(1, env="code_repair", kind="inprocess", sandbox="none") as p:  # an explicit opt-out
+    assert not p.sandboxed

@@ -62,6 +62,7 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
     assert not t.loss_mask[np.isin(t.roles, [tr.Role.TOOL, tr.Role.PROMPT])].any()
     assert isinstance(t.termination, tr.TerminationReason)
     assert t.env.name == "calculator" and t.env.version
+    assert t.env.network == "host"  # an in-process pool does not cut the network, and the record says so
     for turn in t.turns:
       assert turn.policy_version == t.policy_version
       if turn.observation is not None:

@@ -270,6 +270,7 @@ class RolloutEngine:
     return tr.Trajectory(
         task=tr.Task(id=row.task.id, split=row.task.split, version=row.task.version),
         env=tr.EnvInfo(name=self.env_spec.name, version=self.env_version, seed=row.seed,
+                       network="none" if self.pool.sandboxed else "host",  # cut only inside a sandbox
                        invalid_action_rule=self.rule),
         policy_version=policy_version, termination=row.termination,
         reward=tr.Reward(total=float(total), gamma=self.gamma, components=dict(row.components)),
