@@ -52,6 +52,7 @@ class TrainCheckpointer:
 
   def save(self, iteration: int, state: TrainState, meta: dict[str, Any], model_config: dict[str, Any],
            config: dict[str, Any]) -> None:
+    meta = {**meta, "has_reference": state.ref_params is not None}  # read back first: the restore target
     self.manager.save(iteration, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_to_saveable(state)), meta=ocp.args.JsonSave(meta),
         model_config=ocp.args.JsonSave(model_config), config=ocp.args.JsonSave(config)))
@@ -79,23 +80,16 @@ class TrainCheckpointer:
       target = _to_saveable(abstract_state)
       target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                             target)
-      # The same state with and without a KL reference policy: a run may resume with `algo.kl_coef` turned
-      # on (the checkpoint has no reference: its policy becomes one) or off (the stored reference is dropped).
-      toggled = dict(target)
-      if "ref_params" in toggled:
-        del toggled["ref_params"]
-      else:
-        toggled["ref_params"] = target["params"]["policy"]
-      restored, error = None, None
-      for candidate in (target, toggled):
-        try:
-          restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(candidate)))
-          break
-        except Exception as e:  # pylint: disable=broad-except
-          error = error or e
-      if restored is None:
-        warnings.warn(f"checkpoint {self.directory / str(step)}: state unreadable ({type(error).__name__}: "
-                      f"{error}); trying the previous one", RuntimeWarning, stacklevel=2)
+      # The target is the state as it was saved: a run may resume with `algo.kl_coef` turned on (the
+      # checkpoint has no reference: its policy becomes one) or off (the stored reference is dropped).
+      target.pop("ref_params", None)
+      if stored["meta"].get("has_reference", False):
+        target["ref_params"] = target["params"]["policy"]
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+      except Exception as e:  # pylint: disable=broad-except
+        warnings.warn(f"checkpoint {self.directory / str(step)}: state unreadable ({type(e).__name__}: {e}); "
+                      "trying the previous one", RuntimeWarning, stacklevel=2)
         continue
       s = restored["state"]
       ref = s.get("ref_params")
