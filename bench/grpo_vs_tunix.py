@@ -10,9 +10,9 @@ rule, stepped in-process on both sides — the tunix side wraps the very same en
 subclass), B tasks x G samples per iteration, at most `--max-new` sampled tokens per turn, observations cut to
 16 tokens, temperature 1.0, stop on "\\n" / <|eot|> / <eos>, GRPO advantages, clipped policy loss (eps 0.2,
 token-mean), no reference model / KL, AdamW 1e-4 with global-norm clip 1.0, one optimizer step per iteration.
-`--warmup` untimed iterations (default 2: our trainer compiles its rollout and train step a second time in
-iteration 2, after the first update changes the parameters' placement), then `--iters` timed iterations on
-both sides; we report the mean.
+`--warmup` untimed iterations (default 2: compilation and warm caches on both sides; tests/test_train.py
+asserts our trainer compiles nothing after its first iteration), then `--iters` timed iterations on both
+sides; we report the mean.
 
 Equal work per trajectory: with random weights a turn almost never samples a stop token, and our rollout
 engine ends an episode whose action fills the turn budget (turn_budget_exhausted) while tunix hands that
@@ -71,8 +71,7 @@ def run_ours(args) -> dict:
   def generate_budget_is_stop(params, state, active=None):  # see the module docstring
     state, out = generate(params, state, active)
     finish = jnp.where(out.finish == int(Finish.BUDGET), int(Finish.STOP), out.finish)
-    return state, type(out)(**{**{k: getattr(out, k) for k in ("tokens", "lengths", "logprobs",
-                                                                "raw_logprobs")}, "finish": finish})
+    return state, out.replace(finish=finish)
 
   trainer.sampler.generate = generate_budget_is_stop
   seen = []

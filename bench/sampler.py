@@ -77,7 +77,7 @@ def bench_turns(model, batch: int = 8, turns: int = 6, obs: int = 16, act: int =
   """Seconds per turn (extend with an observation + decode an action) over a 6-turn trajectory."""
   params = nnx.split(model)[1]
   s = Sampler(model, cache_size=PROMPT + turns * (obs + act), config=SamplingConfig(max_new_tokens=act),
-              pad_id=0, buckets=(obs, PROMPT))
+              pad_id=0, buckets=(PROMPT,), extend_buckets=(obs,))
   rng = np.random.default_rng(0)
   observations = rng.integers(1, 256, (batch, obs)).tolist()
 
