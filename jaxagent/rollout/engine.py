@@ -161,7 +161,7 @@ class RolloutEngine:
       active = np.asarray([not r.done for r in rows])
       t0 = time.perf_counter()
       state, out = self.sampler.generate(params, state, active)
-      out = self.sampler.to_host(out)
+      out = self.sampler.to_host(out.replace(raw_logprobs=None))  # the record needs no untempered log-probs
       t_decode = time.perf_counter() - t0
       decode_s += t_decode
 
