@@ -49,6 +49,7 @@ def _cmd_generate(args) -> int:
 
   import jax
   import jax.numpy as jnp
+  from jaxagent.config import ConfigError
   from flax import nnx
 
   import models
@@ -61,11 +62,13 @@ def _cmd_generate(args) -> int:
   tokenizer = models.load_tokenizer(tokenizer_spec)
   prompt = tokenizer.encode(args.prompt)
   if not prompt:
-    from jaxagent.config import ConfigError  # pylint: disable=g-import-not-at-top
     raise ConfigError("--prompt encodes to no tokens")
   stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
-  config = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          max_new_tokens=args.max_new_tokens, stop_sequences=stops)
+  try:
+    config = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, stop_sequences=stops)
+  except ValueError as e:  # the sampler's own range checks name the bad value
+    raise ConfigError(str(e)) from None
   sampler = Sampler(model, cache_size=len(prompt) + args.max_new_tokens + 16, config=config,
                     pad_id=tokenizer.pad_id, buckets=(len(prompt),))
   params = nnx.split(model)[1]
@@ -83,15 +86,18 @@ def _cmd_train(args) -> int:
   from jaxagent import config as config_lib
   from jaxagent.train import loop
 
-  if args.resume:
-    run_dir = Path(args.resume)
+  if args.resume and args.run_dir:
+    raise config_lib.ConfigError("--resume RUN_DIR and --run-dir DIR: give one")
+  run_dir = Path(args.resume or args.run_dir) if (args.resume or args.run_dir) else None
+  # --run-dir: a fixed directory that a restarted job (preemption, JobSet/xpk restarts) continues in.
+  resume = bool(args.resume) or (run_dir is not None and any(p.name.isdigit() for p in (run_dir / "checkpoints").glob("*")))
+  if resume:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
-      raise config_lib.ConfigError(f"--resume {run_dir}: no config.yaml (not a run directory)")
-    config = config_lib.load(saved, args.overrides)
-    loop.train(config, run_dir=run_dir, resume=True)
+      raise config_lib.ConfigError(f"{run_dir}: no config.yaml (not a run directory)")
+    loop.train(config_lib.load(saved, args.overrides), run_dir=run_dir, resume=True)
   else:
-    loop.train(config_lib.load(args.config, args.overrides))
+    loop.train(config_lib.load(args.config, args.overrides), run_dir=run_dir)
   return 0
 
 
@@ -128,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("train", help="train per a config (BC cold start, then GRPO); prints RUN_DIR")
   _add_config_args(p, required=False)
   p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+  p.add_argument("--run-dir", metavar="DIR", help="train in DIR; continue there if it already holds checkpoints "
+                                                  "(for jobs that restart after preemption)")
   p.set_defaults(func=_cmd_train)
 
   p = sub.add_parser("eval", help="held-out success rate of a run's latest checkpoint")

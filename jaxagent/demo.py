@@ -63,7 +63,7 @@ def run(config: Config) -> Path:
   print(f"HF -> Orbax -> restore: max |logit diff| = {diff:.3g}  ({hf_dir.name}/, {ckpt_dir.name}/)")
 
   prompt = tokenizer.encode(config.generate.prompt)
-  new, seconds = greedy_decode(restored, prompt, config.generate.max_new_tokens)
+  new, seconds = greedy_decode(restored, prompt, config.generate.max_new_tokens, tokenizer.pad_id)
   full = restored(jnp.asarray([prompt + new], jnp.int32))
   reference = np.asarray(jnp.argmax(full[0, len(prompt) - 1:-1], -1)).tolist()
   agree = sum(int(a == b) for a, b in zip(new, reference))

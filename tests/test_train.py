@@ -296,3 +296,15 @@ def test_tempered_rollouts_are_on_policy_for_the_learner(tmp_path):
   assert m["loss_tokens"] > 0
   assert abs(m["ratio_min"] - 1) < 1e-4 and abs(m["ratio_max"] - 1) < 1e-4, (m["ratio_min"], m["ratio_max"])
   assert m["policy_lag"] == 0.0
+
+
+def test_run_dir_starts_then_continues_a_restarted_job(tmp_path, capsys):
+  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  sets = [x for o in TINY + ["train.bc_steps=0", "train.eval_episodes=0", "train.plots=false"] for x in ("--set", o)]
+  run = tmp_path / "job"
+  assert cli.main(["train", "tiny_cpu", "--run-dir", str(run), *sets, "--set", "train.iterations=1"]) == 0
+  assert "resumed from" not in capsys.readouterr().out
+  # The restarted job runs the same command line: it continues in the same directory.
+  assert cli.main(["train", "tiny_cpu", "--run-dir", str(run), "--set", "train.iterations=2"]) == 0
+  assert "resumed from" in capsys.readouterr().out
+  assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]

@@ -20,7 +20,7 @@ TPU_TYPE="${TPU_TYPE:-v5litepod-16}"
 NUM_SLICES="${NUM_SLICES:-1}"
 WORKLOAD="${WORKLOAD:-jaxagent-$(date +%Y%m%d-%H%M%S)}"
 
-CMD="python -m jaxagent train"
+CMD="python -m jaxagent train --run-dir /runs/${WORKLOAD}"  # a restart (--max-restarts) resumes there
 for arg in "$@"; do
   CMD+=" $(printf '%q' "${arg}")"
 done
