@@ -42,11 +42,15 @@ class KVCache:
   """Key/value cache shared by all rows; a slot is written for every row at once.
 
   Attributes:
-    k: per layer, [B, K, S, H] keys (RoPE already applied). Heads before slots: attention reads the cache in
-      place (XLA transposed a [B, S, K, H] cache, i.e. copied it whole, on every decode step).
+    k: per layer, [B, K, H, S] keys (RoPE already applied), slots last.
     v: per layer, [B, K, S, H] values.
     segment_ids: int32[B, S]; 0 = empty or padding slot.
     index: int32[] next slot to write. Callers keep `index + T <= S` (the sampler enforces it).
+
+  Both layouts let a decode step read each cache in place, reducing over an axis that is not the last one
+  (keys over H, values over S), which XLA's CPU backend fuses into one pass over the cache. Measured in
+  `bench/sampler.py` (B=64, S=128, CPU): keys as [B, K, S, H] (reduce over the last axis) took 2.5x as long;
+  a [B, S, K, H] cache was transposed (copied whole) on every step; a dot_general was slower still.
   """
 
   k: tuple[jax.Array, ...]
@@ -54,20 +58,20 @@ class KVCache:
   segment_ids: jax.Array
   index: jax.Array
 
+  K_AXES = ("batch", "kv_heads", "head_dim", "length")  # logical axes of each k array
+  V_AXES = ("batch", "kv_heads", "length", "head_dim")  # logical axes of each v array
+
   @classmethod
   def init(cls, config: ModelConfig, batch: int, size: int, dtype: Any = jnp.float32) -> "KVCache":
-    shape = (batch, config.num_key_value_heads, size, config.head_dim)
-    layers = config.num_hidden_layers
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+    k, h, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    return cls(k=tuple(jnp.zeros((batch, k, h, size), dtype) for _ in range(layers)),
+               v=tuple(jnp.zeros((batch, k, size, h), dtype) for _ in range(layers)),
                segment_ids=jnp.zeros((batch, size), jnp.int32),
                index=jnp.zeros((), jnp.int32))
 
   @property
   def size(self) -> int:
     return self.segment_ids.shape[1]
-
-  AXES = ("batch", "kv_heads", "length", "head_dim")  # logical axes of each k / v array
 
 
 class RMSNorm(nnx.Module):
@@ -119,16 +123,16 @@ class Attention(nnx.Module):
     k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
 
     t = x_btd.shape[1]
-    k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
+    k_bkht, v_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
     if kv is None:
-      keys_bksh, values_bksh, key_seg_bs, start = k_bkth, v_bkth, segment_ids_bt, 0
+      keys_bkhs, values_bksh, key_seg_bs, start = k_bkht, v_bkth, segment_ids_bt, 0
       new_kv = None
     else:
       k_cache, v_cache, key_seg_bs, start = kv
-      keys_bksh = jax.lax.dynamic_update_slice(k_cache, k_bkth.astype(k_cache.dtype), (0, 0, start, 0))
+      keys_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, start))
       values_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, start, 0))
-      new_kv = (keys_bksh, values_bksh)
-    s = keys_bksh.shape[2]
+      new_kv = (keys_bkhs, values_bksh)
+    s = keys_bkhs.shape[3]
 
     query_slot_t = start + jnp.arange(t)
     visible_bts = ((key_seg_bs[:, None, :] == segment_ids_bt[:, :, None])
@@ -137,20 +141,20 @@ class Attention(nnx.Module):
 
     b, _, n, h = q_btnh.shape
     q_btkgh = q_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h)
+    f32 = jnp.float32
     if t == 1:
-      # One query per row (decode): a multiply-reduce that XLA fuses into one pass over the cache. As a
-      # dot_general it is B*K tiny matmuls, measured 2.8x slower on CPU at B=64, S=128 (bench/sampler.py).
-      f32 = jnp.float32
-      logits_bkgts = jnp.sum(q_btkgh[:, 0, :, :, None, :].astype(f32) * keys_bksh[:, :, None].astype(f32),
-                             axis=-1)[:, :, :, None, :] * (h ** -0.5)
+      # One query per row (decode): multiply-reduces, one fused pass over each cache (see `KVCache`). As
+      # dot_generals they are B*K tiny matmuls, measured 2-7x slower on CPU at B=64, S=128.
+      logits_bkgts = jnp.sum(q_btkgh[:, 0, :, :, :, None].astype(f32) * keys_bkhs[:, :, None].astype(f32),
+                             axis=3)[:, :, :, None, :] * (h ** -0.5)
     else:
-      logits_bkgts = jnp.einsum("btkgh,bksh->bkgts", q_btkgh, keys_bksh.astype(q_btkgh.dtype),
-                                preferred_element_type=jnp.float32) * (h ** -0.5)
-    logits_bkgts = jnp.where(visible_bts[:, None, None], logits_bkgts, jnp.finfo(jnp.float32).min)
+      logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh, keys_bkhs.astype(q_btkgh.dtype),
+                                preferred_element_type=f32) * (h ** -0.5)
+    logits_bkgts = jnp.where(visible_bts[:, None, None], logits_bkgts, jnp.finfo(f32).min)
     probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(x_btd.dtype)
     if t == 1:
-      out_btkgh = jnp.sum(probs_bkgts[:, :, :, 0, :, None].astype(jnp.float32)
-                          * values_bksh[:, :, None].astype(jnp.float32), axis=-2)[:, None].astype(x_btd.dtype)
+      out_btkgh = jnp.sum(probs_bkgts[:, :, :, 0, :, None].astype(f32) * values_bksh[:, :, None].astype(f32),
+                          axis=-2)[:, None].astype(x_btd.dtype)
     else:
       out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts, values_bksh.astype(x_btd.dtype))
     out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), self.w_o_nhd[...])

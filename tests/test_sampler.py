@@ -105,7 +105,7 @@ def test_same_seed_same_samples():
   assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])  # rbg: what `generate` passes
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 @pytest.mark.parametrize("cfg", [SamplingConfig(top_k=3), SamplingConfig(top_p=0.7),
                                  SamplingConfig(temperature=0.7, top_k=4, top_p=0.8)], ids=str)
 def test_truncated_sampling_frequencies(cfg, impl):

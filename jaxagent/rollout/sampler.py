@@ -146,18 +146,30 @@ def pad_right(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[
 
 
 def sample_logits(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
-  """Samples one token per row with one key for the batch (rows draw independent Gumbel noise from it).
+  """Samples one token per row; `key` draws one uniform per row (see `sample_with_uniform`).
 
-  `generate` passes "rbg" keys (XLA's RngBitGenerator: one op per step); the draw is the same however the
-  batch is sharded (tested on 8 devices), but may differ between backends and XLA versions. Any key works.
+  Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B]).
+  """
+  return sample_with_uniform(logits_bv, jax.random.uniform(key, logits_bv.shape[:1]), config)
+
+
+def sample_with_uniform(logits_bv: jax.Array, uniform_b: jax.Array, config: SamplingConfig):
+  """Samples one token per row by inverting the CDF of the (tempered, truncated) distribution at `uniform_b`.
+
+  One uniform per row, not one Gumbel variate per vocabulary entry: `generate` draws every step's uniforms
+  before its decode loop, so no random bits are generated inside it (a per-step [B, V] Gumbel draw was the
+  costliest op of a CPU decode step). The token is the first one of positive probability whose cumulative
+  probability reaches x = (1 - u) * total, x in (0, total]: a truncated token (probability 0) is never
+  taken, however the cumulative sum rounds (if rounding leaves no such token, the likeliest one is taken).
 
   Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B]).
   """
   logits_bv = logits_bv.astype(jnp.float32)
   raw_logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+  take = lambda x, tokens_b: jnp.take_along_axis(x, tokens_b[:, None], axis=-1)[:, 0]
   if config.temperature == 0:
     tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    raw_b = jnp.take_along_axis(raw_logp_bv, tokens_b[:, None], axis=-1)[:, 0]
+    raw_b = take(raw_logp_bv, tokens_b)
     return tokens_b, jnp.zeros_like(raw_b), raw_b
   scaled_bv = logits_bv if config.temperature == 1.0 else logits_bv / config.temperature
   neg_inf = jnp.finfo(jnp.float32).min
@@ -171,11 +183,15 @@ def sample_logits(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
     keep_bv = before_bv < config.top_p
     cutoff_b = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
     scaled_bv = jnp.where(scaled_bv < cutoff_b, neg_inf, scaled_bv)
-  tokens_b = jax.random.categorical(key, scaled_bv, axis=-1).astype(jnp.int32)
   # Untempered and untruncated: the sampled distribution is the model's, one log_softmax serves both.
   logp_bv = raw_logp_bv if scaled_bv is logits_bv else jax.nn.log_softmax(scaled_bv, axis=-1)
-  take = lambda x: jnp.take_along_axis(x, tokens_b[:, None], axis=-1)[:, 0]
-  return tokens_b, take(logp_bv), take(raw_logp_bv)
+  probs_bv = jnp.exp(logp_bv)
+  cdf_bv = jnp.cumsum(probs_bv, axis=-1)
+  x_b = (1.0 - uniform_b.astype(jnp.float32)) * cdf_bv[:, -1]
+  hit_bv = (cdf_bv >= x_b[:, None]) & (probs_bv > 0)
+  tokens_b = jnp.argmax(hit_bv, axis=-1).astype(jnp.int32)
+  tokens_b = jnp.where(take(hit_bv, tokens_b), tokens_b, jnp.argmax(probs_bv, axis=-1).astype(jnp.int32))
+  return tokens_b, take(logp_bv, tokens_b), take(raw_logp_bv, tokens_b)
 
 
 def _stop_table(config: SamplingConfig) -> tuple[np.ndarray, int]:
@@ -197,12 +213,11 @@ def _last_valid(segment_ids_bt: jax.Array) -> jax.Array:
 def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rules) -> models.KVCache:
   if mesh is None:
     return cache
-  kv_spec = models.logical_to_spec(models.KVCache.AXES, cache.k[0].shape, mesh, rules)
-  seg_spec = models.logical_to_spec(("batch", "length"), cache.segment_ids.shape, mesh, rules)
-  kv = NamedSharding(mesh, kv_spec)
-  con = jax.lax.with_sharding_constraint
-  return cache.replace(k=tuple(con(k, kv) for k in cache.k), v=tuple(con(v, kv) for v in cache.v),
-                       segment_ids=con(cache.segment_ids, NamedSharding(mesh, seg_spec)))
+  con = lambda x, axes: jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
+  return cache.replace(k=tuple(con(k, models.KVCache.K_AXES) for k in cache.k),
+                       v=tuple(con(v, models.KVCache.V_AXES) for v in cache.v),
+                       segment_ids=con(cache.segment_ids, ("batch", "length")))
 
 
 def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules) -> SamplerState:
@@ -265,9 +280,8 @@ def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array
   table_np, window = _stop_table(config)
   table = jnp.asarray(table_np)
   rng, turn_key = jax.random.split(state.rng)
-  # One key per decode step, drawn before the loop. Inside it, sampling uses XLA's RngBitGenerator (jax's
-  # "rbg" keys): one op per step, where threefry on CPU is a nested while loop of its own.
-  step_keys = jax.random.wrap_key_data(jax.random.bits(turn_key, (m, 4), jnp.uint32), impl="rbg")
+  # Every step's uniforms, drawn before the loop: the loop itself generates no random bits.
+  uniforms_mb = jax.random.uniform(turn_key, (m, b))
 
   init = dict(
       state=state.replace(rng=rng), step=jnp.zeros((), jnp.int32), done=~active_b,
@@ -282,7 +296,7 @@ def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array
   def body(c):
     st = c["state"]
     running = ~c["done"]
-    token, logp, raw = sample_logits(st.next_logits, step_keys[c["step"]], config)
+    token, logp, raw = sample_with_uniform(st.next_logits, uniforms_mb[c["step"]], config)
     # A running row has produced exactly `step` tokens this turn (rows start together and never restart),
     # so every row writes column `step`: one in-place column update instead of a per-row scatter.
     put = lambda buf, x, fill: jax.lax.dynamic_update_slice(
@@ -332,7 +346,8 @@ class Sampler:
     cache_size: KV-cache slots per row (prompt + every action and observation of a trajectory).
     config: sampling parameters.
     pad_id: token written to unused output slots.
-    mesh, rules: generation layout; the cache is constrained to `KVCache.AXES` (batch, kv_heads, -, -).
+    mesh, rules: generation layout; the cache is constrained to `KVCache.K_AXES` / `V_AXES` (batch over
+      data, kv heads over tensor).
     buckets: allowed prompt lengths (static shapes).
     extend_buckets: allowed lengths of appended chunks (observations).
   """
