@@ -157,7 +157,9 @@ class Attention(nnx.Module):
                           axis=-2)[:, None].astype(x_btd.dtype)
     else:
       out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts, values_bksh.astype(x_btd.dtype))
-    out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), self.w_o_nhd[...])
+    # Heads flattened first: contracting (n, h) as two axes, XLA transposed w_o (a copy per decode step).
+    out_btd = jnp.einsum("btf,fd->btd", out_btkgh.reshape(b, t, n * h),
+                         self.w_o_nhd[...].reshape(n * h, self.w_o_nhd.shape[-1]))
     if cfg.attention_out_bias:
       out_btd += self.b_o_d[...]
     return out_btd, new_kv
