@@ -132,6 +132,24 @@ def test_truncated_sampling_frequencies(cfg, impl):
   np.testing.assert_allclose(np.asarray(logp), np.log(expected[np.asarray(tokens)]), atol=1e-5)
 
 
+def test_inverse_cdf_takes_only_kept_tokens_at_the_extremes_of_the_uniform():
+  """u = 0 takes the last kept token, u -> 1 the first; a truncated token is never taken."""
+  probs = np.asarray([0.05, 0.30, 1e-30, 0.20, 0.15, 0.0, 0.30])
+  logits = jnp.asarray(np.tile(np.log(np.maximum(probs, 1e-38)), (4, 1)), jnp.float32)
+  below_one = float(np.nextafter(np.float32(1), np.float32(0)))
+  uniforms = jnp.asarray([0.0, 1e-7, 0.5, below_one], jnp.float32)
+  cases = {SamplingConfig(): (set(range(7)), 0),
+           SamplingConfig(top_k=3): ({1, 3, 6}, 1),
+           SamplingConfig(top_p=0.5): ({1, 6}, 1),
+           SamplingConfig(temperature=0.5, top_k=4): ({1, 3, 4, 6}, 1)}
+  for cfg, (kept, first) in cases.items():
+    tokens, logp, _ = sampler_lib.sample_with_uniform(logits, uniforms, cfg)
+    tokens = np.asarray(tokens).tolist()
+    assert set(tokens) <= kept, (cfg, tokens)
+    assert tokens[0] == 6 and tokens[-1] == first, (cfg, tokens)
+    assert np.isfinite(np.asarray(logp)).all(), (cfg, logp)
+
+
 def test_stop_tokens_and_sequences(model):
   p = _params(model)
   free = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD)
