@@ -531,17 +531,38 @@ class Pool:
   def reset(self, slot: int, task: Task, seed: int) -> Observation:
     return self.reset_many([slot], [task], [seed])[0]
 
-  def reset_many(self, slots: Sequence[int], tasks: Sequence[Task], seeds: Sequence[int]) -> list[Observation]:
+  def reset_many(self, slots: Sequence[int], tasks: Sequence[Task], seeds: Sequence[int], *,
+                 return_exceptions: bool = False) -> list[Observation | Exception]:
+    """Resets several slots concurrently.
+
+    A slot whose reset fails (the env raised: `RemoteError`; the worker died or hung through every retry:
+    `WorkerCrashed` / `WorkerTimeout`) ends its episode at once (`reset_termination`); with
+    `return_exceptions` its entry is that exception instead of an `Observation` (as in `asyncio.gather`),
+    otherwise the first failure is raised after every slot has been tried.
+    """
     for i in slots:
       if not 0 <= i < len(self.slots):
         raise IndexError(f"slot {i}: pool has slots 0..{len(self.slots) - 1}")
-    return list(self._executor.map(self._reset_one, slots, tasks, seeds))
+    out = list(self._executor.map(self._reset_one, slots, tasks, seeds))
+    if not return_exceptions:
+      for x in out:
+        if isinstance(x, Exception):
+          raise x
+    return out
 
-  def _reset_one(self, i: int, task: Task, seed: int) -> Observation:
+  def _reset_one(self, i: int, task: Task, seed: int) -> Observation | Exception:
     s = self.slots[i]
     s.task, s.seed, s.actions, s.done, s.termination, s.restarts = task, int(seed), [], False, None, 0
     s.cancel = threading.Event()
     s.started = time.monotonic()
+    try:
+      return self._try_reset(i, s)
+    except (RemoteError, WorkerCrashed, WorkerTimeout) as e:
+      log.warning("reset of slot %d (task %s) failed: %s", i, task.id, e)
+      s.done, s.termination = True, reset_termination(e)
+      return e
+
+  def _try_reset(self, i: int, s: _Slot) -> Observation:
     for attempt in range(self.cfg.max_retries + 1):
       w = self.workers[s.worker]
       gen = w.generation
@@ -554,7 +575,7 @@ class Pool:
         if self.cfg.kind == "remote" and attempt == self.cfg.max_retries:
           raise
         log.warning("reset of slot %d failed (%s); restarting worker %d", i, e, s.worker)
-        self._restart(s.worker, gen)
+        self._safe_restart(s.worker, gen)
     raise WorkerCrashed(f"slot {i}: reset failed {self.cfg.max_retries + 1} times")
 
   def _reset_args(self, s: _Slot) -> dict[str, Any]:
@@ -676,6 +697,15 @@ class Pool:
 
 class _Cancelled(Exception):
   pass
+
+
+def reset_termination(error: Exception) -> str:
+  """The termination of an episode whose reset failed with `error` (see `Pool.reset_many`)."""
+  if isinstance(error, WorkerTimeout):
+    return ENV_TIMEOUT
+  if isinstance(error, WorkerCrashed):
+    return RETRIES_EXHAUSTED
+  return ENV_ERROR
 
 
 def docker_host() -> str:

@@ -1,5 +1,6 @@
 """Worker protocol and pools under injected faults. Every test is bounded in time by the pool's timeouts."""
 
+import dataclasses
 import os
 import signal
 import socket
@@ -11,7 +12,7 @@ import pytest
 
 import envs
 from envs import _protocol as P
-from envs.pool import PoolConfig, make_pool
+from envs.pool import PoolConfig, RemoteError, WorkerCrashed, WorkerTimeout, make_pool, reset_termination
 
 FAULTS = envs.get("faults")
 
@@ -48,6 +49,37 @@ def test_hanging_step_times_out_and_others_are_unaffected(kind):
     # slot 2 shared the killed worker: it was replayed, its env state is intact.
     later = p.step_many([1, 2, 3], ["ok", "ok", "ok"])
     assert [r.observation.text for r in later] == ["ok 3", "ok 3", "ok 3"]
+
+
+def _with_reset_faults(n, faults):
+  tasks = FAULTS.tasks("train", n, 0)
+  return [dataclasses.replace(t, payload={"reset": faults[i]}) if i in faults else t for i, t in enumerate(tasks)]
+
+
+def test_env_raising_in_reset_ends_that_episode_only(kind):
+  with make_pool(4, env="faults", kind=kind, num_workers=2) as p:
+    tasks = _with_reset_faults(4, {1: "raise"})
+    out = p.reset_many(range(4), tasks, range(4), return_exceptions=True)
+    assert isinstance(out[1], RemoteError) and "injected reset fault" in str(out[1])
+    assert [o.text for i, o in enumerate(out) if i != 1] == [f"faults {tasks[i].id} seed {i}" for i in (0, 2, 3)]
+    r = p.step(1, "ok")  # the failed episode is over: stepping it answers, does not raise
+    assert r.done and r.termination == "env_error" and r.info["already_done"]
+    assert [x.observation.text for x in p.step_many([0, 2, 3], ["ok"] * 3)] == ["ok 1"] * 3
+    with pytest.raises(RemoteError, match="injected reset fault"):  # default: raised, after every slot was tried
+      p.reset_many(range(4), tasks, range(4))
+    assert p.step(3, "ok").observation.text == "ok 1"
+
+
+def test_worker_dying_or_hanging_in_reset_exhausts_its_retries():
+  # One worker per slot: a reset that kills or wedges its worker must not take the neighbours' resets with it.
+  with make_pool(4, env="faults", kind="local", num_workers=4, max_retries=1, reset_timeout_s=1.5) as p:
+    t = time.monotonic()
+    out = p.reset_many(range(4), _with_reset_faults(4, {1: "crash", 2: "hang"}), range(4), return_exceptions=True)
+    assert time.monotonic() - t < 15
+    assert isinstance(out[1], WorkerCrashed) and isinstance(out[2], WorkerCrashed), out
+    assert [p.slots[i].termination for i in (1, 2)] == ["retries_exhausted"] * 2
+    assert reset_termination(WorkerTimeout("x")) == "env_timeout" and reset_termination(out[1]) == "retries_exhausted"
+    assert [x.observation.text for x in p.step_many([0, 3], ["ok", "ok"])] == ["ok 1", "ok 1"]
 
 
 def test_tool_fault_is_env_error_and_huge_observation_is_capped(kind):

@@ -1,6 +1,7 @@
 """Fault injection for tests of workers and pools: `ok`, `echo TEXT`, `sleep SECONDS`, `hang`, `crash`,
 `raise`, `big BYTES`, `done`; isolation probes `read PATH`, `write PATH`, `net HOST:PORT` that report
-`allowed ...` or `denied ...` (what an untrusted action could do from inside the worker).
+`allowed ...` or `denied ...` (what an untrusted action could do from inside the worker). A task whose
+payload has `"reset": "raise" | "crash" | "hang"` fails that way in reset.
 
 Not a task: it exists so every failure mode a real env can have is reproducible on demand.
 """
@@ -26,6 +27,13 @@ class FaultEnv(Env):
 
   def _reset(self, task: Task, seed: int) -> str:
     self.count = 0
+    fault = (task.payload or {}).get("reset")
+    if fault == "raise":
+      raise EnvError("injected reset fault")
+    if fault == "crash":
+      os._exit(17)
+    if fault == "hang":
+      time.sleep(3600)
     return f"faults {task.id} seed {seed}"
 
   def _step(self, call: Call) -> StepResult:

@@ -134,16 +134,25 @@ class RolloutEngine:
     row_tasks = [t for t in tasks for _ in range(group_size)]
     slots = list(range(n))
     start = time.perf_counter()
-    first = self.pool.reset_many(slots, row_tasks, list(seeds))
+    first = self.pool.reset_many(slots, row_tasks, list(seeds), return_exceptions=True)
     reset_s = time.perf_counter() - start
     rows = []
     pids = self.pool.worker_pids()
     for slot, (task, seed, obs) in enumerate(zip(row_tasks, seeds, first)):
       stream = tr.TokenStream()
-      self.chat.prompt(stream, obs.text, self.tokenizer)
       worker = self.pool.slots[slot].worker
       provenance = {"process": jax.process_index(), "env_worker": worker, "env_worker_pid": pids[worker]}
-      rows.append(_Row(task=task, seed=int(seed), stream=stream, provenance=provenance))
+      row = _Row(task=task, seed=int(seed), stream=stream, provenance=provenance)
+      if isinstance(obs, Exception):
+        # The env never produced a first observation: the episode ends before any turn, recorded with the
+        # fault (no action token, so no loss, no advantage-group member). Its row still takes its slot in the
+        # batch (static shapes), holding an empty prompt that is never decoded.
+        self.chat.prompt(stream, "", self.tokenizer)
+        row.done, row.termination = True, tr.TerminationReason(envs.pool.reset_termination(obs))
+        row.provenance["reset_error"] = str(obs)
+      else:
+        self.chat.prompt(stream, obs.text, self.tokenizer)
+      rows.append(row)
 
     prompts = [r.stream.arrays()["tokens"].tolist() for r in rows]
     # Prefix reuse only if every process can (prefill's row count is part of the global shape).
