@@ -1,9 +1,13 @@
 """Terminal env: real shell commands in the bubblewrap sandbox; the verifier checks the resulting state."""
 
+import time
+from pathlib import Path
+
 import pytest
 
 import envs
 from envs import pool as pool_lib
+from envs.builtin import terminal
 from tests._sandbox import require_bwrap
 
 SPEC = envs.get("terminal")
@@ -34,3 +38,37 @@ def test_runs_sandboxed_with_full_replay():
       assert all(r.info["passed"] for r in rest[-1])
   assert traces[0] == traces[1]
   assert "exit 0" in traces[0][0]
+
+
+def _dead(pid: int) -> bool:
+  status = Path(f"/proc/{pid}/status")
+  try:
+    return "\tZ" in next(line for line in status.read_text().splitlines() if line.startswith("State:"))
+  except FileNotFoundError:
+    return True
+
+
+def test_command_process_group_is_killed_on_exit_and_on_timeout(tmp_path):
+  # A background job outlives its shell unless the group is killed: it must not survive the step.
+  out, _, code = terminal.run_command("sleep 30 & echo $! > bg.pid; echo started", tmp_path)
+  assert code == 0 and out == b"started\n"
+  assert _dead(int((tmp_path / "bg.pid").read_text()))
+
+  t = time.monotonic()
+  out, _, code = terminal.run_command("sleep 30 & echo $! > bg2.pid; echo waiting; sleep 30", tmp_path, timeout=1)
+  assert code is None and out == b"waiting\n" and time.monotonic() - t < 5
+  assert _dead(int((tmp_path / "bg2.pid").read_text()))
+
+
+def test_output_flood_is_capped_in_memory_and_flagged():
+  t = time.monotonic()
+  out, total, code = terminal.run_command("yes", Path("/"), timeout=1)
+  assert code is None and time.monotonic() - t < 5
+  assert len(out) == terminal.OUTPUT_CAP_BYTES and total > terminal.OUTPUT_CAP_BYTES
+
+  env = SPEC.make(max_obs_bytes=1000)
+  env.reset(SPEC.tasks("train", 1, 0)[0], 0)
+  r = env.step("sh yes | head -c 200000")
+  assert r.info["exit"] == 0 and r.observation.truncated and r.observation.original_size >= 200_000
+  assert len(r.observation.text.encode()) <= 1000
+  env.close()

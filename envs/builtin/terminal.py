@@ -1,7 +1,8 @@
 """Terminal tasks: real shell commands on a small generated file tree; the verifier checks the final state.
 
 Actions: `sh CMD` runs `/bin/sh -c CMD` in the episode's directory (timeout, output capped) and shows its
-output; `done` ends the episode and runs the verifier. Run it in a sandboxed pool (local + bubblewrap, or
+output; `done` ends the episode and runs the verifier. A command runs in its own process group, killed whole
+when the command exits or times out: nothing it starts in the background outlives the step. Run it in a sandboxed pool (local + bubblewrap, or
 docker): commands are arbitrary. Splits are isolated by template:
   train: create (write a file with given text), delete_logs (remove every *.log)
   tune: rename (rename a directory)       eval: count_lines (write the line count of a file to count.txt)
@@ -12,8 +13,10 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction, Observation,
@@ -22,6 +25,7 @@ from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, In
 SPLIT_TEMPLATES = {"train": ("create", "delete_logs"), "tune": ("rename",), "eval": ("count_lines",)}
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta")
 COMMAND_TIMEOUT_S = 5.0
+OUTPUT_CAP_BYTES = 1 << 16  # of a command's output kept in memory; the rest is read, counted and dropped
 
 
 class TerminalVerifier(Verifier):
@@ -72,21 +76,57 @@ class TerminalEnv(Env):
     if not call.arg:
       raise InvalidAction("sh needs a command")
     try:
-      proc = subprocess.run(["/bin/sh", "-c", call.arg], cwd=self.root, capture_output=True,
-                            timeout=COMMAND_TIMEOUT_S, env={"PATH": "/usr/bin:/bin", "HOME": str(self.root),
-                                                            "LC_ALL": "C"})
-    except subprocess.TimeoutExpired:
-      return StepResult(Observation(f"timeout after {COMMAND_TIMEOUT_S:.0f}s"), {}, False, None,
-                        dict(command_timeout=True))
+      out, total, code = run_command(call.arg, self.root)
     except OSError as e:
       raise EnvError(f"cannot run /bin/sh: {e}") from None
-    out = (proc.stdout + proc.stderr).decode("utf-8", errors="replace")
-    return StepResult(Observation(f"{out}[exit {proc.returncode}]"), {}, False, None, dict(exit=proc.returncode))
+    text = out.decode("utf-8", errors="replace")
+    tail = f"[timeout after {COMMAND_TIMEOUT_S:g}s]" if code is None else f"[exit {code}]"
+    obs = Observation(text + tail, total > len(out), total + len(tail))
+    info = dict(command_timeout=True) if code is None else dict(exit=code)
+    return StepResult(obs, {}, False, None, info)
 
   def close(self) -> None:
     if self.root is not None:
       shutil.rmtree(self.root, ignore_errors=True)
       self.root = None
+
+
+def run_command(command: str, cwd: Path, timeout: float | None = None) -> tuple[bytes, int, int | None]:
+  """Runs `/bin/sh -c command` in `cwd` in a new process group (session), stdout and stderr merged.
+
+  Returns (the first OUTPUT_CAP_BYTES of output, total output bytes, exit code or None after a timeout). When
+  the shell exits or times out the whole group is SIGKILLed: background jobs die with it. (A process that
+  calls setsid itself leaves the group; the worker's sandbox bounds it.)
+  """
+  proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, start_new_session=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LC_ALL": "C"})
+  kept, total = bytearray(), [0]
+
+  def drain():
+    try:
+      while chunk := proc.stdout.read1(1 << 16):
+        total[0] += len(chunk)
+        if len(kept) < OUTPUT_CAP_BYTES:
+          kept.extend(chunk[:OUTPUT_CAP_BYTES - len(kept)])
+    except (OSError, ValueError):  # the pipe was closed under us (an escaped process kept it open)
+      pass
+
+  reader = threading.Thread(target=drain, name="terminal-output", daemon=True)
+  reader.start()
+  try:
+    code = proc.wait(timeout=COMMAND_TIMEOUT_S if timeout is None else timeout)
+  except subprocess.TimeoutExpired:
+    code = None
+  finally:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is already empty
+      pass
+    proc.wait()
+  reader.join(timeout=1.0)
+  proc.stdout.close()
+  return bytes(kept), total[0], code
 
 
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
