@@ -6,12 +6,16 @@ A pool owns `num_slots` episode slots spread over its workers. `reset(slot, task
   parser_rejected / invalid_action   the env refused the action (the configured rule decides if it ends)
   env_error                          a tool fault inside the env (outcome env_error)
   env_error + outcome worker_crash   the worker died and the episode could not be replayed
+  env_error + outcome replay_diverged   replaying the episode on a restarted worker gave other observations
   env_timeout                        a step exceeded `action_timeout_s`, or the episode `episode_timeout_s`
   retries_exhausted                  the worker kept dying on this step
   cancelled                          `cancel(slot)` was called
 
 A crashed or hung worker is restarted; the episodes it hosted are replayed (reset with the same seed, the same
-actions) before their next step, so other trajectories are not affected when envs are deterministic.
+actions) before their next step, so other trajectories are not affected when envs are deterministic. Replay is
+checked, not assumed: every observation of the replay must match the one the episode saw (text, truncation,
+done, termination), or the episode ends as `replay_diverged`. `Pool.replays` / `Pool.replay_divergences` count
+both (the trainer logs them as `env/replays`, `env/replay_divergences`).
 """
 
 from __future__ import annotations
@@ -441,7 +445,18 @@ class _Slot:
   termination: str | None = None
   started: float = 0.0
   cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
-  restarts: int = 0
+  first_generation: int = -1  # the worker's generation when the episode began
+  seen: list[tuple] = dataclasses.field(default_factory=list)  # what reset and each step answered (replay check)
+
+
+class ReplayDiverged(RuntimeError):
+  """A replayed episode answered differently from the original: the env is not deterministic."""
+
+
+def _seen(reply: dict[str, Any]) -> tuple:
+  """The part of a worker's reply a replay must reproduce (timings and other info may differ)."""
+  obs = reply.get("observation", reply)
+  return (obs.get("text"), obs.get("truncated"), reply.get("done"), reply.get("termination"))
 
 
 class Pool:
@@ -453,7 +468,10 @@ class Pool:
     self.cfg = cfg
     self.sandboxed = False
     self.workers = [self._make_worker(i) for i in range(cfg.num_workers)]
-    self._restart_lock = threading.Lock()
+    self._worker_locks = [threading.Lock() for _ in self.workers]  # a worker's restart vs. its (generation, conn)
+    self._count_lock = threading.Lock()
+    self.replays = 0               # episodes replayed on a restarted worker, since the pool started
+    self.replay_divergences = 0    # of which answered differently (ended as replay_diverged)
     self.slots = [_Slot(worker=i % cfg.num_workers, instance=f"s{i}") for i in range(num_slots)]
     self._executor = concurrent.futures.ThreadPoolExecutor(max(4, min(num_slots, 64)), thread_name_prefix="pool")
     self.version: str | None = None
@@ -517,7 +535,7 @@ class Pool:
 
   def _restart(self, index: int, seen_generation: int) -> None:
     """Kill and restart worker `index` unless someone already did since `seen_generation`."""
-    with self._restart_lock:
+    with self._worker_locks[index]:
       w = self.workers[index]
       if w.generation != seen_generation:
         return
@@ -525,6 +543,18 @@ class Pool:
       w.kill()
       w.generation += 1
       w.start()
+
+  def _restarts(self, s: _Slot) -> int:
+    """Restarts of its worker that the episode lived through (info["worker_restarts"])."""
+    return self.workers[s.worker].generation - s.first_generation if s.first_generation >= 0 else 0
+
+  def _link(self, index: int) -> tuple[int, Any]:
+    """Worker `index`'s (generation, connection), read together: never the new generation with the old
+    connection (a call would fail there and restart the fresh worker again) nor the reverse (an episode would
+    run on the new worker without its replay). Waits while the worker restarts."""
+    with self._worker_locks[index]:
+      w = self.workers[index]
+      return w.generation, w.conn
 
   # -- episode API
 
@@ -552,7 +582,8 @@ class Pool:
 
   def _reset_one(self, i: int, task: Task, seed: int) -> Observation | Exception:
     s = self.slots[i]
-    s.task, s.seed, s.actions, s.done, s.termination, s.restarts = task, int(seed), [], False, None, 0
+    s.task, s.seed, s.actions, s.done, s.termination = task, int(seed), [], False, None
+    s.seen = []
     s.cancel = threading.Event()
     s.started = time.monotonic()
     try:
@@ -564,12 +595,12 @@ class Pool:
 
   def _try_reset(self, i: int, s: _Slot) -> Observation:
     for attempt in range(self.cfg.max_retries + 1):
-      w = self.workers[s.worker]
-      gen = w.generation
+      gen, conn = self._link(s.worker)
       try:
-        obs = self._wait(w.conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s),
+        obs = self._wait(conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s),
                          self.cfg.reset_timeout_s)
-        s.generation = gen
+        s.generation = s.first_generation = gen
+        s.seen = [_seen(obs)]
         return Observation(obs["text"], obs["truncated"], obs["original_size"])
       except (WorkerCrashed, WorkerTimeout) as e:
         if self.cfg.kind == "remote" and attempt == self.cfg.max_retries:
@@ -605,7 +636,7 @@ class Pool:
     if conn is not None and not conn.closed:
       conn.call("close", dict(instance=s.instance), 1.0)  # best effort, not awaited
     return StepResult(Observation.capped(text, self.cfg.max_obs_bytes), {}, True, termination,
-                      dict(info, outcome=outcome, worker_restarts=s.restarts))
+                      dict(info, outcome=outcome, worker_restarts=self._restarts(s)))
 
   def _step_one(self, i: int, action: str) -> StepResult:
     s = self.slots[i]
@@ -623,20 +654,21 @@ class Pool:
       w = self.workers[s.worker]
       exclusive = crashes > 0
       w.access.acquire(exclusive)
-      gen = w.generation
+      gen, conn = self._link(s.worker)
       try:
         if s.generation != gen:  # the worker restarted since this episode began: replay it there.
           if not self.cfg.replay_on_crash:
             return self._end(s, ENV_ERROR, "worker_crash", "env worker crashed")
-          self._replay(s, gen)
+          self._replay(s, gen, conn)
         timeout = min(self.cfg.action_timeout_s, left)
-        reply = self._wait(w.conn.call("step", dict(instance=s.instance, action=action), timeout), timeout,
+        reply = self._wait(conn.call("step", dict(instance=s.instance, action=action), timeout), timeout,
                            s.cancel)
         result = StepResult.from_wire(reply)
         s.actions.append(action)
+        s.seen.append(_seen(reply))
         if result.done:
           s.done, s.termination = True, result.termination
-        return dataclasses.replace(result, info=dict(result.info, worker_restarts=s.restarts,
+        return dataclasses.replace(result, info=dict(result.info, worker_restarts=self._restarts(s),
                                                      env_s=time.monotonic() - t0))
       except _Cancelled:
         return self._end(s, CANCELLED, CANCELLED, "cancelled")
@@ -647,7 +679,6 @@ class Pool:
         return self._end(s, ENV_TIMEOUT, ENV_TIMEOUT, f"env step exceeded {timeout:.1f}s", timeout=which)
       except WorkerCrashed as e:
         crashes += 1
-        s.restarts += 1
         if not self.cfg.replay_on_crash:
           self._safe_restart(s.worker, gen)
           return self._end(s, ENV_ERROR, "worker_crash", f"env worker crashed: {e}")
@@ -657,6 +688,8 @@ class Pool:
         self._safe_restart(s.worker, gen)
       except RemoteError as e:
         return self._end(s, ENV_ERROR, ENV_ERROR, f"env error: {e}", error=str(e))
+      except ReplayDiverged as e:
+        return self._end(s, ENV_ERROR, "replay_diverged", f"env replay diverged: {e}", error=str(e))
       finally:
         w.access.release(exclusive)
 
@@ -666,12 +699,23 @@ class Pool:
     except WorkerCrashed as e:  # the next call on this worker fails again and is counted there.
       log.error("restart of worker %d failed: %s", index, e)
 
-  def _replay(self, s: _Slot, gen: int) -> None:
-    conn = self.workers[s.worker].conn
-    self._wait(conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s), self.cfg.reset_timeout_s)
+  def _replay(self, s: _Slot, gen: int, conn) -> None:
+    """Re-runs the episode on the restarted worker; raises ReplayDiverged if any answer differs."""
+    with self._count_lock:
+      self.replays += 1
+    replies = [self._wait(conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s),
+                          self.cfg.reset_timeout_s)]
     for a in s.actions:
-      self._wait(conn.call("step", dict(instance=s.instance, action=a), self.cfg.action_timeout_s),
-                 self.cfg.action_timeout_s)
+      replies.append(self._wait(conn.call("step", dict(instance=s.instance, action=a), self.cfg.action_timeout_s),
+                                self.cfg.action_timeout_s))
+      if _seen(replies[-1]) != s.seen[len(replies) - 1]:
+        break
+    for k, reply in enumerate(replies):
+      if _seen(reply) != s.seen[k]:
+        with self._count_lock:
+          self.replay_divergences += 1
+        what = "reset" if k == 0 else f"step {k} ({s.actions[k - 1][:64]!r})"
+        raise ReplayDiverged(f"{what} answered {_seen(reply)[0]!r:.120}, the episode saw {s.seen[k][0]!r:.120}")
     s.generation = gen
 
   def worker_pids(self) -> list[int | None]:

@@ -89,5 +89,6 @@ def test_docker_worker_limits_and_recovery():
     r = p.step_many([0, 1], ["hang", "ok"])
     assert r[0].termination == "env_timeout" and r[1].observation.text == "ok 2"
     assert time.monotonic() - t < 8
-    # the hung container was replaced; slot 1's episode was replayed into the new one
-    assert p.step(1, "ok").observation.text == "ok 3" and p.step(1, "ok").info["worker_restarts"] == 0
+    # the hung container was replaced; slot 1's episode was replayed into the new one (and says so)
+    assert p.step(1, "ok").observation.text == "ok 3" and p.step(1, "ok").info["worker_restarts"] == 1
+    assert (p.replays, p.replay_divergences) == (1, 0)

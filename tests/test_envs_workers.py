@@ -114,6 +114,18 @@ def test_worker_killed_mid_episode_is_replayed():
     assert [x.info["worker_restarts"] for x in r] == [1, 0, 1, 0]
 
 
+def test_replay_is_checked_and_a_diverging_episode_ends_alone():
+  with _pool("local") as p:
+    p.step_many(range(4), ["ok", "ok", "random", "ok"])  # slot 2's env state cannot be reproduced
+    _kill_worker(p, 0)  # hosts slots 0 and 2
+    r = p.step_many(range(4), ["ok"] * 4)
+    assert [x.observation.text for x in (r[0], r[1], r[3])] == ["ok 2"] * 3
+    assert r[2].done and r[2].termination == "env_error" and r[2].outcome == "replay_diverged"
+    assert "step 1 ('random')" in r[2].info["error"]
+    assert (p.replays, p.replay_divergences) == (2, 1)
+    assert p.step(0, "ok").observation.text == "ok 3"  # the replayed episode goes on
+
+
 def test_worker_crash_without_replay_is_distinct_outcome():
   with _pool("local", replay_on_crash=False) as p:
     p.step_many(range(4), ["ok"] * 4)

@@ -1,5 +1,6 @@
 """End-to-end trainer: smoke run, stored-trajectory contract, no recompilation, exact resume after SIGKILL."""
 
+import json
 import os
 import signal
 import subprocess
@@ -41,6 +42,8 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
     assert (run / name).exists(), name
   assert sorted(p.name for p in (run / "plots").glob("*.png")), "no learning curves written"
   assert config_lib.load(run / "config.yaml") == config
+  rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
+  assert len(rl) == 2 and all(r["env/replays"] == 0 and r["env/replay_divergences"] == 0 for r in rl)
   assert trainer.iteration == 2 and int(trainer.state.policy_version) == 3 + 2  # 3 BC + 2 RL updates
 
   # `jaxagent eval` restores the latest checkpoint and reports, without writing into the run directory.

@@ -1,5 +1,5 @@
 """Fault injection for tests of workers and pools: `ok`, `echo TEXT`, `sleep SECONDS`, `hang`, `crash`,
-`raise`, `big BYTES`, `done`; isolation probes `read PATH`, `write PATH`, `net HOST:PORT` that report
+`raise`, `big BYTES`, `random` (a fresh random token: not replayable), `done`; isolation probes `read PATH`, `write PATH`, `net HOST:PORT` that report
 `allowed ...` or `denied ...` (what an untrusted action could do from inside the worker). A task whose
 payload has `"reset": "raise" | "crash" | "hang"` fails that way in reset.
 
@@ -18,9 +18,9 @@ from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, In
 
 class FaultEnv(Env):
   name = "faults"
-  description = "fault injection for tests: ok, echo, sleep, hang, crash, raise, big, done"
-  parser = ActionParser(tools=("ok", "echo", "sleep", "hang", "crash", "raise", "big", "done", "read", "write",
-                               "net"), max_chars=128)
+  description = "fault injection for tests: ok, echo, sleep, hang, crash, raise, big, random, done"
+  parser = ActionParser(tools=("ok", "echo", "sleep", "hang", "crash", "raise", "big", "random", "done", "read",
+                               "write", "net"), max_chars=128)
 
   def __init__(self, max_turns: int = 64, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
@@ -52,6 +52,8 @@ class FaultEnv(Env):
       except ValueError:
         raise InvalidAction(f"big needs a byte count, got {call.arg!r}") from None
       return StepResult(Observation("x" * n), {}, False, None, {})
+    if call.name == "random":
+      return StepResult(Observation(os.urandom(8).hex()), {}, False, None, {})
     if call.name in ("read", "write", "net"):
       return StepResult(Observation(_probe(call.name, call.arg)), {}, False, None, {})
     if call.name == "done":

@@ -452,6 +452,10 @@ class Trainer:
     names = [t.value for t in tr.TerminationReason]
     counts = self._sum(np.asarray([sum(t.termination.value == n for t in sampled) for n in names]))
     out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
+    # Env determinism, measured: episodes replayed after a worker restart, and how many of them diverged
+    # (since this process started; every process's pool summed).
+    replays, diverged = self._sum(np.asarray([self.pool.replays, self.pool.replay_divergences]))
+    out.update({"env/replays": int(replays), "env/replay_divergences": int(diverged)})
     return out
 
   def _dynamic_sampling(self, sampled: list[tr.Trajectory], stats, rng):
