@@ -354,10 +354,16 @@ def selfcheck(mesh_config=None) -> dict[str, Any]:
   psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(jnp.sum(b), axes), mesh=mesh, in_specs=P(axes),
                                out_specs=P()))(x)
   n, per = jax.process_count(), rows_per_device * cols * jax.local_device_count()
+  # Reading back: each process gets exactly its own rows, from a row-sharded and from a replicated array.
+  mine = sharding.local_rows(x)
+  rows = jnp.arange(x.shape[0] * cols, dtype=jnp.float32).reshape(x.shape[0], cols)
+  replicated = sharding.local_rows(jax.jit(lambda: rows, out_shardings=NamedSharding(mesh, P()))())
+  block = np.asarray(rows)[jax.process_index() * local.shape[0]:(jax.process_index() + 1) * local.shape[0]]
   return {"process_id": jax.process_index(), "num_processes": n, "device_count": jax.device_count(),
           "mesh": dict(mesh.shape), "sum": float(total), "psum": float(psum),
           "expected": float(per * n * (n + 1) // 2),
-          "processes_in_mesh": sorted({d.process_index for d in mesh.devices.flat})}
+          "processes_in_mesh": sorted({d.process_index for d in mesh.devices.flat}),
+          "local_rows": bool(np.array_equal(mine, local) and np.array_equal(replicated, block))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh
 
 import models
@@ -249,3 +249,32 @@ def reshard(tree: Any, shardings: Any, *, chunk_fraction: float = 0.125) -> Any:
       leaves[i].delete()
       out[i] = y
   return treedef.unflatten(out)
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+  """This process's rows of a batch-leading global array (process p owns the p-th contiguous block of rows).
+
+  Read from the shards this process already holds when they cover its block (the batch is sharded that way
+  whenever rows are spread over processes: `make_array_from_process_local_data`); otherwise, e.g. rows too few
+  to shard, the array is gathered from every process first.
+  """
+  n = jax.process_count()
+  if n == 1:
+    return np.asarray(jax.device_get(x))
+  rows = x.shape[0] // n
+  lo = jax.process_index() * rows
+  out = covered = None
+  for shard in x.addressable_shards:
+    start, stop, _ = shard.index[0].indices(x.shape[0])
+    a, b = max(start, lo), min(stop, lo + rows)
+    if a >= b:
+      continue
+    if out is None:
+      out, covered = np.empty((rows,) + x.shape[1:], x.dtype), np.zeros((rows,) + x.shape[1:], bool)
+    where = (slice(a - lo, b - lo),) + tuple(shard.index[1:])
+    out[where] = np.asarray(shard.data)[a - start:b - start]
+    covered[where] = True
+  if out is not None and covered.all():
+    return out
+  full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return full[lo:lo + rows]

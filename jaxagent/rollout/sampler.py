@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 import models
+from jaxagent import sharding as sharding_lib
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # Observations are short and every slot they take is a slot of the shared cache: finer buckets.
@@ -392,15 +393,7 @@ class Sampler:
 
   def to_host(self, tree: Any) -> Any:
     """Numpy copies of this process's rows of batch-leading arrays (all rows in a single process)."""
-    if jax.process_count() == 1:
-      return jax.device_get(tree)
-    full = multihost_utils.process_allgather(tree, tiled=True)
-
-    def local(x):
-      rows = x.shape[0] // jax.process_count()
-      return np.asarray(x[jax.process_index() * rows:(jax.process_index() + 1) * rows])
-
-    return jax.tree.map(local, full)
+    return jax.tree.map(sharding_lib.local_rows, tree)
 
   def prefill(self, params: nnx.State, prompts: Sequence[Sequence[int]], rng: jax.Array) -> SamplerState:
     """Prefills token lists (left-padded to a bucket)."""

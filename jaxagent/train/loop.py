@@ -277,13 +277,6 @@ class Trainer:
       return jax.make_array_from_process_local_data(self.batch_sharding(shape), x, shape)
     return jax.tree.map(put, tree)
 
-  def _local_rows(self, x) -> np.ndarray:
-    if self.num_processes == 1:
-      return np.asarray(jax.device_get(x))
-    full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    rows = full.shape[0] // self.num_processes
-    return full[self.process * rows:(self.process + 1) * rows]
-
   def _rollout(self, engine, tasks, seeds, group_size, rng):
     """Reshards the policy into the rollout layout, runs `engine`, reshards back (donating each time)."""
     policy = self.to_rollout(self.state.params["policy"])
@@ -509,7 +502,7 @@ class Trainer:
         for j, turn in enumerate(t.turns):
           state_pos[i, j] = turn.action.span[0] - 1
       plain = assemble(trajs, **layout)
-      values_bt = self._local_rows(self.value_fn(self.state.params, self._global(plain)))
+      values_bt = sharding_lib.local_rows(self.value_fn(self.state.params, self._global(plain)))
       rows = np.arange(len(trajs))[:, None]
       values_ns = np.where(mask_ns, values_bt[rows, state_pos], 0.0)
     adv = algos.get_advantage(cfg.algo.advantage)(
