@@ -229,15 +229,16 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
   trainer = loop.Trainer(_config(tmp_path, "train.tasks_per_iteration=3", "train.group_size=2",
                                  "train.dynamic_sampling=true", "train.dynamic_sampling_rounds=2",
                                  "train.eval_episodes=0"), tmp_path / "run")
-  # Rewards per round (3 groups of 2): round 0 has one varied group, round 1 one more, round 2 none.
-  rounds = [[1, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1], [1, 1, 0, 0, 1, 1]]
+  # Rewards per round (3 groups of 2): round 0 has one varied group, round 1 one more, round 2 none. None: a
+  # reset that failed (no turn, reward 0): round 1's last group is flat, not varied.
+  rounds = [[1, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, None], [1, 1, 0, 0, 1, 1]]
   calls = []
 
   def fake_rollout(engine, tasks, seeds, group_size, rng):
     rewards = rounds[len(calls)]
     calls.append([t.id for t in tasks])
-    trajs = [SimpleNamespace(name=f"r{len(calls) - 1}g{i // 2}", reward=SimpleNamespace(total=float(r)))
-             for i, r in enumerate(rewards)]
+    trajs = [SimpleNamespace(name=f"r{len(calls) - 1}g{i // 2}", reward=SimpleNamespace(total=float(r or 0)),
+                             turns=() if r is None else ("turn",)) for i, r in enumerate(rewards)]
     return trajs, RolloutStats(1.0, 1.0, 1.0, 1.0, 6, 10)
 
   try:

@@ -148,7 +148,7 @@ class RolloutEngine:
         # fault (no action token, so no loss, no advantage-group member). Its row still takes its slot in the
         # batch (static shapes), holding an empty prompt that is never decoded.
         self.chat.prompt(stream, "", self.tokenizer)
-        row.done, row.termination = True, tr.TerminationReason(envs.pool.reset_termination(obs))
+        row.done, row.termination = True, tr.TerminationReason(self.pool.slots[slot].termination)
         row.provenance["reset_error"] = str(obs)
       else:
         self.chat.prompt(stream, obs.text, self.tokenizer)

@@ -442,13 +442,13 @@ class Trainer:
     # come from the env and may differ between processes, so they are not gathered).
     for key in sorted({k for t in sampled for k in t.reward.components}):
       out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in sampled]))
+    # Termination counts, and env determinism measured: episodes replayed after a worker restart and how many
+    # of them diverged (since this process started). One collective for both, every process summed.
     names = [t.value for t in tr.TerminationReason]
-    counts = self._sum(np.asarray([sum(t.termination.value == n for t in sampled) for n in names]))
+    counts = self._sum(np.asarray([sum(t.termination.value == n for t in sampled) for n in names]
+                                  + [self.pool.replays, self.pool.replay_divergences]))
     out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
-    # Env determinism, measured: episodes replayed after a worker restart, and how many of them diverged
-    # (since this process started; every process's pool summed).
-    replays, diverged = self._sum(np.asarray([self.pool.replays, self.pool.replay_divergences]))
-    out.update({"env/replays": int(replays), "env/replay_divergences": int(diverged)})
+    out.update({"env/replays": int(counts[-2]), "env/replay_divergences": int(counts[-1])})
     return out
 
   def _dynamic_sampling(self, sampled: list[tr.Trajectory], stats, rng):
@@ -466,7 +466,8 @@ class Trainer:
     cfg = self.config
     g = cfg.train.group_size
     chunks = lambda ts: [ts[i * g:(i + 1) * g] for i in range(len(ts) // g)]
-    varied = lambda group: len({t.reward.total for t in group}) > 1
+    # Only trajectories with a turn count, as in the advantages: a reset that failed is in no group.
+    varied = lambda group: len({t.reward.total for t in group if t.turns}) > 1
     chosen = chunks(sampled)
     flat = [not varied(group) for group in chosen]
     unused, rounds, sampled_groups = [], 0, len(chosen)
