@@ -703,19 +703,15 @@ class Pool:
     """Re-runs the episode on the restarted worker; raises ReplayDiverged if any answer differs."""
     with self._count_lock:
       self.replays += 1
-    replies = [self._wait(conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s),
-                          self.cfg.reset_timeout_s)]
-    for a in s.actions:
-      replies.append(self._wait(conn.call("step", dict(instance=s.instance, action=a), self.cfg.action_timeout_s),
-                                self.cfg.action_timeout_s))
-      if _seen(replies[-1]) != s.seen[len(replies) - 1]:
-        break
-    for k, reply in enumerate(replies):
-      if _seen(reply) != s.seen[k]:
+    calls = [("reset", self._reset_args(s), self.cfg.reset_timeout_s)] + [
+        ("step", dict(instance=s.instance, action=a), self.cfg.action_timeout_s) for a in s.actions]
+    for k, (op, args, timeout) in enumerate(calls):
+      got = _seen(self._wait(conn.call(op, args, timeout), timeout))
+      if got != s.seen[k]:
         with self._count_lock:
           self.replay_divergences += 1
         what = "reset" if k == 0 else f"step {k} ({s.actions[k - 1][:64]!r})"
-        raise ReplayDiverged(f"{what} answered {_seen(reply)[0]!r:.120}, the episode saw {s.seen[k][0]!r:.120}")
+        raise ReplayDiverged(f"{what} answered {got[0]!r:.120}, the episode saw {s.seen[k][0]!r:.120}")
     s.generation = gen
 
   def worker_pids(self) -> list[int | None]:

@@ -48,9 +48,10 @@ class KVCache:
     index: int32[] next slot to write. Callers keep `index + T <= S` (the sampler enforces it).
 
   Both layouts let a decode step read each cache in place, reducing over an axis that is not the last one
-  (keys over H, values over S), which XLA's CPU backend fuses into one pass over the cache. Measured in
-  `bench/sampler.py` (B=64, S=128, CPU): keys as [B, K, S, H] (reduce over the last axis) took 2.5x as long;
-  a [B, S, K, H] cache was transposed (copied whole) on every step; a dot_general was slower still.
+  (keys over H, values over S), which XLA's CPU backend fuses into one pass over the cache. Measured with
+  `jax.profiler` on the tiny config's decode (B=64, S=128, CPU): keys as [B, K, S, H] (reduce over the last
+  axis) took 2.5x as long; a [B, S, K, H] cache was transposed (copied whole) on every step; dot_generals were
+  slower still.
   """
 
   k: tuple[jax.Array, ...]

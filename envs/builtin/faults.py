@@ -1,6 +1,7 @@
 """Fault injection for tests of workers and pools: `ok`, `echo TEXT`, `sleep SECONDS`, `hang`, `crash`,
-`raise`, `big BYTES`, `random` (a fresh random token: not replayable), `done`; isolation probes `read PATH`, `write PATH`, `net HOST:PORT` that report
-`allowed ...` or `denied ...` (what an untrusted action could do from inside the worker). A task whose
+`raise`, `big BYTES`, `random` (a fresh random token: not replayable), `done`; isolation probes `read PATH`,
+`write PATH`, `net HOST:PORT` that report `allowed ...` or `denied ...` (what an untrusted action could do from
+inside the worker). A task whose
 payload has `"reset": "raise" | "crash" | "hang"` fails that way in reset.
 
 Not a task: it exists so every failure mode a real env can have is reproducible on demand.

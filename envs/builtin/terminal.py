@@ -2,8 +2,8 @@
 
 Actions: `sh CMD` runs `/bin/sh -c CMD` in the episode's directory (timeout, output capped) and shows its
 output; `done` ends the episode and runs the verifier. A command runs in its own process group, killed whole
-when the command exits or times out: nothing it starts in the background outlives the step. Run it in a sandboxed pool (local + bubblewrap, or
-docker): commands are arbitrary. Splits are isolated by template:
+when the command exits or times out: nothing it starts in the background outlives the step. Run it in a
+sandboxed pool (local + bubblewrap, or docker): commands are arbitrary. Splits are isolated by template:
   train: create (write a file with given text), delete_logs (remove every *.log)
   tune: rename (rename a directory)       eval: count_lines (write the line count of a file to count.txt)
 """
@@ -101,12 +101,13 @@ def run_command(command: str, cwd: Path, timeout: float | None = None) -> tuple[
   proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, start_new_session=True,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LC_ALL": "C"})
-  kept, total = bytearray(), [0]
+  kept, total = bytearray(), 0
 
   def drain():
+    nonlocal total
     try:
       while chunk := proc.stdout.read1(1 << 16):
-        total[0] += len(chunk)
+        total += len(chunk)
         if len(kept) < OUTPUT_CAP_BYTES:
           kept.extend(chunk[:OUTPUT_CAP_BYTES - len(kept)])
     except (OSError, ValueError):  # the pipe was closed under us (an escaped process kept it open)
@@ -126,7 +127,7 @@ def run_command(command: str, cwd: Path, timeout: float | None = None) -> tuple[
     proc.wait()
   reader.join(timeout=1.0)
   proc.stdout.close()
-  return bytes(kept), total[0], code
+  return bytes(kept), total, code
 
 
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:

@@ -384,12 +384,13 @@ class Sampler:
     return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), x, global_shape)
 
   @staticmethod
-  def _longest(lengths: Sequence[int]) -> int:
-    """The longest length over every process: all of them must pick the same bucket (one global shape)."""
+  def _bucket(lengths: Sequence[int], buckets: Sequence[int]) -> int:
+    """The bucket of the longest length over every process: all of them must pick the same one (one global
+    shape). With a single bucket there is nothing to agree on, and no collective (the trainer's extend)."""
     n = max(lengths, default=0)
-    if jax.process_count() == 1:
-      return n
-    return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
+    if jax.process_count() > 1 and len(buckets) > 1:
+      n = int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
+    return bucket(n, buckets)
 
   def to_host(self, tree: Any) -> Any:
     """Numpy copies of this process's rows of batch-leading arrays (all rows in a single process)."""
@@ -397,7 +398,7 @@ class Sampler:
 
   def prefill(self, params: nnx.State, prompts: Sequence[Sequence[int]], rng: jax.Array) -> SamplerState:
     """Prefills token lists (left-padded to a bucket)."""
-    length = bucket(self._longest([len(p) for p in prompts]), self.buckets)
+    length = self._bucket([len(p) for p in prompts], self.buckets)
     if length > self.cache_size:
       raise ValueError(f"prompts need {length} slots (bucketed), the cache has {self.cache_size}")
     tokens, segments = pad_left(prompts, length, self.pad_id)
@@ -416,6 +417,6 @@ class Sampler:
   def extend(self, params: nnx.State, state: SamplerState, chunks: Sequence[Sequence[int]]
              ) -> tuple[SamplerState, jax.Array]:
     """Appends one token list per row (empty: untouched), right-padded to a bucket. State is donated."""
-    length = bucket(max(1, self._longest([len(c) for c in chunks])), self.extend_buckets)
+    length = self._bucket([max(1, len(c)) for c in chunks], self.extend_buckets)
     tokens, lengths = pad_right(chunks, length, self.pad_id)
     return self._extend(params, state, self._put_batch(tokens), self._put_batch(lengths))
