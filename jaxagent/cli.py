@@ -83,6 +83,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_train(args) -> int:
+  from jaxagent import checkpoint
   from jaxagent import config as config_lib
   from jaxagent.train import loop
 
@@ -90,7 +91,8 @@ def _cmd_train(args) -> int:
     raise config_lib.ConfigError("--resume RUN_DIR and --run-dir DIR: give one")
   run_dir = Path(args.resume or args.run_dir) if (args.resume or args.run_dir) else None
   # --run-dir: a fixed directory that a restarted job (preemption, JobSet/xpk restarts) continues in.
-  resume = bool(args.resume) or (run_dir is not None and any(p.name.isdigit() for p in (run_dir / "checkpoints").glob("*")))
+  resume = bool(args.resume) or (run_dir is not None
+                                 and checkpoint.latest_step(run_dir / "checkpoints") is not None)
   if resume:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
