@@ -37,7 +37,7 @@ def main():
   config = models.ModelConfig(vocab_size=32000, hidden_size=d, intermediate_size=4 * d,
                               num_hidden_layers=args.layers, num_attention_heads=d // 64, num_key_value_heads=d // 128,
                               head_dim=64, tie_word_embeddings=False)
-  mesh = models.make_mesh({"data": 1, "fsdp": args.devices // 2, "tensor": 2})
+  mesh = sharding.make_mesh({"data": 1, "fsdp": args.devices // 2, "tensor": 2})
   learner_rules = sharding.RULE_TABLES["fsdp_tp"]
   rollout_rules = sharding.RULE_TABLES["tensor_parallel"]
   abstract = nnx.split(nnx.eval_shape(lambda: models.Transformer(config, rngs=nnx.Rngs(0))))[1]

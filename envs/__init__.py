@@ -2,15 +2,18 @@
 
 Public API:
   Task, Observation, StepResult, Verdict, Verifier, Env, EnvSpec, ActionParser, Call, InvalidActionRule
-  TERMINATIONS, OUTCOMES, OUTCOME_CODES, get(name), names(), register(spec)
+  Termination, Outcome (str enums: the one vocabulary of episode ends) and TERMINATIONS, OUTCOMES, OUTCOME_CODES
+  get(name), names(), register(spec), check_name(name), is_valid_name(name), UnknownEnvError
+  (names: built-ins, `jaxagent.envs` entry points of installed packages, or `package.module:ATTR`)
 """
 
 from envs._api import (CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION,
                        INVALID_ACTION_RULES, MAX_TURNS, OUTCOME_CODES, OUTCOMES, PARSER_REJECTED,
                        RETRIES_EXHAUSTED, SPLITS, TERMINATIONS, TURN_BUDGET_EXHAUSTED, ActionParser, Call, Env,
-                       EnvError, EnvSpec, InvalidAction, InvalidActionRule, Observation, ParseError, StepResult,
-                       Task, Verdict, Verifier, source_version)
-from envs._registry import get, names, register
+                       EnvError, EnvSpec, InvalidAction, InvalidActionRule, Observation, Outcome, ParseError,
+                       StepResult, Task, Termination, Verdict, Verifier, source_version)
+from envs._registry import (ENTRY_POINT_GROUP, UnknownEnvError, check_name, get, is_valid_name, names,
+                            register)
 from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)
 from envs.builtin import calculator as _calculator
 from envs.builtin import code_repair as _code_repair

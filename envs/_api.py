@@ -1,14 +1,15 @@
 """Environment API: tasks, environments, verifiers, action parsing and the invalid-action rule.
 
 Plain Python only (no JAX, no jaxagent imports): everything here also runs inside sandboxed worker processes
-and containers. Termination reasons are the strings of `jaxagent.trajectory.Termination`, repeated here so the
-two sides agree without importing each other.
+and containers. `Termination` and `Outcome` are the one vocabulary of episode ends: jaxagent imports them from
+here (envs never imports jaxagent).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import hashlib
 import inspect
 import re
@@ -16,25 +17,83 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 # ----------------------------------------------------------------------------------------------
-# Termination reasons and per-step outcomes.
+# Termination reasons and per-step outcomes: the one vocabulary shared with jaxagent (which imports these).
 
-COMPLETED = "completed"
-MAX_TURNS = "max_turns"
-CONTEXT_EXHAUSTED = "context_exhausted"
-TURN_BUDGET_EXHAUSTED = "turn_budget_exhausted"
-INVALID_ACTION = "invalid_action"
-PARSER_REJECTED = "parser_rejected"
-ENV_ERROR = "env_error"
-ENV_TIMEOUT = "env_timeout"
-RETRIES_EXHAUSTED = "retries_exhausted"
-CANCELLED = "cancelled"
 
-TERMINATIONS = (COMPLETED, MAX_TURNS, CONTEXT_EXHAUSTED, TURN_BUDGET_EXHAUSTED, INVALID_ACTION,
-                PARSER_REJECTED, ENV_ERROR, ENV_TIMEOUT, RETRIES_EXHAUSTED, CANCELLED)
+class Termination(str, enum.Enum):
+  """Why an episode ended (DESIGN.md §2.1), recorded with the trajectory, never inferred later.
 
-# Per-step outcome: finer than the termination (a worker crash ends as env_error, a rejected action under the
-# error_observation rule does not end the episode). Codes are what the host-callback bridge returns.
-OUTCOMES = ("ok",) + TERMINATIONS + ("worker_crash", "invalid_action_continued", "parser_rejected_continued")
+  A `str` enum: members compare and hash equal to their value (`Termination.COMPLETED == "completed"`), and
+  `str()` / f-strings give the value. Use `.value` when writing to the wire or logs.
+  """
+  COMPLETED = "completed"                      # the task ran to its end and a verifier scored it
+  MAX_TURNS = "max_turns"                      # the turn limit was reached first
+  CONTEXT_EXHAUSTED = "context_exhausted"      # the policy's context / token budget ran out
+  TURN_BUDGET_EXHAUSTED = "turn_budget_exhausted"  # the task's own budget (e.g. guesses) ran out
+  INVALID_ACTION = "invalid_action"            # a refused call ended the episode (rule "terminate")
+  PARSER_REJECTED = "parser_rejected"          # text that is not an action ended the episode (rule "terminate")
+  ENV_ERROR = "env_error"                      # a tool / env / worker fault
+  ENV_TIMEOUT = "env_timeout"                  # an action or the episode exceeded its time limit
+  RETRIES_EXHAUSTED = "retries_exhausted"      # the worker kept dying on this step
+  CANCELLED = "cancelled"                      # the trainer cancelled the episode
+
+  def __str__(self) -> str:
+    return self.value
+
+  __format__ = str.__format__
+
+
+class Outcome(str, enum.Enum):
+  """What one step came to: "ok", a termination, or a finer reason (a worker crash ends as env_error, a
+  rejected action under the error_observation / penalty rules does not end the episode).
+
+  Members after the terminations only ever get appended: their position is their `OUTCOME_CODES` code.
+  """
+  OK = "ok"
+  COMPLETED = "completed"
+  MAX_TURNS = "max_turns"
+  CONTEXT_EXHAUSTED = "context_exhausted"
+  TURN_BUDGET_EXHAUSTED = "turn_budget_exhausted"
+  INVALID_ACTION = "invalid_action"
+  PARSER_REJECTED = "parser_rejected"
+  ENV_ERROR = "env_error"
+  ENV_TIMEOUT = "env_timeout"
+  RETRIES_EXHAUSTED = "retries_exhausted"
+  CANCELLED = "cancelled"
+  WORKER_CRASH = "worker_crash"                              # done, env_error: worker died, no replay
+  INVALID_ACTION_CONTINUED = "invalid_action_continued"      # not done: refused call answered with an error
+  PARSER_REJECTED_CONTINUED = "parser_rejected_continued"    # not done: non-action answered with an error
+  REPLAY_DIVERGED = "replay_diverged"                        # done, env_error: a replay answered differently
+
+  def __str__(self) -> str:
+    return self.value
+
+  __format__ = str.__format__
+
+  @property
+  def ends_episode(self) -> bool:
+    """True for every outcome of a finished step (all but ok and the *_continued ones)."""
+    return self not in _CONTINUING
+
+
+_CONTINUING = frozenset({Outcome.OK, Outcome.INVALID_ACTION_CONTINUED, Outcome.PARSER_REJECTED_CONTINUED})
+if [o.value for o in Outcome][1:len(Termination) + 1] != [t.value for t in Termination]:
+  raise AssertionError("Outcome must list every Termination, in order, right after ok")
+
+COMPLETED = Termination.COMPLETED
+MAX_TURNS = Termination.MAX_TURNS
+CONTEXT_EXHAUSTED = Termination.CONTEXT_EXHAUSTED
+TURN_BUDGET_EXHAUSTED = Termination.TURN_BUDGET_EXHAUSTED
+INVALID_ACTION = Termination.INVALID_ACTION
+PARSER_REJECTED = Termination.PARSER_REJECTED
+ENV_ERROR = Termination.ENV_ERROR
+ENV_TIMEOUT = Termination.ENV_TIMEOUT
+RETRIES_EXHAUSTED = Termination.RETRIES_EXHAUSTED
+CANCELLED = Termination.CANCELLED
+
+TERMINATIONS: tuple[str, ...] = tuple(t.value for t in Termination)
+OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)
+# Codes are what the host-callback bridge returns (int32); keyed by the value, so a member looks up too.
 OUTCOME_CODES: Mapping[str, int] = {name: i for i, name in enumerate(OUTCOMES)}
 
 SPLITS = ("train", "tune", "eval")
@@ -124,29 +183,85 @@ class Verdict:
   evidence: Mapping[str, Any]
   version: str
 
+  def __post_init__(self):
+    if not isinstance(self.evidence, Mapping):
+      raise TypeError(f"Verdict.evidence: must be a mapping, got {type(self.evidence).__name__}")
+    _check_wire_value(dict(self.evidence), "Verdict.evidence")
+
+  def to_wire(self) -> dict[str, Any]:
+    return dict(passed=bool(self.passed), reward=float(self.reward), evidence=dict(self.evidence),
+                version=str(self.version))
+
+  @classmethod
+  def from_wire(cls, d: Mapping[str, Any]) -> "Verdict":
+    return cls(bool(d["passed"]), float(d["reward"]), dict(d["evidence"]), str(d["version"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """A parsed action: tool name and its argument string."""
+  name: str
+  arg: str
+
+  def to_wire(self) -> dict[str, Any]:
+    return dict(name=self.name, arg=self.arg)
+
+  @classmethod
+  def from_wire(cls, d: Mapping[str, Any]) -> "Call":
+    return cls(str(d["name"]), str(d["arg"]))
+
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
   """One env step.
 
+  The first five fields keep their positions (`StepResult(obs, components, done, termination, info)`); the
+  typed ones after them are keywords in practice.
+
   Attributes:
     observation: the next observation (already capped by whoever produced it).
     reward_components: named parts of the step reward (validity, progress, outcome, cost), each logged.
     done: the episode is over.
-    termination: one of TERMINATIONS when done, else None.
-    info: msgpack-able details (parsed call, verdict, outcome, timings...).
+    termination: a `Termination` when done, else None (a plain string is converted).
+    info: msgpack-able details that are not typed fields (rule, error, timings, worker_restarts, ...).
+    outcome: the step's `Outcome`; None on construction derives it: the termination when done, else ok.
+      A finished step never has ok / *_continued, an unfinished one has nothing else.
+    call: the parsed action (`Env.step` fills it from its parser), None if the text was not an action.
+    verdict: the verifier's verdict when one scored the episode on this step, else None.
   """
   observation: Observation
   reward_components: Mapping[str, float]
   done: bool
-  termination: str | None
+  termination: Termination | None
   info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  outcome: Outcome = None  # type: ignore[assignment]  # derived in __post_init__ when None
+  call: Call | None = None
+  verdict: Verdict | None = None
 
   def __post_init__(self):
-    if self.done and self.termination not in TERMINATIONS:
-      raise ValueError(f"StepResult.termination={self.termination!r}: a finished step needs one of {TERMINATIONS}")
+    if self.termination is not None:
+      if self.termination not in TERMINATIONS:
+        raise ValueError(f"StepResult.termination={self.termination!r}: not one of {TERMINATIONS}")
+      object.__setattr__(self, "termination", Termination(self.termination))
+    if self.done and self.termination is None:
+      raise ValueError(f"StepResult.termination=None: a finished step needs one of {TERMINATIONS}")
     if not self.done and self.termination is not None:
-      raise ValueError(f"StepResult.termination={self.termination!r} but done=False")
+      raise ValueError(f"StepResult.termination={self.termination.value!r} but done=False")
+    if self.outcome is None:
+      outcome = Outcome(self.termination.value) if self.done else Outcome.OK
+    elif self.outcome in OUTCOMES:
+      outcome = Outcome(self.outcome)
+    else:
+      raise ValueError(f"StepResult.outcome={self.outcome!r}: not one of {OUTCOMES}")
+    if outcome.ends_episode != self.done:
+      raise ValueError(f"StepResult.outcome={outcome.value!r} with done={self.done}: "
+                       + ("a finished step's outcome is a termination or a finer reason of one" if self.done else
+                          "an unfinished step's outcome is ok, invalid_action_continued or parser_rejected_continued"))
+    object.__setattr__(self, "outcome", outcome)
+    if self.call is not None and not isinstance(self.call, Call):
+      raise TypeError(f"StepResult.call: must be a Call or None, got {type(self.call).__name__}")
+    if self.verdict is not None and not isinstance(self.verdict, Verdict):
+      raise TypeError(f"StepResult.verdict: must be a Verdict or None, got {type(self.verdict).__name__}")
     bad = set(self.reward_components) - set(REWARD_COMPONENTS)
     if bad:
       raise ValueError(f"reward components {sorted(bad)}: valid are {REWARD_COMPONENTS}")
@@ -155,31 +270,25 @@ class StepResult:
   def reward(self) -> float:
     return float(sum(self.reward_components.values()))
 
-  @property
-  def outcome(self) -> str:
-    return str(self.info.get("outcome", self.termination if self.done else "ok"))
-
   def to_wire(self) -> dict[str, Any]:
     return dict(observation=dataclasses.asdict(self.observation), reward_components=dict(self.reward_components),
-                done=self.done, termination=self.termination, info=dict(self.info))
+                done=self.done, termination=None if self.termination is None else self.termination.value,
+                info=dict(self.info), outcome=self.outcome.value,
+                call=None if self.call is None else self.call.to_wire(),
+                verdict=None if self.verdict is None else self.verdict.to_wire())
 
   @classmethod
   def from_wire(cls, d: Mapping[str, Any]) -> "StepResult":
     obs = d["observation"]
     return cls(Observation(str(obs["text"]), bool(obs["truncated"]), int(obs["original_size"])),
                {str(k): float(v) for k, v in d["reward_components"].items()}, bool(d["done"]),
-               d["termination"], dict(d.get("info") or {}))
+               d["termination"], dict(d.get("info") or {}), outcome=d["outcome"],
+               call=None if d.get("call") is None else Call.from_wire(d["call"]),
+               verdict=None if d.get("verdict") is None else Verdict.from_wire(d["verdict"]))
 
 
 # ----------------------------------------------------------------------------------------------
 # Actions.
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-  """A parsed action: tool name and its argument string."""
-  name: str
-  arg: str
 
 
 class ParseError(ValueError):
@@ -218,7 +327,7 @@ class ActionParser:
 
 @dataclasses.dataclass(frozen=True)
 class InvalidActionRule:
-  """What happens to an action the parser or env rejects (DESIGN.md §2.3); recorded in every step's info.
+  """What happens to an action the parser or env rejects (DESIGN.md §2.3); recorded in the step's info.
 
   Attributes:
     rule: "error_observation" (reply with the error, continue, no reward change), "terminate" (end the
@@ -241,11 +350,12 @@ class InvalidActionRule:
     info = dict(rule=self.rule, error=str(error))
     text = f"error: {error}"
     if self.rule == "terminate":
-      return StepResult(Observation(text, False, len(text.encode())), {"validity": 0.0}, True, kind,
-                        dict(info, outcome=kind))
+      return StepResult(Observation(text, False, len(text.encode())), {"validity": 0.0}, True, kind, info)
     validity = -self.penalty if self.rule == "penalty" else 0.0
-    return StepResult(Observation(text, False, len(text.encode())), {"validity": validity}, False, None,
-                      dict(info, outcome=f"{kind}_continued"))
+    continued = (Outcome.PARSER_REJECTED_CONTINUED if kind is PARSER_REJECTED else
+                 Outcome.INVALID_ACTION_CONTINUED)
+    return StepResult(Observation(text, False, len(text.encode())), {"validity": validity}, False, None, info,
+                      outcome=continued)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,24 +423,23 @@ class Env(abc.ABC):
       raise RuntimeError(f"{self.name}: step() after the episode ended")
     self.turn += 1
     info: dict[str, Any] = dict(turn=self.turn, action=action_text[:256])
+    call: Call | None = None
     try:
       call = self.parser.parse(action_text)
-      info["call"] = dict(name=call.name, arg=call.arg[:256])
       result = self._step(call)
     except (ParseError, InvalidAction) as e:
       result = self.invalid_action.apply(e)
     except EnvError as e:
       result = StepResult(Observation.capped(f"env error: {e}", self.max_obs_bytes), {}, True, ENV_ERROR,
-                          dict(outcome=ENV_ERROR, error=str(e)))
+                          dict(error=str(e)))
     if not result.done and self.turn >= self.max_turns:
-      result = dataclasses.replace(result, done=True, termination=MAX_TURNS,
-                                   info=dict(result.info, outcome=MAX_TURNS))
+      result = dataclasses.replace(result, done=True, termination=MAX_TURNS, outcome=Outcome.MAX_TURNS)
     obs = result.observation
     if len(obs.text.encode("utf-8", errors="replace")) > self.max_obs_bytes:
       capped = Observation.capped(obs.text, self.max_obs_bytes)
       obs = dataclasses.replace(capped, original_size=max(capped.original_size, obs.original_size))
     self.done = result.done
-    return dataclasses.replace(result, observation=obs, info={**info, **result.info})
+    return dataclasses.replace(result, observation=obs, info={**info, **result.info}, call=call)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,12 +447,17 @@ class Env(abc.ABC):
 
 
 def source_version(*objs: Any, data: Iterable[Path] = (), extra: str = "") -> str:
-  """A short hash of the source files defining `objs`, the files in `data` and `extra`."""
+  """A short hash of the source files defining `objs`, the files in `data` and `extra`.
+
+  Independent of where the files are (a worker sees envs/ and user packages at other paths than the trainer):
+  each file counts by its name and contents, in that order.
+  """
   h = hashlib.sha256()
-  files = sorted({inspect.getsourcefile(o) for o in objs} | {str(Path(p)) for p in data})
-  for f in files:
-    h.update(Path(f).name.encode())
-    h.update(Path(f).read_bytes())
+  paths = {inspect.getsourcefile(o) for o in objs} | {str(Path(p)) for p in data}
+  files = sorted((Path(f).name, Path(f).read_bytes()) for f in paths)
+  for name, body in files:
+    h.update(name.encode())
+    h.update(body)
   h.update(extra.encode())
   return h.hexdigest()[:12]
 

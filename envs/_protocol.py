@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: step results carry typed `outcome`, `call` and `verdict` (StepResult.to_wire); 1 had them in `info`.
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 8 << 20
 OPS = ("hello", "ping", "reset", "step", "close", "snapshot", "restore")
 _HEADER = struct.Struct(">I")

@@ -1,4 +1,8 @@
-"""`jaxagent envs list | check ENV | serve ENV`: registered envs, measured replay rate, worker server."""
+"""`jaxagent envs list | check ENV | serve ENV`: registered envs, measured replay rate, worker server.
+
+ENV is a registered name (built-ins and installed `jaxagent.envs` entry points, which `list` shows) or
+`package.module:ATTR` naming an EnvSpec; a bad one exits 2 with one line saying what is valid.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,15 @@ def _cmd_list(args) -> int:
     spec = envs.get(name)
     print(f"{name}  {spec.version}  {spec.description}")
   return 0
+
+
+def _bad_env(name: str) -> str | None:
+  """The one-line error for an env name that does not resolve, else None."""
+  try:
+    envs.check_name(name)
+  except envs.UnknownEnvError as e:
+    return f"envs: error: {e}"
+  return None
 
 
 def check(env: str, *, episodes: int = 16, split: str = "train", kind: str = "inprocess", seed: int = 0,
@@ -42,7 +55,7 @@ def check(env: str, *, episodes: int = 16, split: str = "train", kind: str = "in
         per_step = (time.perf_counter() - t0) / len(rows)
         for i, r in zip(rows, results):
           latencies.append(float(r.info.get("env_s", per_step)))
-          outcomes[r.outcome] += 1
+          outcomes[r.outcome.value] += 1
           traces[i].append((r.observation.text, r.reward, r.done, r.termination))
       runs.append(traces)
   same = sum(a == b for a, b in zip(*runs))
@@ -54,6 +67,9 @@ def check(env: str, *, episodes: int = 16, split: str = "train", kind: str = "in
 
 
 def _cmd_check(args) -> int:
+  if (error := _bad_env(args.env)) is not None:
+    print(error, file=sys.stderr)
+    return 2
   r = check(args.env, episodes=args.episodes, split=args.split, kind=args.pool, seed=args.seed,
             workers=args.workers)
   lat = r["latency_s"]
@@ -66,6 +82,9 @@ def _cmd_check(args) -> int:
 
 def _cmd_serve(args) -> int:
   from envs import server  # pylint: disable=g-import-not-at-top
+  if (error := _bad_env(args.env)) is not None:
+    print(error, file=sys.stderr)
+    return 2
   server.serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads,
                max_inflight=args.max_inflight)
   return 0
@@ -75,10 +94,11 @@ def register(subparsers) -> None:
   """Adds `envs` with its subcommands to a `jaxagent` argparse subparsers object."""
   p = subparsers.add_parser("envs", help="environments: list, check replay/latency, serve a worker")
   sub = p.add_subparsers(dest="envs_command", required=True)
-  q = sub.add_parser("list", help="one line per registered env: name, version, description")
+  q = sub.add_parser("list", help="one line per registered env (entry points included): name, version, "
+                     "description")
   q.set_defaults(func=_cmd_list)
   q = sub.add_parser("check", help="run episodes twice with the same seeds/actions: replay rate, latency, outcomes")
-  q.add_argument("env", choices=envs.names())
+  q.add_argument("env", help="registered name or package.module:ATTR naming an EnvSpec")
   q.add_argument("--episodes", type=int, default=16)
   q.add_argument("--split", choices=envs.SPLITS, default="train")
   q.add_argument("--pool", choices=pool_lib.POOL_KINDS[:2], default="inprocess")

@@ -11,6 +11,9 @@ A pool owns `num_slots` episode slots spread over its workers. `reset(slot, task
   retries_exhausted                  the worker kept dying on this step
   cancelled                          `cancel(slot)` was called
 
+`PoolConfig` = `WorkerConfig` (how workers run: the YAML section `env.pool`) + the episode fields (env,
+max_turns, invalid_action, penalty); `PoolConfig.from_workers(workers, env=...)` joins them.
+
 A crashed or hung worker is restarted; the episodes it hosted are replayed (reset with the same seed, the same
 actions) before their next step, so other trajectories are not affected when envs are deterministic. Replay is
 checked, not assumed: every observation of the replay must match the one the episode saw (text, truncation,
@@ -23,6 +26,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import importlib.util
 import itertools
 import logging
 import os
@@ -37,62 +41,96 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+import typing
+from typing import Any, Literal, Sequence
 
 from envs import _protocol as P
+from envs import _registry
 from envs._api import (CANCELLED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION_RULES, RETRIES_EXHAUSTED, Observation,
-                       StepResult, Task)
+                       Outcome, StepResult, Task, Termination)
 
 log = logging.getLogger(__name__)
-POOL_KINDS = ("inprocess", "local", "docker", "remote")
-SANDBOXES = ("auto", "bwrap", "none")
+PoolKind = Literal["inprocess", "local", "docker", "remote"]
+Sandbox = Literal["auto", "bwrap", "none"]
+POOL_KINDS: tuple[str, ...] = typing.get_args(PoolKind)
+SANDBOXES: tuple[str, ...] = typing.get_args(Sandbox)
 ENVS_DIR = Path(__file__).resolve().parent
 
 
+def _invalid(obj, name: str, valid: str) -> ValueError:
+  return ValueError(f"{name}={getattr(obj, name)!r}: {valid}")
+
+
 @dataclasses.dataclass(frozen=True)
-class PoolConfig:
-  """How to run env workers. Validated on construction; errors name the field, the value and what is valid."""
-  env: str = "calculator"
-  kind: str = "local"
-  num_workers: int = 1
-  action_timeout_s: float = 10.0
-  episode_timeout_s: float = 600.0
-  reset_timeout_s: float = 30.0
-  start_timeout_s: float = 30.0
-  max_retries: int = 2
-  replay_on_crash: bool = True
-  max_obs_bytes: int = 4096
-  max_turns: int | None = None
-  invalid_action: str = "error_observation"
-  penalty: float = 0.1
-  max_inflight: int = 64
-  sandbox: str = "auto"
-  addresses: tuple[str, ...] = ()
-  docker_image: str = "jaxagent-envs:latest"
-  docker_host: str | None = None
-  docker_memory: str = "512m"
-  docker_cpus: float = 1.0
-  docker_pids: int = 128
+class WorkerConfig:
+  """How env workers run (the YAML section `env.pool`). Validated on construction; an error names the field,
+  the value and what is valid (`num_workers=0: must be >= 1`).
+
+  Field types are the ones a typed YAML loader can build: str, int, float, bool, `X | None`, `tuple[str, ...]`
+  and `Literal[...]`.
+  """
+  kind: PoolKind = "local"  # inprocess (threads here), local (subprocess, bwrap), docker, remote (addresses)
+  num_workers: int = 1  # worker processes / containers / connections; the slots are spread over them
+  sandbox: Sandbox = "auto"  # local pool: auto (bwrap if available), bwrap (required), none (unsandboxed)
+  action_timeout_s: float = 10.0  # one step's limit; past it the episode ends as env_timeout
+  episode_timeout_s: float = 600.0  # a whole episode's limit (reset to last step); env_timeout past it
+  reset_timeout_s: float = 30.0  # one reset's limit; the worker is restarted past it
+  start_timeout_s: float = 30.0  # a worker's limit to start and answer hello
+  max_retries: int = 2  # restarts a crashed step is retried on before retries_exhausted
+  replay_on_crash: bool = True  # replay episodes on a restarted worker (else they end as worker_crash)
+  max_obs_bytes: int = 4096  # observation cap in bytes; longer ones are truncated and flagged
+  max_inflight: int = 64  # requests in flight per worker connection (backpressure)
+  addresses: tuple[str, ...] = ()  # remote pool: one `unix:/path` or `tcp:host:port` per worker
+  docker_image: str = "jaxagent-envs:latest"  # docker pool: the worker image (user envs: see DockerWorker)
+  docker_host: str | None = None  # docker pool: daemon URL (None: $JAXAGENT_DOCKER_HOST or the private one)
+  docker_memory: str = "512m"  # docker pool: memory limit per container
+  docker_cpus: float = 1.0  # docker pool: CPUs per container
+  docker_pids: int = 128  # docker pool: process limit per container
 
   def __post_init__(self):
-    def bad(name, valid):
-      raise ValueError(f"pool.{name}={getattr(self, name)!r}: {valid}")
     if self.kind not in POOL_KINDS:
-      bad("kind", f"not one of {POOL_KINDS}")
+      raise _invalid(self, "kind", f"not one of {POOL_KINDS}")
     if self.sandbox not in SANDBOXES:
-      bad("sandbox", f"not one of {SANDBOXES}")
-    if self.invalid_action not in INVALID_ACTION_RULES:
-      bad("invalid_action", f"not one of {INVALID_ACTION_RULES}")
+      raise _invalid(self, "sandbox", f"not one of {SANDBOXES}")
     for name in ("num_workers", "max_inflight", "max_obs_bytes", "docker_pids"):
       if getattr(self, name) < 1:
-        bad(name, "must be >= 1")
+        raise _invalid(self, name, "must be >= 1")
     for name in ("action_timeout_s", "episode_timeout_s", "reset_timeout_s", "start_timeout_s", "docker_cpus"):
       if not getattr(self, name) > 0:
-        bad(name, "must be > 0")
+        raise _invalid(self, name, "must be > 0")
     if self.max_retries < 0:
-      bad("max_retries", "must be >= 0")
+      raise _invalid(self, "max_retries", "must be >= 0")
+    if not isinstance(self.addresses, tuple) or not all(isinstance(a, str) for a in self.addresses):
+      raise _invalid(self, "addresses", "must be a tuple of str (unix:/path or tcp:host:port)")
     if self.kind == "remote" and not self.addresses:
-      bad("addresses", "a remote pool needs worker addresses (unix:/path or tcp:host:port)")
+      raise _invalid(self, "addresses", "a remote pool needs worker addresses (unix:/path or tcp:host:port)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig(WorkerConfig):
+  """A pool: how its workers run (`WorkerConfig`) plus what each episode is (env and its reset options)."""
+  env: str = "calculator"  # registered name, `jaxagent.envs` entry point, or package.module:ATTR
+  max_turns: int | None = None  # per-episode turn limit (None: the env's default)
+  invalid_action: str = "error_observation"  # DESIGN.md §2.3: one of INVALID_ACTION_RULES
+  penalty: float = 0.1  # validity penalty under the "penalty" rule
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.invalid_action not in INVALID_ACTION_RULES:
+      raise _invalid(self, "invalid_action", f"not one of {INVALID_ACTION_RULES}")
+    if self.max_turns is not None and self.max_turns < 1:
+      raise _invalid(self, "max_turns", "must be >= 1 or None")
+    if self.penalty < 0:
+      raise _invalid(self, "penalty", "must be >= 0")
+
+  @classmethod
+  def from_workers(cls, workers: WorkerConfig, **episode_fields: Any) -> "PoolConfig":
+    """`workers`' fields plus the episode-level ones (env, max_turns, invalid_action, penalty)."""
+    worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
+    clash = sorted(set(episode_fields) & worker_fields)
+    if clash:
+      raise TypeError(f"PoolConfig.from_workers: {clash} are worker fields; set them on the WorkerConfig")
+    return cls(**{name: getattr(workers, name) for name in worker_fields}, **episode_fields)
 
   def reset_options(self) -> dict[str, Any]:
     opts = dict(invalid_action=self.invalid_action, penalty=float(self.penalty), max_obs_bytes=self.max_obs_bytes)
@@ -256,10 +294,43 @@ def bwrap_available() -> bool:
   return probe.returncode == 0
 
 
-def bwrap_command(sock_dir: str, argv: Sequence[str]) -> list[str]:
+def import_roots(module: str | None) -> list[tuple[str, str]]:
+  """Where this process imports `module` from: (sys.path entry, top-level file or directory name) pairs.
+
+  A worker needs exactly these to import a user env (`package.module:ATTR` or an entry point): the local pool
+  puts the entries on an unsandboxed worker's PYTHONPATH and binds the top-level package (only it, read-only)
+  into a bubblewrap sandbox. Empty for None and for `envs` itself, which every worker has.
+  """
+  if module is None:
+    return []
+  top = module.split(".")[0]
+  if top == ENVS_DIR.name:
+    return []
+  spec = importlib.util.find_spec(top)
+  if spec is None:
+    return []
+  if spec.submodule_search_locations:  # a package (several directories for a namespace package)
+    locations = list(spec.submodule_search_locations)
+  elif spec.has_location and spec.origin:
+    locations = [spec.origin]
+  else:
+    return []  # built into the interpreter
+  out = []
+  for loc in locations:
+    path = Path(loc).resolve()
+    if (str(path.parent), path.name) not in out:
+      out.append((str(path.parent), path.name))
+  return out
+
+
+def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tuple[str, str]] = ()) -> list[str]:
   """bubblewrap: no network, read-only root of system dirs + the interpreter + envs/, private /tmp.
 
-  Nothing else of the host filesystem (home, the repo, datasets, eval answers) exists inside.
+  Nothing else of the host filesystem (home, the repo, datasets, eval answers) exists inside. `user_modules`
+  (`import_roots` pairs) are the top-level packages of a user env, each bound read-only under its own
+  /opt/userN on PYTHONPATH; nothing else of their sys.path entry is visible, so such a package can use the
+  standard library, msgpack and `envs` only (for more, use the docker pool with an image that has them, or
+  sandbox='none').
   """
   import msgpack  # pylint: disable=g-import-not-at-top
   python = os.path.realpath(sys.executable)
@@ -272,8 +343,12 @@ def bwrap_command(sock_dir: str, argv: Sequence[str]) -> list[str]:
   cmd += ["--ro-bind", sys.base_prefix, sys.base_prefix,
           "--ro-bind", str(ENVS_DIR), "/opt/jaxagent/envs",
           "--ro-bind", str(Path(msgpack.__file__).parent), "/opt/site/msgpack",
-          "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", sock_dir, "/run/jaxagent",
-          "--setenv", "PYTHONPATH", "/opt/jaxagent:/opt/site", "--setenv", "HOME", "/tmp",
+          "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", sock_dir, "/run/jaxagent"]
+  pythonpath = ["/opt/jaxagent", "/opt/site"]
+  for i, (root, name) in enumerate(user_modules):
+    cmd += ["--ro-bind", os.path.join(root, name), f"/opt/user{i}/{name}"]
+    pythonpath.append(f"/opt/user{i}")
+  cmd += ["--setenv", "PYTHONPATH", os.pathsep.join(pythonpath), "--setenv", "HOME", "/tmp",
           "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
           "--chdir", "/tmp", "--remount-ro", "/", python]
   return cmd + list(argv)
@@ -312,6 +387,8 @@ class Worker(abc.ABC):
 
   def __init__(self, cfg: PoolConfig, index: int):
     self.cfg, self.index = cfg, index
+    # What the worker process is told to serve: an entry-point env as its module:attr (see _registry).
+    self.env_ref = cfg.env if cfg.kind == "remote" else _registry.worker_name(cfg.env)
     self.generation = 0
     self.conn: Any = None
     self.access = _SharedExclusive()
@@ -334,13 +411,19 @@ class InProcessWorker(Worker):
 
 
 class LocalWorker(Worker):
-  """A subprocess `python -m envs.server` on a unix socket, inside bubblewrap when available."""
+  """A subprocess `python -m envs.server` on a unix socket, inside bubblewrap when available.
+
+  A user env (`package.module:ATTR` or an entry point) is imported by the worker from where this process
+  imports it (`import_roots`): unsandboxed, those sys.path entries go first on the worker's PYTHONPATH (after
+  envs/'s parent, before the inherited PYTHONPATH); in bubblewrap, only its top-level package is bound in.
+  """
 
   _warned = False
 
   def __init__(self, cfg: PoolConfig, index: int, sandbox: bool):
     super().__init__(cfg, index)
     self.sandbox = sandbox
+    self.roots = import_roots(_registry.module_of(cfg.env))
     self.proc: subprocess.Popen | None = None
     self.dir = tempfile.mkdtemp(prefix=f"envw{index}-")
 
@@ -348,13 +431,14 @@ class LocalWorker(Worker):
     sock = os.path.join(self.dir, "w.sock")
     if os.path.exists(sock):
       os.unlink(sock)
-    argv = ["-m", "envs.server", self.cfg.env, "--socket"]
+    argv = ["-m", "envs.server", self.env_ref, "--socket"]
     if self.sandbox:
-      cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"])
+      cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"], self.roots)
       env = None
     else:
       cmd = [sys.executable] + argv + [sock]
-      env = dict(os.environ, PYTHONPATH=f"{ENVS_DIR.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+      path = [str(ENVS_DIR.parent)] + [root for root, _ in self.roots] + [os.environ.get("PYTHONPATH", "")]
+      env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in dict.fromkeys(path) if p))
     self.log = open(os.path.join(self.dir, "stderr.log"), "ab")
     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=env,
                                  start_new_session=True)
@@ -389,7 +473,20 @@ class RemoteWorker(Worker):
 
 class DockerWorker(Worker):
   """A container: --network none, read-only root, tmpfs /tmp, memory/CPU/pids limits, no capabilities, no
-  credentials or host mounts except the directory holding its unix socket."""
+  credentials or host mounts except the directory holding its unix socket.
+
+  The container runs `python3 -m envs.server ENV` from `docker_image`; nothing of the host's Python path is
+  mounted, so a user env reaches it through the image. Build one FROM the env image (envs/docker/setup.sh
+  builds `jaxagent-envs:latest`; its PYTHONPATH is /opt/jaxagent, its base has python3 and msgpack, no pip):
+
+      FROM jaxagent-envs:latest
+      COPY my_pkg /opt/jaxagent/my_pkg
+
+  (on a base image with pip: `USER root`, `COPY . /src`, `RUN pip install /src`, `USER 1000` instead), then
+  `docker build --network none -t my-envs .` and run the pool with `docker_image="my-envs"` and
+  `env="my_pkg.my_env:SPEC"` (or the name of its `jaxagent.envs` entry point: the container is given the entry
+  point's `module:attr`, so the package only has to be importable there, not installed).
+  """
 
   def __init__(self, cfg: PoolConfig, index: int, client):
     super().__init__(cfg, index)
@@ -403,7 +500,7 @@ class DockerWorker(Worker):
     if os.path.exists(sock):
       os.unlink(sock)
     self.container = self.client.containers.run(
-        self.cfg.docker_image, [self.cfg.env, "--socket", "/run/jaxagent/w.sock"], detach=True,
+        self.cfg.docker_image, [self.env_ref, "--socket", "/run/jaxagent/w.sock"], detach=True,
         network_mode="none", read_only=True, tmpfs={"/tmp": "rw,size=64m,mode=1777"},
         mem_limit=self.cfg.docker_memory, nano_cpus=int(self.cfg.docker_cpus * 1e9),
         pids_limit=self.cfg.docker_pids, cap_drop=["ALL"], security_opt=["no-new-privileges"],
@@ -442,7 +539,7 @@ class _Slot:
   actions: list[str] = dataclasses.field(default_factory=list)
   generation: int = -1
   done: bool = False
-  termination: str | None = None
+  termination: Termination | None = None
   started: float = 0.0
   cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
   first_generation: int = -1  # the worker's generation when the episode began
@@ -630,26 +727,27 @@ class Pool:
     """End slot's episode as `cancelled`; an in-flight step returns at once."""
     self.slots[slot].cancel.set()
 
-  def _end(self, s: _Slot, termination: str, outcome: str, text: str, **info) -> StepResult:
+  def _end(self, s: _Slot, termination: Termination, outcome: Outcome, text: str, **info) -> StepResult:
     s.done, s.termination = True, termination
     conn = self.workers[s.worker].conn
     if conn is not None and not conn.closed:
       conn.call("close", dict(instance=s.instance), 1.0)  # best effort, not awaited
     return StepResult(Observation.capped(text, self.cfg.max_obs_bytes), {}, True, termination,
-                      dict(info, outcome=outcome, worker_restarts=self._restarts(s)))
+                      dict(info, worker_restarts=self._restarts(s)), outcome=outcome)
 
   def _step_one(self, i: int, action: str) -> StepResult:
     s = self.slots[i]
-    if s.done:
-      return StepResult(Observation(""), {}, True, s.termination, dict(outcome=s.termination, already_done=True))
+    if s.done:  # the episode's own termination again; nothing ran (no observation to append)
+      return StepResult(Observation(""), {}, True, s.termination, dict(already_done=True),
+                        outcome=Outcome(s.termination))
     if s.cancel.is_set():
-      return self._end(s, CANCELLED, CANCELLED, "cancelled")
+      return self._end(s, CANCELLED, Outcome.CANCELLED, "cancelled")
     crashes = 0
     t0 = time.monotonic()
     while True:
       left = self.cfg.episode_timeout_s - (time.monotonic() - s.started)
       if left <= 0:
-        return self._end(s, ENV_TIMEOUT, ENV_TIMEOUT, f"episode exceeded {self.cfg.episode_timeout_s:.0f}s",
+        return self._end(s, ENV_TIMEOUT, Outcome.ENV_TIMEOUT, f"episode exceeded {self.cfg.episode_timeout_s:.0f}s",
                          timeout="episode")
       w = self.workers[s.worker]
       exclusive = crashes > 0
@@ -658,7 +756,7 @@ class Pool:
       try:
         if s.generation != gen:  # the worker restarted since this episode began: replay it there.
           if not self.cfg.replay_on_crash:
-            return self._end(s, ENV_ERROR, "worker_crash", "env worker crashed")
+            return self._end(s, ENV_ERROR, Outcome.WORKER_CRASH, "env worker crashed")
           self._replay(s, gen, conn)
         timeout = min(self.cfg.action_timeout_s, left)
         reply = self._wait(conn.call("step", dict(instance=s.instance, action=action), timeout), timeout,
@@ -671,25 +769,25 @@ class Pool:
         return dataclasses.replace(result, info=dict(result.info, worker_restarts=self._restarts(s),
                                                      env_s=time.monotonic() - t0))
       except _Cancelled:
-        return self._end(s, CANCELLED, CANCELLED, "cancelled")
+        return self._end(s, CANCELLED, Outcome.CANCELLED, "cancelled")
       except WorkerTimeout:
         # The worker is stuck in this step; only killing it frees it. Its other episodes are replayed.
         self._safe_restart(s.worker, gen)
         which = "episode" if left < self.cfg.action_timeout_s else "action"
-        return self._end(s, ENV_TIMEOUT, ENV_TIMEOUT, f"env step exceeded {timeout:.1f}s", timeout=which)
+        return self._end(s, ENV_TIMEOUT, Outcome.ENV_TIMEOUT, f"env step exceeded {timeout:.1f}s", timeout=which)
       except WorkerCrashed as e:
         crashes += 1
         if not self.cfg.replay_on_crash:
           self._safe_restart(s.worker, gen)
-          return self._end(s, ENV_ERROR, "worker_crash", f"env worker crashed: {e}")
+          return self._end(s, ENV_ERROR, Outcome.WORKER_CRASH, f"env worker crashed: {e}")
         if crashes > self.cfg.max_retries:
           self._safe_restart(s.worker, gen)
-          return self._end(s, RETRIES_EXHAUSTED, RETRIES_EXHAUSTED, f"env worker crashed {crashes} times")
+          return self._end(s, RETRIES_EXHAUSTED, Outcome.RETRIES_EXHAUSTED, f"env worker crashed {crashes} times")
         self._safe_restart(s.worker, gen)
       except RemoteError as e:
-        return self._end(s, ENV_ERROR, ENV_ERROR, f"env error: {e}", error=str(e))
+        return self._end(s, ENV_ERROR, Outcome.ENV_ERROR, f"env error: {e}", error=str(e))
       except ReplayDiverged as e:
-        return self._end(s, ENV_ERROR, "replay_diverged", f"env replay diverged: {e}", error=str(e))
+        return self._end(s, ENV_ERROR, Outcome.REPLAY_DIVERGED, f"env replay diverged: {e}", error=str(e))
       finally:
         w.access.release(exclusive)
 
@@ -739,7 +837,7 @@ class _Cancelled(Exception):
   pass
 
 
-def reset_termination(error: Exception) -> str:
+def reset_termination(error: Exception) -> Termination:
   """The termination of an episode whose reset failed with `error` (see `Pool.reset_many`)."""
   if isinstance(error, WorkerTimeout):
     return ENV_TIMEOUT
@@ -753,7 +851,18 @@ def docker_host() -> str:
   return os.environ.get("JAXAGENT_DOCKER_HOST", "unix:///run/jaxagent-docker/docker.sock")
 
 
-def make_pool(num_slots: int, cfg: PoolConfig | None = None, **overrides) -> Pool:
-  """`make_pool(8, env="calculator", kind="local")`."""
-  cfg = dataclasses.replace(cfg or PoolConfig(), **overrides)
-  return Pool(cfg, num_slots)
+def make_pool(num_slots: int, cfg: WorkerConfig | None = None, **overrides) -> Pool:
+  """`make_pool(8, env="calculator", kind="local")`.
+
+  Args:
+    num_slots: episode slots.
+    cfg: a PoolConfig, or a WorkerConfig (the episode fields then come from `overrides` or their defaults);
+      None: PoolConfig().
+    **overrides: any PoolConfig field, worker-level or episode-level.
+  """
+  if cfg is None:
+    cfg = PoolConfig()
+  elif not isinstance(cfg, PoolConfig):
+    episode = {f.name for f in dataclasses.fields(PoolConfig)} - {f.name for f in dataclasses.fields(WorkerConfig)}
+    cfg = PoolConfig.from_workers(cfg, **{k: overrides.pop(k) for k in list(overrides) if k in episode})
+  return Pool(dataclasses.replace(cfg, **overrides), num_slots)

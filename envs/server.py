@@ -1,9 +1,12 @@
 """Env worker: hosts many env instances of one environment behind the wire protocol.
 
 `python -m envs.server --env calculator --socket /run/w.sock` (also `jaxagent envs serve`), or
-`--tcp 127.0.0.1:PORT`. Requests run on a bounded thread pool (so one slow instance does not block the
-others); when `max_inflight` requests are running the reader stops reading, which is the backpressure a
-client sees. A bad frame gets an error reply; nothing a client sends stops the server.
+`--tcp 127.0.0.1:PORT`. The env is a registered name, a `jaxagent.envs` entry point or `package.module:ATTR`
+(the module must be importable here: see `envs.pool` for how local and docker workers get user code).
+
+Requests run on a bounded thread pool (so one slow instance does not block the others); when `max_inflight`
+requests are running the reader stops reading, which is the backpressure a client sees. A bad frame gets an
+error reply; nothing a client sends stops the server.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Mapping
 
 from envs import _protocol as P
 from envs._api import Env, InvalidActionRule, Task
-from envs._registry import get
+from envs._registry import UnknownEnvError, get
 
 RESET_OPTIONS = {"max_turns": int, "invalid_action": str, "penalty": float, "max_obs_bytes": int}
 MAX_INSTANCES = 4096
@@ -117,10 +120,13 @@ class Host:
     except (ValueError, TypeError) as e:
       raise RequestError("bad_args", f"options: {e}") from None
     with self._lock:
-      old = self._instances.pop(instance, None)
-      if len(self._instances) >= self.max_instances:
-        raise RequestError("too_many_instances", f"worker holds {self.max_instances} instances; close some")
-      self._instances[instance] = (env, threading.Lock())
+      full = instance not in self._instances and len(self._instances) >= self.max_instances
+      old = None if full else self._instances.pop(instance, None)
+      if not full:
+        self._instances[instance] = (env, threading.Lock())
+    if full:  # the env made for this reset never enters the table: close it here or nobody will.
+      env.close()
+      raise RequestError("too_many_instances", f"worker holds {self.max_instances} instances; close some")
     if old is not None:
       old[0].close()
     obs = env.reset(task, seed)
@@ -212,13 +218,19 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="envs.server", description=__doc__)
   add_serve_args(parser)
   args = parser.parse_args(argv)
+  try:
+    get(args.env)
+  except UnknownEnvError as e:
+    print(f"envs.server: error: {e}", file=sys.stderr)
+    return 2
   serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads, max_inflight=args.max_inflight)
   return 0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("env", nargs="?", default=os.environ.get("JAXAGENT_ENV", "calculator"),
-                      help="registered env name (default $JAXAGENT_ENV or calculator)")
+                      help="registered env name or package.module:ATTR naming an EnvSpec "
+                      "(default $JAXAGENT_ENV or calculator)")
   parser.add_argument("--env", dest="env", help=argparse.SUPPRESS)
   parser.add_argument("--socket", help="unix socket path to listen on")
   parser.add_argument("--tcp", help="HOST:PORT on loopback to listen on")

@@ -139,7 +139,7 @@ def _pack(lengths: Sequence[int], length: int) -> list[list[int]]:
 def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarray | None = None, *,
              level: Literal["trajectory", "turn", "token"] = "trajectory",
              buckets: Sequence[int] = DEFAULT_BUCKETS, length: int | None = None, rows: int | None = None,
-             pad_id: int = 0, pack: bool = False) -> Batch:
+             pad_id: int = 0, pack: bool = False, train: Sequence[bool] | None = None) -> Batch:
   """Copies recorded token streams into a padded `Batch`.
 
   Args:
@@ -152,11 +152,15 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
     rows: fixed B (empty rows are all padding); default: as many as needed.
     pad_id: token id at padding.
     pack: place several trajectories per row (segment ids 1, 2, …), first-fit decreasing.
+    train: per trajectory, whether its loss tokens count (False: its tokens are in the batch, its loss mask
+      and advantages are all zero; e.g. an episode ended by an infrastructure failure). Default: all True.
   Returns:
     `Batch` of numpy arrays, shapes `[B, T]`.
   """
   if advantages is not None and len(advantages) != len(trajectories):
     raise ValueError(f"{len(advantages)} advantages for {len(trajectories)} trajectories")
+  if train is not None and len(train) != len(trajectories):
+    raise ValueError(f"{len(train)} train flags for {len(trajectories)} trajectories")
   lengths = [len(t) for t in trajectories]
   longest = max(lengths, default=1)
   if length is None:
@@ -187,10 +191,12 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
       batch["tokens"][sl] = t.tokens
       batch["positions"][sl] = np.arange(len(t), dtype=np.int32)
       batch["segment_ids"][sl] = seg
-      batch["loss_mask"][sl] = t.loss_mask
+      used = train is None or bool(train[i])
+      batch["loss_mask"][sl] = t.loss_mask & used
       batch["roles"][sl] = t.roles
       batch["behavior_logprobs"][sl] = np.where(np.isfinite(t.behavior_logprobs), t.behavior_logprobs, 0.0)
-      batch["advantages"][sl] = _token_advantages(t, None if advantages is None else advantages[i], level, i)
+      if used:
+        batch["advantages"][sl] = _token_advantages(t, None if advantages is None else advantages[i], level, i)
       batch["policy_versions"][sl] = _token_versions(t)
       batch["trajectory_index"][sl] = i
       offset += len(t)

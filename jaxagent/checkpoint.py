@@ -52,7 +52,7 @@ def save_model(model: models.Transformer, directory: str | Path, step: int = 0) 
 
 
 def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
-               rules: models.Rules = models.DEFAULT_RULES, step: int | None = None) -> models.Transformer:
+               rules: models.Rules = (), step: int | None = None) -> models.Transformer:
   """Loads a model from an HF directory or a jaxagent (Orbax) checkpoint directory.
 
   Args:

@@ -76,10 +76,17 @@ def _cmd_generate(args) -> int:
   _, turn = sampler.generate(params, sampler.prefill(params, [prompt], jax.random.key(args.seed)))
   n = int(turn.lengths[0])
   seconds = time.perf_counter() - start
-  print(tokenizer.decode(turn.tokens[0, :n].tolist()))
-  print(f"[{n} tokens, finish={Finish(int(turn.finish[0])).name.lower()}, {seconds:.2f} s incl. compile]",
+  finish = Finish(int(turn.finish[0]))
+  tokens = turn.tokens[0, :n].tolist()
+  if finish == Finish.STOP and tokens and (tokens[-1],) in stops:
+    tokens = tokens[:-1]  # the end-of-sequence token ends the text; it is not part of it
+  print(tokenizer.decode(tokens))
+  print(f"[{n} tokens, finish={finish.name.lower()}, {seconds:.2f} s incl. compile]",
         file=sys.stderr)
   return 0
+
+
+DEFAULT_RECIPE = "tiny_cpu"  # what `make run` trains; `jaxagent train` with no config runs it too
 
 
 def _cmd_train(args) -> int:
@@ -98,14 +105,21 @@ def _cmd_train(args) -> int:
     if not saved.is_file():
       raise config_lib.ConfigError(f"{run_dir}: no config.yaml (not a run directory)")
     loop.train(config_lib.load(saved, args.overrides), run_dir=run_dir, resume=True)
-  else:
-    loop.train(config_lib.load(args.config, args.overrides), run_dir=run_dir)
+    return 0
+  name = args.config
+  if name is None:
+    name = DEFAULT_RECIPE
+    print(f"jaxagent train: no config given; training the embedded default recipe {name!r} "
+          f"({config_lib.resolve_path(name)}). Pass a YAML path or a shipped config name to train another.",
+          file=sys.stderr)
+  loop.train(config_lib.load(name, args.overrides), run_dir=run_dir)
   return 0
 
 
 def _cmd_eval(args) -> int:
   from jaxagent import config as config_lib
   from jaxagent.train import loop
+  from jaxagent.train.run import build_run
 
   run_dir = Path(args.checkpoint)
   if run_dir.name == "checkpoints":
@@ -113,11 +127,13 @@ def _cmd_eval(args) -> int:
   saved = run_dir / "config.yaml"
   if not saved.is_file():
     raise config_lib.ConfigError(f"--checkpoint {args.checkpoint}: expected a run directory with config.yaml")
-  trainer = loop.Trainer(config_lib.load(saved, args.overrides), run_dir, resume=True, read_only=True)
+  # Only what evaluation needs: no train step is compiled, nothing is written into the run directory.
+  run = build_run(config_lib.load(saved, args.overrides), run_dir, purpose="eval")
   try:
-    result = trainer.evaluate(args.split, args.episodes)
+    progress, _ = loop.restore(run, read_only=True)
+    _, result = loop.evaluate(run, progress.state, args.split, args.episodes)
   finally:
-    trainer.close()
+    run.close()
   print(result.line())
   print(f"{'termination':<24}{'count':>8}")
   for name, count in sorted(result.terminations.items(), key=lambda kv: -kv[1]):
@@ -133,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
   _add_config_args(p, required=False)
   p.set_defaults(func=_cmd_config)
 
-  p = sub.add_parser("train", help="train per a config (BC cold start, then GRPO); prints RUN_DIR")
+  p = sub.add_parser("train", help="train per a config (BC cold start, then GRPO); prints RUN_DIR. With no "
+                     f"config: the embedded default recipe ({DEFAULT_RECIPE})")
   _add_config_args(p, required=False)
   p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
   p.add_argument("--run-dir", metavar="DIR", help="train in DIR; continue there if it already holds checkpoints "

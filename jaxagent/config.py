@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypeVar,
 
 import yaml
 
+import envs
+import envs.pool
 import models
 
 T = TypeVar("T")
@@ -30,9 +32,14 @@ class ConfigError(ValueError):
 
 def field(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
           le: float | None = None, lt: float | None = None,
-          choices: Iterable[Any] | Callable[[], Iterable[Any]] | None = None, help: str = "") -> Any:
-  """A dataclass field with validation metadata; mutable defaults (dataclasses) are copied per instance."""
-  metadata = dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, help=help)
+          choices: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
+          check: Callable[[Any], None] | None = None, help: str = "") -> Any:
+  """A dataclass field with validation metadata; mutable defaults (dataclasses) are copied per instance.
+
+  `check(value)` raises ValueError with a message saying what is valid (for values no list can enumerate,
+  such as `package.module:ATTR` env names); `choices` applies to each item of a tuple field.
+  """
+  metadata = dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, check=check, help=help)
   if dataclasses.is_dataclass(default):
     return dataclasses.field(default_factory=lambda: default, metadata=metadata)
   return dataclasses.field(default=default, metadata=metadata)
@@ -167,11 +174,6 @@ class AlgoConfig:
   value_clip_eps: float | None = field(0.2, gt=0.0, help="value clipping; null: off")
 
 
-def _env_names() -> list[str]:
-  import envs  # pylint: disable=g-import-not-at-top  (envs never imports jax: cheap)
-  return sorted(envs.names())
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   """Optax AdamW with warmup, then a constant or cosine schedule, and global-norm clipping."""
@@ -199,16 +201,19 @@ class RolloutConfig:
   stop: tuple[str, ...] = field(("\n",), help="strings that end an action (encoded with the tokenizer)")
 
 
+def _check_env_name(name: str) -> None:
+  envs.check_name(name)  # a registered name, an installed entry point, or package.module:ATTR naming an EnvSpec
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
   """Which environment, and how its workers run (envs/)."""
-  name: str = field("calculator", choices=_env_names)
-  pool: Literal["inprocess", "local", "docker", "remote"] = field("local")
-  workers: int = field(2, ge=1, help="worker processes (local/docker)")
+  name: str = field("calculator", check=_check_env_name,
+                    help="registered env, installed `jaxagent.envs` entry point, or package.module:ATTR")
+  pool: envs.pool.WorkerConfig = field(envs.pool.WorkerConfig(),
+                                       help="env workers: kind, sandbox, timeouts, docker/remote settings")
   max_turns: int = field(4, ge=1)
-  invalid_action: Literal["error_observation", "terminate", "penalty"] = field("error_observation")
-  action_timeout_s: float = field(10.0, gt=0.0)
-  episode_timeout_s: float = field(120.0, gt=0.0)
+  invalid_action: str = field("error_observation", choices=envs.INVALID_ACTION_RULES)
   options: dict[str, Any] | None = field(None, help="keyword arguments of the task generator (e.g. max_operand)")
   demo_options: dict[str, Any] | None = field(None, help="keyword arguments of the scripted demonstrations "
                                               "(e.g. style: direct for calculator)")
@@ -235,6 +240,11 @@ class TrainConfig:
   eval_temperature: float = field(0.0, ge=0.0, help="0: greedy evaluation")
   save_trajectories: bool = field(True)
   plots: bool = field(True, help="write PNG learning curves to plots/")
+  exclude_terminations: tuple[str, ...] = field(
+      ("env_error", "env_timeout", "retries_exhausted", "cancelled"), choices=lambda: list(envs.TERMINATIONS),
+      help="episodes ending so are infrastructure failures: stored and counted, never trained on or grouped")
+  allow_env_change: bool = field(False, help="resume even if the env, verifier or parser version changed "
+                                 "(recorded in the checkpoint metadata)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +259,44 @@ class Config:
   rollout: RolloutConfig = field(RolloutConfig())
   env: EnvConfig = field(EnvConfig())
   train: TrainConfig = field(TrainConfig())
+
+  def __post_init__(self):
+    check_combinations(self, self.distributed.num_processes or 1)
+
+
+def check_combinations(config: Config, num_processes: int) -> None:
+  """Rules that span sections; run when a config loads and again with the real process count at startup.
+
+  Raises:
+    ConfigError naming the keys, the values and what would be valid.
+  """
+  algo, rollout, train = config.algo, config.rollout, config.train
+  if algo.name == "ppo" and algo.advantage != "gae":
+    raise ConfigError(f"algo.name='ppo' needs algo.advantage='gae' (got {algo.advantage!r})")
+  if algo.name == "grpo" and algo.advantage == "gae":
+    raise ConfigError("algo.advantage='gae' needs a value function: set algo.name='ppo'")
+  # The learner scores tokens under softmax(logits / rollout.temperature): the ratio to the recorded behavior
+  # log-probs is exact only for that distribution, so truncated sampling is refused.
+  if rollout.temperature <= 0:
+    raise ConfigError(f"rollout.temperature={rollout.temperature}: training samples from the policy; use a "
+                      "temperature > 0 (greedy decoding is for eval/generate)")
+  if rollout.top_k or rollout.top_p < 1.0:
+    raise ConfigError(f"rollout.top_k={rollout.top_k}, rollout.top_p={rollout.top_p}: truncated sampling would "
+                      "make the importance ratio wrong; use top_k=0, top_p=1.0 for training (they remain "
+                      "available to `jaxagent generate`)")
+  if "completed" in train.exclude_terminations:
+    raise ConfigError("train.exclude_terminations: 'completed' is task success or failure, never an "
+                      "infrastructure failure")
+  where = f"the {num_processes} processes" + (" (distributed.num_processes)" if num_processes > 1 else "")
+  for name, value in (("train.tasks_per_iteration", train.tasks_per_iteration),
+                      ("train.eval_episodes", train.eval_episodes or num_processes),
+                      ("train.bc_batch_size", train.bc_batch_size)):
+    if value % num_processes:
+      raise ConfigError(f"{name}={value}: must be divisible by {where}")
+  rows = train.tasks_per_iteration * train.group_size // num_processes
+  if rows % train.micro_batches:
+    raise ConfigError(f"train.micro_batches={train.micro_batches}: must divide the {rows} trajectories each "
+                      f"process trains on per update (train.tasks_per_iteration x train.group_size / {where})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,10 +321,17 @@ def _check_range(value: Any, meta: Mapping[str, Any], where: str) -> None:
   choices = meta.get("choices")
   if choices is not None:
     valid = list(choices() if callable(choices) else choices)
-    if value not in valid:
-      close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
-      hint = f" (did you mean {close[0]!r}?)" if close else ""
-      raise ConfigError(f"{where}={value!r}: not one of {valid}{hint}")
+    for item in (value if isinstance(value, tuple) else (value,)):
+      if item not in valid:
+        close = difflib.get_close_matches(str(item), [str(v) for v in valid], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{where}={item!r}: not one of {valid}{hint}")
+  check = meta.get("check")
+  if check is not None:
+    try:
+      check(value)
+    except (ValueError, KeyError, TypeError) as e:
+      raise ConfigError(f"{where}={value!r}: {e.args[0] if e.args else e}") from None
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:

@@ -342,7 +342,7 @@ def selfcheck(mesh_config=None) -> dict[str, Any]:
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent import sharding  # pylint: disable=g-import-not-at-top
+  from jaxagent import multihost, sharding  # pylint: disable=g-import-not-at-top
 
   mesh = sharding.mesh_from_config(mesh_config or config_lib.MeshConfig())
   axes = tuple(mesh.axis_names)
@@ -355,9 +355,9 @@ def selfcheck(mesh_config=None) -> dict[str, Any]:
                                out_specs=P()))(x)
   n, per = jax.process_count(), rows_per_device * cols * jax.local_device_count()
   # Reading back: each process gets exactly its own rows, from a row-sharded and from a replicated array.
-  mine = sharding.local_rows(x)
+  mine = multihost.local_rows(x)
   rows = jnp.arange(x.shape[0] * cols, dtype=jnp.float32).reshape(x.shape[0], cols)
-  replicated = sharding.local_rows(jax.jit(lambda: rows, out_shardings=NamedSharding(mesh, P()))())
+  replicated = multihost.local_rows(jax.jit(lambda: rows, out_shardings=NamedSharding(mesh, P()))())
   block = np.asarray(rows)[jax.process_index() * local.shape[0]:(jax.process_index() + 1) * local.shape[0]]
   return {"process_id": jax.process_index(), "num_processes": n, "device_count": jax.device_count(),
           "mesh": dict(mesh.shape), "sum": float(total), "psum": float(psum),

@@ -18,25 +18,38 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils, multihost_utils
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 import models
 from jaxagent.config import MeshAxes, MeshConfig
 
-MESH_AXES = models.MESH_AXES
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Training: parameters FSDP over `fsdp`, tensor parallelism over `tensor`; `batch` is for activations and data.
+FSDP_TP_RULES: models.Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("length", None),
+)
 
 # Decode: weights split over `tensor` only (no all-gather per generated token), the batch over the rest.
 TENSOR_PARALLEL_RULES: models.Rules = tuple((name, None if name == "embed" else target)
-                                            for name, target in models.DEFAULT_RULES)
+                                            for name, target in FSDP_TP_RULES)
 
 # Everything replicated but the batch: small models, debugging; the replication guard rejects it on a
 # multi-device learner mesh unless mesh.max_replicated_fraction allows it.
 REPLICATED_RULES: models.Rules = tuple((name, ("data", "fsdp") if name == "batch" else None)
-                                       for name, _ in models.DEFAULT_RULES)
+                                       for name, _ in FSDP_TP_RULES)
 
 RULE_TABLES: dict[str, models.Rules] = {
-    "fsdp_tp": models.DEFAULT_RULES,  # training: parameters FSDP over `fsdp`, tensor-parallel over `tensor`
+    "fsdp_tp": FSDP_TP_RULES,
     "tensor_parallel": TENSOR_PARALLEL_RULES,
     "replicated": REPLICATED_RULES,
 }
@@ -58,8 +71,17 @@ def rules_for(role: str, config: MeshConfig) -> models.Rules:
 # Mesh.
 
 
-def _infer(sizes: MeshAxes, total: int, where: str) -> dict[str, int]:
-  out = {a: getattr(sizes, a) for a in MESH_AXES}
+def _infer(sizes: MeshAxes | dict[str, int], total: int, where: str) -> dict[str, int]:
+  """Sizes per mesh axis with the one -1 filled in so that they multiply to `total` (the only inference)."""
+  if isinstance(sizes, dict):
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+      raise ValueError(f"{where}: unknown mesh axes {sorted(unknown)}; valid: {list(MESH_AXES)}")
+    out = {a: sizes.get(a, 1) for a in MESH_AXES}
+  else:
+    out = {a: getattr(sizes, a) for a in MESH_AXES}
+  if sum(v == -1 for v in out.values()) > 1:
+    raise ValueError(f"{where}: at most one mesh axis may be -1, got {out}")
   known = math.prod(v for v in out.values() if v != -1)
   inferred = [a for a, v in out.items() if v == -1]
   if inferred:
@@ -130,6 +152,16 @@ def mesh_from_config(config: MeshConfig, devices: Sequence[jax.Device] | None = 
         [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES], devices,
         process_is_granule=process_is_granule, allow_split_physical_axes=config.allow_split_physical_axes)
   return Mesh(np.asarray(grid), MESH_AXES)
+
+
+def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A `data, fsdp, tensor` mesh over `devices` (default: all) from explicit sizes; one may be -1 (inferred).
+
+  Unset axes default to `data: -1, fsdp: 1, tensor: 1`. For the configured mesh use `mesh_from_config`.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = _infer({"data": -1, "fsdp": 1, "tensor": 1, **(shape or {})}, len(devices), f"mesh {shape}")
+  return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,32 +281,3 @@ def reshard(tree: Any, shardings: Any, *, chunk_fraction: float = 0.125) -> Any:
       leaves[i].delete()
       out[i] = y
   return treedef.unflatten(out)
-
-
-def local_rows(x: jax.Array) -> np.ndarray:
-  """This process's rows of a batch-leading global array (process p owns the p-th contiguous block of rows).
-
-  Read from the shards this process already holds when they cover its block (the batch is sharded that way
-  whenever rows are spread over processes: `make_array_from_process_local_data`); otherwise, e.g. rows too few
-  to shard, the array is gathered from every process first.
-  """
-  n = jax.process_count()
-  if n == 1:
-    return np.asarray(jax.device_get(x))
-  rows = x.shape[0] // n
-  lo = jax.process_index() * rows
-  out = covered = None
-  for shard in x.addressable_shards:
-    start, stop, _ = shard.index[0].indices(x.shape[0])
-    a, b = max(start, lo), min(stop, lo + rows)
-    if a >= b:
-      continue
-    if out is None:
-      out, covered = np.empty((rows,) + x.shape[1:], x.dtype), np.zeros((rows,) + x.shape[1:], bool)
-    where = (slice(a - lo, b - lo),) + tuple(shard.index[1:])
-    out[where] = np.asarray(shard.data)[a - start:b - start]
-    covered[where] = True
-  if out is not None and covered.all():
-    return out
-  full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return full[lo:lo + rows]

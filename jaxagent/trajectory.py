@@ -6,8 +6,13 @@ per-turn records whose `span`s index into that stream. Tokens live in exactly on
 on the sampled tokens and the appended observation tokens as recorded; chat history is never re-tokenized.
 
 `TokenStream` is the host-side builder the rollout engine uses: `sampled(...)` appends policy tokens with their
-log-probs, `observation(text, tokenizer)` appends untrusted text through `tokenizer.encode` (which never yields
-special tokens), `control(name, tokenizer)` is the only way a control token enters the stream.
+log-probs, `text(text, role, tokenizer)` appends untrusted text through `tokenizer.encode` (which never yields
+special tokens), `control(name, role, tokenizer)` is the only way a control token enters the stream, and
+`extend(frame)` appends a frame that `jaxagent.chat` built through those same doors.
+
+Vocabulary shared with `envs` (imported, never redefined): `Termination`, `Outcome`, the invalid-action rule
+names. Record types have names of their own (`TaskRecord`, `ObservationRecord`, `VerifierRecord`) so they are
+never confused with the env-side `envs.Task`, `envs.Observation`, `envs.Verdict`.
 
 Every record carries `schema` (`SCHEMA_VERSION`); `from_dict` rejects unknown versions and malformed records
 with `TrajectoryFormatError` naming the offending field.
@@ -21,6 +26,8 @@ import math
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
+
+from envs import INVALID_ACTION_RULES, Outcome, Termination  # one vocabulary from env to record
 
 SCHEMA_VERSION = 1
 KIND = "jaxagent.trajectory"
@@ -47,26 +54,13 @@ SAMPLED_ROLES = (Role.POLICY, Role.REASONING)
 OBSERVATION_ROLES = (Role.TOOL, Role.ERROR)
 
 
-class TerminationReason(str, enum.Enum):
-  """Why an episode ended; recorded by the engine, never inferred later. Budget exhaustion is not completion."""
-  COMPLETED = "completed"                          # the task finished; the verifier decided pass/fail
-  MAX_TURNS = "max_turns"
-  CONTEXT_EXHAUSTED = "context_exhausted"          # context / token budget
-  TURN_BUDGET_EXHAUSTED = "turn_budget_exhausted"  # per-turn token budget
-  INVALID_ACTION = "invalid_action"                # invalid action with the `terminate` rule
-  PARSER_REJECTED = "parser_rejected"
-  ENV_ERROR = "env_error"                          # tool / environment fault
-  ENV_TIMEOUT = "env_timeout"
-  RETRIES_EXHAUSTED = "retries_exhausted"
-  CANCELLED = "cancelled"
-
-
 # ----------------------------------------------------------------------------------------------
 # Small frozen records.
 
 
 @dataclasses.dataclass(frozen=True)
-class Task:
+class TaskRecord:
+  """The task an episode ran (its payload stays with the env: answers never enter the record)."""
   id: str
   split: Literal["train", "tune", "eval"] = "train"
   version: str = ""                    # task / dataset version
@@ -79,8 +73,12 @@ class EnvInfo:
   seed: int
   clock: str = "host"                  # clock policy ("host": the real clock; no pool freezes it yet)
   network: str = "host"                # network policy ("none" inside a sandbox pool)
-  # DESIGN.md §2.3; the same names as envs.INVALID_ACTION_RULES (one vocabulary from env to record)
-  invalid_action_rule: Literal["error_observation", "terminate", "penalty"] = "error_observation"
+  invalid_action_rule: str = "error_observation"  # DESIGN.md §2.3: one of envs.INVALID_ACTION_RULES
+
+  def __post_init__(self):
+    if self.invalid_action_rule not in INVALID_ACTION_RULES:
+      raise TrajectoryFormatError(f"env.invalid_action_rule={self.invalid_action_rule!r}: not one of "
+                                  f"{INVALID_ACTION_RULES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +90,8 @@ class Action:
 
 
 @dataclasses.dataclass(frozen=True)
-class Observation:
-  span: tuple[int, int]                # [start, stop) into the token stream
+class ObservationRecord:
+  span: tuple[int, int]                # [start, stop) of the observation's own tokens in the stream
   text: str
   truncated: bool = False
   original_bytes: int = 0              # size before truncation
@@ -102,12 +100,19 @@ class Observation:
 @dataclasses.dataclass(frozen=True)
 class Turn:
   action: Action
-  observation: Observation | None = None
+  observation: ObservationRecord | None = None
   reward: float = 0.0
   reward_components: Mapping[str, float] = dataclasses.field(default_factory=dict)
   policy_version: int = 0              # behavior policy that sampled this action
   t_decode_s: float = 0.0
   t_env_s: float = 0.0
+  outcome: str = "ok"                  # the env step's `envs.Outcome` (finer than the termination)
+
+  def __post_init__(self):
+    try:
+      object.__setattr__(self, "outcome", Outcome(self.outcome).value)
+    except ValueError:
+      raise TrajectoryFormatError(f"turn outcome {self.outcome!r}: not one of {[o.value for o in Outcome]}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +124,8 @@ class Reward:
 
 
 @dataclasses.dataclass(frozen=True)
-class Verifier:
+class VerifierRecord:
+  """The verifier's verdict on the episode, kept with its evidence (None: no verifier ran)."""
   name: str = ""
   version: str = ""
   passed: bool | None = None
@@ -161,10 +167,10 @@ class Trajectory:
     policy_version: behavior policy version at the start of the episode (turns carry their own).
     group_id: trajectories sharing it form one advantage group (default: the task id).
   """
-  task: Task
+  task: TaskRecord
   env: EnvInfo
   policy_version: int
-  termination: TerminationReason
+  termination: Termination
   reward: Reward
   turns: tuple[Turn, ...]
   tokens: np.ndarray
@@ -174,7 +180,7 @@ class Trajectory:
   id: str = ""
   group_id: str = ""
   timing: Timing = Timing()
-  verifier: Verifier = Verifier()
+  verifier: VerifierRecord = VerifierRecord()
   reasoning: Reasoning = Reasoning()
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   schema: int = SCHEMA_VERSION
@@ -186,7 +192,7 @@ class Trajectory:
     put("loss_mask", _frozen_array(self.loss_mask, np.bool_, "loss_mask"))
     put("behavior_logprobs", _frozen_array(self.behavior_logprobs, np.float32, "behavior_logprobs"))
     put("turns", tuple(self.turns))
-    put("termination", TerminationReason(self.termination))
+    put("termination", Termination(self.termination))
     if not self.group_id:
       put("group_id", self.task.id)
     self.validate()
@@ -226,6 +232,13 @@ class Trajectory:
         self._check_span(turn.observation.span, f"turns[{i}].observation", OBSERVATION_ROLES)
     if not math.isfinite(self.reward.total):
       raise TrajectoryFormatError(f"reward.total={self.reward.total}: not finite")
+    # The return is the per-turn rewards' discounted sum plus the discounted terminal reward (DESIGN §2.1).
+    g = self.reward.gamma
+    expected = sum(t.reward * g ** k for k, t in enumerate(self.turns)) + g ** len(self.turns) * self.reward.terminal
+    if not math.isclose(self.reward.total, expected, rel_tol=1e-6, abs_tol=1e-6):
+      raise TrajectoryFormatError(
+          f"reward.total={self.reward.total!r} != Σ γ^t r_t + γ^T terminal = {expected!r} (γ={g}, "
+          f"{len(self.turns)} turns, terminal {self.reward.terminal!r})")
 
   def _check_span(self, span: tuple[int, int], where: str, roles: Sequence[Role]) -> None:
     start, stop = span
@@ -297,16 +310,16 @@ class Trajectory:
         raise TrajectoryFormatError(f"unknown fields {extra}")
       arrays = {k: _array_from(d[k], k) for k in ("tokens", "roles", "loss_mask", "behavior_logprobs")}
       return cls(
-          task=_record(Task, d["task"], "task"),
+          task=_record(TaskRecord, d["task"], "task"),
           env=_record(EnvInfo, d["env"], "env"),
           policy_version=_int(d["policy_version"], "policy_version"),
-          termination=_enum(TerminationReason, d["termination"], "termination"),
+          termination=_enum(Termination, d["termination"], "termination"),
           reward=_record(Reward, d["reward"], "reward"),
           turns=tuple(_turn_from_dict(t, f"turns[{i}]") for i, t in enumerate(_list(d["turns"], "turns"))),
           id=str(d.get("id", "")),
           group_id=str(d.get("group_id", "")),
           timing=_record(Timing, d.get("timing", {}), "timing"),
-          verifier=_record(Verifier, d.get("verifier", {}), "verifier"),
+          verifier=_record(VerifierRecord, d.get("verifier", {}), "verifier"),
           reasoning=_record(Reasoning, d.get("reasoning", {}), "reasoning"),
           metadata=dict(d.get("metadata") or {}),
           schema=schema,
@@ -320,7 +333,8 @@ def _turn_to_dict(t: Turn) -> dict[str, Any]:
           "observation": None if t.observation is None else
           {**dataclasses.asdict(t.observation), "span": list(t.observation.span)},
           "reward": t.reward, "reward_components": dict(t.reward_components),
-          "policy_version": t.policy_version, "t_decode_s": t.t_decode_s, "t_env_s": t.t_env_s}
+          "policy_version": t.policy_version, "t_decode_s": t.t_decode_s, "t_env_s": t.t_env_s,
+          "outcome": t.outcome}
 
 
 def _turn_from_dict(d: Any, where: str) -> Turn:
@@ -332,7 +346,7 @@ def _turn_from_dict(d: Any, where: str) -> Turn:
   except KeyError:
     raise TrajectoryFormatError(f"{where}: missing field 'action'") from None
   if d.get("observation") is not None:
-    d["observation"] = _record(Observation, d["observation"], f"{where}.observation")
+    d["observation"] = _record(ObservationRecord, d["observation"], f"{where}.observation")
   return _record(Turn, d, where)
 
 
@@ -437,10 +451,25 @@ class TokenStream:
 
   def text(self, text: str, role: Role, tokenizer: Any, *, max_tokens: int | None = None) -> tuple[int, int]:
     """Appends `tokenizer.encode(text)`, cut to its first `max_tokens` tokens when given."""
+    return self.capped_text(text, role, tokenizer, max_tokens=max_tokens)[0]
+
+  def capped_text(self, text: str, role: Role, tokenizer: Any, *, max_tokens: int | None = None
+                  ) -> tuple[tuple[int, int], int]:
+    """`text`, also returning how many tokens of the encoded text were cut (0: none)."""
     if role in SAMPLED_ROLES:
       raise ValueError("policy tokens enter through `sampled`, never by encoding text")
     tokens = tokenizer.encode(text)
-    return self._append(tokens if max_tokens is None else tokens[:max_tokens], role, False, None)
+    kept = tokens if max_tokens is None else tokens[:max_tokens]
+    return self._append(kept, role, False, None), len(tokens) - len(kept)
+
+  def extend(self, other: "TokenStream") -> tuple[int, int]:
+    """Appends another stream's tokens as they are (roles, mask, log-probs): a frame built ahead of time."""
+    start = len(self._tokens)
+    self._tokens += other._tokens
+    self._roles += other._roles
+    self._mask += other._mask
+    self._logp += other._logp
+    return start, len(self._tokens)
 
   def control(self, name: str, role: Role, tokenizer: Any) -> tuple[int, int]:
     if role in SAMPLED_ROLES:

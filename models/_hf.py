@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from models._config import ModelConfig
 from models._families import config_from_hf, config_to_hf
-from models._sharding import DEFAULT_RULES, Rules, variable_sharding
+from models._sharding import Rules, variable_sharding
 from models._transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -149,7 +149,7 @@ class _TensorIndex:
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
-                    rules: Rules = DEFAULT_RULES) -> Transformer:
+                    rules: Rules = ()) -> Transformer:
   """Loads an HF checkpoint directory into a `Transformer`.
 
   Args:

@@ -10,7 +10,7 @@ from jaxagent import trajectory as tj
 
 def make(tokenizer=None, *, turns=(("ls", "a.txt b.txt"), ("cat a.txt", "hello <|eot|> world")),
          reward=1.0, task_id="task-0", seed=0, policy_version=3, group_id="",
-         termination=tj.TerminationReason.COMPLETED, rng=None) -> tj.Trajectory:
+         termination=tj.Termination.COMPLETED, rng=None) -> tj.Trajectory:
   """A trajectory with a system prompt, then per turn: sampled action + tool observation."""
   tok = tokenizer or models.ByteTokenizer()
   rng = rng or np.random.default_rng(seed)
@@ -29,15 +29,16 @@ def make(tokenizer=None, *, turns=(("ls", "a.txt b.txt"), ("cat a.txt", "hello <
     o_span = z.text(obs, tj.Role.TOOL, tok)
     recorded.append(tj.Turn(
         action=tj.Action(span=a_span, text=action, valid=True, parsed={"cmd": action}),
-        observation=tj.Observation(span=o_span, text=obs, truncated=False, original_bytes=len(obs.encode())),
+        observation=tj.ObservationRecord(span=o_span, text=obs, truncated=False, original_bytes=len(obs.encode())),
         reward=0.1 * i, reward_components={"progress": 0.1 * i}, policy_version=policy_version,
         t_decode_s=0.01, t_env_s=0.02))
   return tj.Trajectory(
-      task=tj.Task(id=task_id, split="train", version="v1"),
+      task=tj.TaskRecord(id=task_id, split="train", version="v1"),
       env=tj.EnvInfo(name="shell", version="sha256:abc", seed=seed),
       policy_version=policy_version, termination=termination,
-      reward=tj.Reward(total=reward, gamma=1.0, terminal=reward, components={"outcome": reward}),
+      reward=tj.Reward(total=reward + sum(t.reward for t in recorded), gamma=1.0, terminal=reward,
+                       components={"outcome": reward}),
       turns=tuple(recorded), id=f"{task_id}/{seed}", group_id=group_id,
       timing=tj.Timing(reset_s=0.5, verify_s=0.25),
-      verifier=tj.Verifier(name="pytest", version="1", passed=reward > 0, evidence={"log": "ok"}),
+      verifier=tj.VerifierRecord(name="pytest", version="1", passed=reward > 0, evidence={"log": "ok"}),
       **z.arrays())

@@ -25,7 +25,7 @@ def test_registry_names_and_config_validation():
   assert sorted(algos.ADVANTAGES) == ["gae", "grpo", "returns", "rloo"]
   with pytest.raises(config_lib.ConfigError, match=r"algo.advantage='grp': not one of .*did you mean 'grpo'"):
     config_lib.load(overrides=["algo.advantage=grp"])
-  assert config_lib.load(overrides=["algo.advantage=gae"]).algo.advantage == "gae"
+  assert config_lib.load(overrides=["algo.advantage=gae", "algo.name=ppo"]).algo.advantage == "gae"
   with pytest.raises(config_lib.ConfigError, match="algo.kl_estimator"):
     config_lib.load(overrides=["algo.kl_estimator=k9"])
   with pytest.raises(config_lib.ConfigError, match="algo.dual_clip=0.5: must be > 1"):
@@ -156,3 +156,76 @@ def test_grpo_matches_numpy(rewards, k):
   assert int(zero) == flat
   assert np.all(np.isfinite(np.asarray(adv)))
   assert not math.isnan(float(np.asarray(adv).sum()))
+
+
+def test_group_statistics_count_only_the_trajectories_the_estimator_uses():
+  """An all-masked row (no valid step: e.g. excluded for an infrastructure failure) is in no group.
+
+  Group 0: returns 1, 1 and an all-masked row (its return would be 0 if counted: std 0.47, not flat).
+  Group 1: returns 0, 2 -> population std 1. Group 2: only an all-masked row -> not a group at all.
+  Group 3: returns 1 + 2 = 3, 0 and 6 (a NaN after its last valid step) -> std sqrt(6).
+  """
+  nan = np.nan
+  rewards = np.array([[1, 0], [0, 1], [5, 5], [0, 0], [2, 0], [7, 7], [1, 2], [0, 0], [6, nan]], np.float32)
+  mask = np.array([[1, 0], [1, 1], [0, 0], [1, 1], [1, 0], [0, 0], [1, 1], [1, 1], [1, 0]], bool)
+  groups = [0, 0, 0, 1, 1, 2, 3, 3, 3]
+  want_std = (0.0 + 1.0 + math.sqrt(6.0)) / 3
+  for name in sorted(algos.ADVANTAGES):
+    kw = {"values_ns": jnp.zeros(mask.shape)} if name == "gae" else {}
+    out = algos.get_advantage(name)(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups, jnp.int32), **kw)
+    assert out.groups.dtype == jnp.int32 and out.group_return_std.dtype == jnp.float32, name
+    assert int(out.groups) == 3, name
+    assert int(out.zero_variance_groups) == 1, name   # group 0: a zero_variance_group_fraction of 1/3
+    np.testing.assert_allclose(float(out.group_return_std), want_std, rtol=1e-6, err_msg=name)
+  # Counting every row, as the host statistics over all trajectories did, would give other numbers.
+  totals = np.array([1, 1, 0, 0, 2, 0, 3, 0, 6], np.float64)
+  per_group = [totals[np.asarray(groups) == g] for g in range(4)]
+  assert np.mean([x.std() for x in per_group]) != pytest.approx(want_std)
+  # All rows: group 0 varies and the all-masked group 2 counts as flat: 1 of 4 groups, not 1 of 3.
+  assert np.mean([np.ptp(x) == 0 for x in per_group]) == 1 / 4
+
+
+def test_group_statistics_match_numpy_on_random_batches():
+  rng = np.random.default_rng(0)
+  n, s = 12, 3
+  for trial in range(5):
+    rewards = rng.choice([0.0, 0.5, 1.0], size=(n, s)).astype(np.float32)
+    lengths = rng.integers(0, s + 1, size=n)   # some rows have no valid step
+    mask = np.arange(s)[None, :] < lengths[:, None]
+    groups = np.sort(rng.integers(0, 5, size=n)).astype(np.int32)
+    ret = np.where(mask, rewards, 0.0).sum(axis=1).astype(np.float64)
+    stds, flat = [], 0
+    for g in np.unique(groups[lengths > 0]):
+      x = ret[(groups == g) & (lengths > 0)]
+      stds.append(x.std())
+      flat += int(np.ptp(x) == 0)
+    for name in ("grpo", "returns"):
+      out = algos.get_advantage(name)(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups))
+      assert int(out.groups) == len(stds), (trial, name)
+      assert int(out.zero_variance_groups) == flat, (trial, name)
+      np.testing.assert_allclose(float(out.group_return_std), np.mean(stds) if stds else 0.0, rtol=1e-5,
+                                 atol=1e-6, err_msg=f"{trial} {name}")
+  # No valid trajectory at all: no group, std 0 (not NaN).
+  out = algos.get_advantage("grpo")(jnp.ones((2, 2)), jnp.zeros((2, 2), bool), jnp.array([0, 1], jnp.int32))
+  assert int(out.groups) == 0 and int(out.zero_variance_groups) == 0 and float(out.group_return_std) == 0.0
+
+
+def test_gae_estimator_bootstraps_truncated_episodes_only():
+  """Row 0 is truncated after 2 steps (V(s_T) = 2 passed as bootstrap_n), row 1 terminal (bootstrap 0).
+
+  γ = 0.9, λ = 0.8, r = [0, 1], V = [0.5, 0.8] in both rows; step 2 is masked (NaN: never read).
+  Truncated: δ1 = 1 + 0.9·2 − 0.8 = 2.0, δ0 = 0.9·0.8 − 0.5 = 0.22, A = [0.22 + 0.72·2.0, 2.0] = [1.66, 2.0].
+  Terminal:  δ1 = 1 − 0.8 = 0.2, A = [0.22 + 0.72·0.2, 0.2] = [0.364, 0.2]. Returns = A + V.
+  """
+  rewards = jnp.array([[0, 1, np.nan], [0, 1, np.nan]], jnp.float32)
+  values = jnp.array([[0.5, 0.8, np.inf], [0.5, 0.8, np.inf]], jnp.float32)
+  mask = jnp.array([[1, 1, 0], [1, 1, 0]], bool)
+  out = algos.get_advantage("gae")(rewards, mask, jnp.array([0, 1], jnp.int32), values_ns=values,
+                                   bootstrap_n=jnp.array([2.0, 0.0]), gamma=0.9, lam=0.8)
+  np.testing.assert_allclose(out.advantages, [[1.66, 2.0, 0], [0.364, 0.2, 0]], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(out.returns, [[2.16, 2.8, 0], [0.864, 1.0, 0]], rtol=1e-6, atol=1e-7)
+  # Without bootstrap_n both rows are terminal.
+  plain = algos.get_advantage("gae")(rewards, mask, jnp.array([0, 1], jnp.int32), values_ns=values, gamma=0.9,
+                                     lam=0.8)
+  np.testing.assert_allclose(plain.advantages[0], plain.advantages[1])
+  np.testing.assert_allclose(plain.advantages[1], [0.364, 0.2, 0], rtol=1e-6, atol=1e-7)

@@ -54,8 +54,8 @@ def _sampled_stream(tok, rng, n_turns, obs_text):
     sampled.append((ids, logp))
     z.control("<|tool|>", tj.Role.SYSTEM, tok)
     o = z.text(obs_text, tj.Role.TOOL, tok)
-    turns.append(tj.Turn(action=tj.Action(span=a, text="?"), observation=tj.Observation(span=o, text=obs_text)))
-  t = tj.Trajectory(task=tj.Task(id="t"), env=tj.EnvInfo(name="e", version="1", seed=0), policy_version=1,
+    turns.append(tj.Turn(action=tj.Action(span=a, text="?"), observation=tj.ObservationRecord(span=o, text=obs_text)))
+  t = tj.Trajectory(task=tj.TaskRecord(id="t"), env=tj.EnvInfo(name="e", version="1", seed=0), policy_version=1,
                     termination="max_turns", reward=tj.Reward(total=0.0), turns=tuple(turns), **z.arrays())
   return t, sampled
 

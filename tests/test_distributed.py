@@ -157,7 +157,7 @@ def test_two_processes_form_one_mesh_and_reduce_across_processes(tmp_path):
     assert r["processes_in_mesh"] == [0, 1]
     # Process i contributes 2*3*4 = 24 values equal to i + 1: 24*1 + 24*2 = 72 needs both processes.
     assert r["sum"] == r["psum"] == r["expected"] == 72.0
-    assert r["local_rows"], "sharding.local_rows did not return this process's own rows"
+    assert r["local_rows"], "multihost.local_rows did not return this process's own rows"
   assert results[0]["sum"] == results[1]["sum"]
   # process_zero_only: exactly one coordinator file, written by process 0.
   assert json.loads((tmp_path / "coordinator.json").read_text())["process_id"] == 0

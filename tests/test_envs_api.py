@@ -37,7 +37,7 @@ def test_demos_solve_every_task(name, split):
     for action in spec.demo(task, seed):
       result = env.step(action)
     assert result.done and result.termination == envs.COMPLETED and result.reward_components["outcome"] == 1.0
-    assert result.info["passed"] is True
+    assert result.verdict.passed is True and result.outcome is envs.Outcome.COMPLETED
 
 
 @pytest.mark.parametrize("name", DETERMINISTIC)
@@ -71,7 +71,9 @@ def test_calculator_actions_are_short_and_regular():
   assert env.step("calc 12*7").observation.text == "84"
   assert env.step("calc (3+4)*2").observation.text == "14"
   result = env.step("answer 0")
-  assert result.done and result.termination == "completed" and result.info["passed"] is False
+  assert result.done and result.termination == "completed" and result.verdict.passed is False
+  assert result.call == envs.Call("answer", "0") and result.verdict.evidence == {
+      "expected": envs.builtin.calculator.safe_eval(task.payload["question"]), "got": "0"}
   assert all(len(a) <= 16 for t in spec.tasks("train", 50, 0) for a in spec.demo(t))
   with pytest.raises(ValueError, match="max_operand=1"):
     envs.builtin.calculator.tasks("train", 1, 0, max_operand=1)
@@ -87,6 +89,7 @@ def test_invalid_action_rules(rule, action, kind):
   assert result.info["rule"] == rule and result.observation.text.startswith("error:")
   if rule == "terminate":
     assert result.done and result.termination == kind and result.outcome == kind
+    assert type(result.termination) is envs.Termination and type(result.outcome) is envs.Outcome
   else:
     assert not result.done and result.outcome == f"{kind}_continued"
     assert result.reward_components["validity"] == (-0.5 if rule == "penalty" else 0.0)
@@ -129,6 +132,7 @@ def test_guess_budget_is_not_completion():
   wrong = 1 if target != 1 else 2
   results = [env.step(f"guess {wrong}") for _ in range(envs.builtin.guess.budget(16))]
   assert results[-1].termination == "turn_budget_exhausted" and not any(r.done for r in results[:-1])
+  assert results[-1].outcome is envs.Outcome.TURN_BUDGET_EXHAUSTED and results[-1].verdict.passed is False
 
 
 def test_snapshot_is_an_optional_capability_answered_over_the_wire():
@@ -147,3 +151,62 @@ def test_snapshot_is_an_optional_capability_answered_over_the_wire():
   first = calc.handle("step", {"instance": "a", "action": "calc 1+1"})
   calc.handle("restore", {"instance": "a", "state": saved})
   assert calc.handle("step", {"instance": "a", "action": "calc 1+1"}) == first
+
+
+def test_one_vocabulary_of_terminations_and_outcomes():
+  assert tuple(t.value for t in envs.Termination) == envs.TERMINATIONS
+  assert envs.OUTCOMES == ("ok",) + envs.TERMINATIONS + (
+      "worker_crash", "invalid_action_continued", "parser_rejected_continued", "replay_diverged")
+  assert tuple(o.value for o in envs.Outcome) == envs.OUTCOMES
+  assert [envs.OUTCOME_CODES[o] for o in envs.Outcome] == list(range(len(envs.OUTCOMES)))
+  assert envs.COMPLETED is envs.Termination.COMPLETED and envs.ENV_ERROR is envs.Termination.ENV_ERROR
+  for member in (envs.Termination.ENV_TIMEOUT, envs.Outcome.REPLAY_DIVERGED):
+    assert str(member) == f"{member}" == "%s" % member == member.value and member == member.value
+  assert f"{envs.Outcome.OK:>4}" == "  ok"
+  assert envs.INVALID_ACTION_RULES == ("error_observation", "terminate", "penalty")
+
+
+def test_step_result_outcome_is_derived_and_checked():
+  obs = envs.Observation("x")
+  done = envs.StepResult(obs, {}, True, "env_error", {"error": "boom"})  # positional, plain string
+  assert done.termination is envs.Termination.ENV_ERROR and done.outcome is envs.Outcome.ENV_ERROR
+  assert envs.StepResult(obs, {}, False, None).outcome is envs.Outcome.OK
+  crash = envs.StepResult(obs, {}, True, envs.ENV_ERROR, outcome="worker_crash")
+  assert crash.outcome is envs.Outcome.WORKER_CRASH
+  with pytest.raises(ValueError, match="outcome='ok' with done=True"):
+    envs.StepResult(obs, {}, True, envs.COMPLETED, outcome=envs.Outcome.OK)
+  with pytest.raises(ValueError, match="outcome='completed' with done=False"):
+    envs.StepResult(obs, {}, False, None, outcome=envs.Outcome.COMPLETED)
+  with pytest.raises(ValueError, match="termination='finished': not one of"):
+    envs.StepResult(obs, {}, True, "finished")
+  with pytest.raises(ValueError, match="outcome='meh': not one of"):
+    envs.StepResult(obs, {}, False, None, outcome="meh")
+  with pytest.raises(ValueError, match="a finished step needs one of"):
+    envs.StepResult(obs, {}, True, None)
+
+
+def test_typed_fields_round_trip_the_wire_exactly():
+  from envs import _protocol as P  # pylint: disable=g-import-not-at-top
+  verdict = envs.Verdict(False, 0.25, {"got": "7", "steps": [1, 2], "nested": {"ok": None}}, "v3")
+  results = [
+      envs.StepResult(envs.Observation("t" * 20, True, 99), {"validity": -0.5}, False, None, {"rule": "penalty"},
+                      outcome=envs.Outcome.INVALID_ACTION_CONTINUED, call=envs.Call("calc", "1+")),
+      envs.StepResult(envs.Observation("done"), {"outcome": 0.25}, True, envs.COMPLETED, {"turn": 3},
+                      call=envs.Call("answer", "7"), verdict=verdict),
+      envs.StepResult(envs.Observation(""), {}, True, envs.ENV_ERROR, outcome=envs.Outcome.REPLAY_DIVERGED),
+  ]
+  for r in results:
+    back = envs.StepResult.from_wire(P.msgpack.unpackb(P.pack(r.to_wire())[4:], raw=False))
+    assert back == r
+    assert type(back.termination) is type(r.termination) and type(back.outcome) is envs.Outcome
+  # What a worker answers for a real step equals the step in this process, typed fields included.
+  from envs.server import Host  # pylint: disable=g-import-not-at-top
+  spec = envs.get("calculator")
+  task = spec.tasks("train", 1, 0)[0]
+  host, env = Host("calculator"), spec.make()
+  host.handle("reset", {"instance": "a", "task": task.to_wire(), "seed": 0, "options": {}})
+  env.reset(task, 0)
+  for action in spec.demo(task, 0):
+    wire = P.msgpack.unpackb(P.pack(host.handle("step", {"instance": "a", "action": action}))[4:], raw=False)
+    assert envs.StepResult.from_wire(wire) == env.step(action)
+  assert envs.StepResult.from_wire(wire).verdict.passed is True

@@ -25,8 +25,8 @@ class RecordingPool:
     self.calls.append((list(slots), list(actions)))
     self.threads.add(threading.get_ident())
     return [envs.StepResult(envs.Observation(f"{self.shard}:{s}:{a}"), {"progress": float(len(a))},
-                            a.endswith("!"), "completed" if a.endswith("!") else None,
-                            {"outcome": "completed"} if a.endswith("!") else {}) for s, a in zip(slots, actions)]
+                            a.endswith("!"), envs.Termination.COMPLETED if a.endswith("!") else None)
+            for s, a in zip(slots, actions)]
 
 
 def _mesh(shape=(8,), names=("data",)):

@@ -41,10 +41,12 @@ def test_every_sampled_task_fails_before_and_passes_after_the_demo():
     # The demo (inverse mutation, submit): every test passes.
     results = [env.step(a) for a in SPEC.demo(task, i)]
     final = results[-1]
-    assert final.done and final.termination == envs.COMPLETED and final.info["passed"] is True, (task, final)
+    assert final.done and final.termination is envs.Termination.COMPLETED, (task, final)
+    assert final.verdict.passed is True, (task, final)
+    assert final.outcome is envs.Outcome.COMPLETED and final.verdict.version == env.verifier.version
     assert final.reward_components["outcome"] == 1.0
-    assert set(final.info["evidence"]["results"].values()) == {"pass"}
-    assert len(final.info["evidence"]["results"]) == 18
+    assert set(final.verdict.evidence["results"].values()) == {"pass"}
+    assert len(final.verdict.evidence["results"]) == 18
     env.close()
   assert len(kinds) >= 3, kinds
 
@@ -76,7 +78,7 @@ def test_actions_and_invalid_actions_inprocess():
                    ("replace textops.py:999 x", "lines 1.."), ("replace nowhere", "use: replace"),
                    ("test now", "no argument")]:
     r = env.step(bad)
-    assert r.info["outcome"] == "invalid_action_continued" and why in r.observation.text, (bad, r)
+    assert r.outcome is envs.Outcome.INVALID_ACTION_CONTINUED and why in r.observation.text, (bad, r)
   # `replace LINE TEXT` edits the last shown module and keeps the indentation when TEXT has none.
   assert env.step("replace 6 while i < j:").observation.text == "textops.py:6|     while i < j:"
   report = env.step("test").observation.text
@@ -86,7 +88,7 @@ def test_actions_and_invalid_actions_inprocess():
   env.step('replace textops.py:1 import os')
   assert env.step("test").observation.text == "18 tests: 18 pass"
   r = env.step("submit")
-  assert r.info["passed"] is False and r.info["evidence"]["new_names"] == {"textops.py": ["os"]}
+  assert r.verdict.passed is False and r.verdict.evidence["new_names"] == {"textops.py": ["os"]}
   env.close()
 
 
@@ -97,7 +99,8 @@ def test_train_episodes_cannot_read_or_edit_held_out_modules():
   assert "search.py" not in first and "intervals.py" not in first  # only the split's modules are listed
   for action in ("show search.py", "replace search.py:1 x = 1", "show intervals.py"):
     r = env.step(action)
-    assert r.info["outcome"] == "invalid_action_continued" and "unknown file" in r.observation.text, (action, r)
+    assert r.outcome is envs.Outcome.INVALID_ACTION_CONTINUED, (action, r)
+    assert "unknown file" in r.observation.text, (action, r)
   env.close()
 
 
@@ -117,7 +120,7 @@ def test_hangs_are_bounded(monkeypatch):
   env.step("replace search.py:1 import signal; signal.signal(signal.SIGALRM, signal.SIG_IGN); any(iter(int, 1))")
   t0 = time.monotonic()
   r = env.step("test")
-  assert r.done and r.termination == envs.ENV_TIMEOUT and r.info["outcome"] == envs.ENV_TIMEOUT, r
+  assert r.done and r.termination is envs.Termination.ENV_TIMEOUT and r.outcome is envs.Outcome.ENV_TIMEOUT, r
   assert time.monotonic() - t0 < 4
   env.close()
 
@@ -141,7 +144,7 @@ def test_sandboxed_pool_runs_demos_with_exact_replay(bwrap):
       for j in range(2):
         rs = p.step_many(range(n), [SPEC.demo(t)[j] for t in tasks])
         trace += [(r.observation.text, r.reward, r.termination) for r in rs]
-      assert all(r.done and r.info["passed"] for r in rs), rs
+      assert all(r.done and r.verdict.passed for r in rs), rs
       traces.append(trace)
   assert traces[0] == traces[1]
   # The CLI's measurement (`jaxagent envs check code_repair --split tune`): 100% replay.
@@ -152,7 +155,7 @@ def test_sandboxed_pool_runs_demos_with_exact_replay(bwrap):
 def _probe(p, task, line):
   p.reset(0, task, 0)
   r = p.step(0, f"replace textops.py:1 {line}")
-  assert not r.done and r.outcome == "ok", r
+  assert not r.done and r.outcome is envs.Outcome.OK, r
   return p.step(0, "test").observation.text
 
 

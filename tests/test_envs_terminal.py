@@ -19,9 +19,9 @@ def test_demos_pass_and_wrong_state_fails_inprocess():
       env = SPEC.make()
       env.reset(task, i)
       results = [env.step(a) for a in SPEC.demo(task, i)]
-      assert results[-1].termination == "completed" and results[-1].info["passed"], (task, results)
+      assert results[-1].termination == "completed" and results[-1].verdict.passed, (task, results)
       env.reset(task, i)
-      assert env.step("done").info["passed"] is False   # nothing done: the verifier says so
+      assert env.step("done").verdict.passed is False   # nothing done: the verifier says so
       env.close()
 
 
@@ -35,7 +35,7 @@ def test_runs_sandboxed_with_full_replay():
       first = p.step_many(range(4), ["sh ls -R | sort"] * 4)
       rest = [p.step_many(range(4), [SPEC.demo(t)[j] for t in tasks]) for j in range(2)]
       traces.append([r.observation.text for r in first] + [r.observation.text for rs in rest for r in rs])
-      assert all(r.info["passed"] for r in rest[-1])
+      assert all(r.verdict.passed for r in rest[-1])
   assert traces[0] == traces[1]
   assert "exit 0" in traces[0][0]
 

@@ -6,15 +6,19 @@ import signal
 import socket
 import struct
 import time
+import typing
 
 import msgpack
 import pytest
 
 import envs
 from envs import _protocol as P
-from envs.pool import PoolConfig, RemoteError, WorkerCrashed, WorkerTimeout, make_pool, reset_termination
+from envs import pool as pool_lib
+from envs.pool import (PoolConfig, RemoteError, WorkerConfig, WorkerCrashed, WorkerTimeout, make_pool,
+                       reset_termination)
 
 FAULTS = envs.get("faults")
+V = P.PROTOCOL_VERSION
 
 
 def _kill_worker(p, index):
@@ -90,6 +94,7 @@ def test_tool_fault_is_env_error_and_huge_observation_is_capped(kind):
     assert len(r[1].observation.text) == 1000 and not r[1].done
     again = p.step(0, "ok")   # stepping a finished episode answers, does not raise
     assert again.done and again.termination == "env_error" and again.info["already_done"]
+    assert again.outcome is envs.Outcome.ENV_ERROR and again.termination is envs.Termination.ENV_ERROR
 
 
 @pytest.mark.parametrize("rule", envs.INVALID_ACTION_RULES)
@@ -120,7 +125,7 @@ def test_replay_is_checked_and_a_diverging_episode_ends_alone():
     _kill_worker(p, 0)  # hosts slots 0 and 2
     r = p.step_many(range(4), ["ok"] * 4)
     assert [x.observation.text for x in (r[0], r[1], r[3])] == ["ok 2"] * 3
-    assert r[2].done and r[2].termination == "env_error" and r[2].outcome == "replay_diverged"
+    assert r[2].done and r[2].termination == "env_error" and r[2].outcome is envs.Outcome.REPLAY_DIVERGED
     assert "step 1 ('random')" in r[2].info["error"]
     assert (p.replays, p.replay_divergences) == (2, 1)
     assert p.step(0, "ok").observation.text == "ok 3"  # the replayed episode goes on
@@ -132,6 +137,7 @@ def test_worker_crash_without_replay_is_distinct_outcome():
     _kill_worker(p, 1)
     r = p.step_many(range(4), ["ok"] * 4)
     assert [x.outcome for x in r] == ["ok", "worker_crash", "ok", "worker_crash"]
+    assert r[1].outcome is envs.Outcome.WORKER_CRASH and r[0].call == envs.Call("ok", "")
     assert r[1].termination == "env_error"
     p.reset(1, FAULTS.tasks("train", 1, 9)[0], 0)   # the pool recovered
     assert p.step(1, "ok").observation.text == "ok 1"
@@ -163,10 +169,48 @@ def test_episode_timeout():
 
 
 def test_pool_config_errors_name_the_value():
-  with pytest.raises(ValueError, match="pool.kind='k8s'"):
+  with pytest.raises(ValueError, match=r"^kind='k8s': not one of \('inprocess', 'local', 'docker', 'remote'\)$"):
     PoolConfig(kind="k8s")
-  with pytest.raises(ValueError, match="addresses"):
+  with pytest.raises(ValueError, match=r"^addresses=\(\): a remote pool needs worker addresses"):
     PoolConfig(kind="remote")
+  for kwargs, message in [(dict(sandbox="docker"), r"^sandbox='docker': not one of \('auto', 'bwrap', 'none'\)$"),
+                          (dict(num_workers=0), r"^num_workers=0: must be >= 1$"),
+                          (dict(action_timeout_s=0.0), r"^action_timeout_s=0.0: must be > 0$"),
+                          (dict(max_retries=-1), r"^max_retries=-1: must be >= 0$")]:
+    with pytest.raises(ValueError, match=message):
+      WorkerConfig(**kwargs)
+    with pytest.raises(ValueError, match=message):
+      PoolConfig(**kwargs)
+  with pytest.raises(ValueError, match=r"^invalid_action='ignore': not one of \('error_observation'"):
+    PoolConfig(invalid_action="ignore")
+  with pytest.raises(ValueError, match=r"^max_turns=0: must be >= 1 or None$"):
+    PoolConfig(max_turns=0)
+
+
+def test_worker_config_is_a_yaml_loadable_section_and_pool_config_extends_it():
+  allowed = {str, int, float, bool, str | None, int | None, float | None, bool | None, tuple[str, ...]}
+  hints = typing.get_type_hints(WorkerConfig)
+  assert list(hints) == [f.name for f in dataclasses.fields(WorkerConfig)]
+  for name, hint in hints.items():
+    assert hint in allowed or typing.get_origin(hint) is typing.Literal, (name, hint)
+  assert typing.get_args(hints["kind"]) == pool_lib.POOL_KINDS == ("inprocess", "local", "docker", "remote")
+  assert typing.get_args(hints["sandbox"]) == pool_lib.SANDBOXES == ("auto", "bwrap", "none")
+  episode = [f.name for f in dataclasses.fields(PoolConfig)][len(hints):]
+  assert episode == ["env", "max_turns", "invalid_action", "penalty"] and issubclass(PoolConfig, WorkerConfig)
+
+  workers = WorkerConfig(kind="inprocess", num_workers=2, action_timeout_s=3.0, addresses=("unix:/x",))
+  cfg = PoolConfig.from_workers(workers, env="faults", max_turns=5)
+  assert cfg == PoolConfig(kind="inprocess", num_workers=2, action_timeout_s=3.0, addresses=("unix:/x",),
+                           env="faults", max_turns=5)
+  assert all(getattr(cfg, name) == getattr(workers, name) for name in hints)
+  with pytest.raises(TypeError, match=r"\['num_workers'\] are worker fields"):
+    PoolConfig.from_workers(workers, num_workers=3)
+  # make_pool takes either config and overrides of either level.
+  with make_pool(2, workers, env="faults", max_turns=2, num_workers=1) as p:
+    assert p.cfg == dataclasses.replace(cfg, max_turns=2, num_workers=1)
+    p.reset_many([0, 1], FAULTS.tasks("train", 2, 0), [0, 1])
+    assert [r.termination for r in p.step_many([0, 1], ["ok", "ok"])] == [None, None]
+    assert [r.termination for r in p.step_many([0, 1], ["ok", "ok"])] == ["max_turns"] * 2
 
 
 # -- the wire: a bad frame gets an error reply, never a crash.
@@ -197,12 +241,12 @@ def _rpc(conn, raw: bytes):
 @pytest.mark.parametrize("raw,kind", [
     (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_msgpack"),
     (P.pack([1, 2]), "bad_request"),
-    (P.pack({"v": 1, "id": "x", "op": "ping"}), "bad_request"),
+    (P.pack({"v": V, "id": "x", "op": "ping"}), "bad_request"),
     (P.pack({"v": 99, "id": 4, "op": "ping"}), "bad_version"),
-    (P.pack({"v": 1, "id": 5, "op": "rm -rf"}), "bad_op"),
-    (P.pack({"v": 1, "id": 6, "op": "step", "args": {"instance": "nope", "action": "ok"}}), "unknown_instance"),
-    (P.pack({"v": 1, "id": 7, "op": "reset", "args": {"instance": "a", "task": {"id": 1}}}), "bad_args"),
-    (P.pack({"v": 1, "id": 8, "op": "reset", "args": {"instance": "a", "seed": 0, "options": {"x": 1},
+    (P.pack({"v": V, "id": 5, "op": "rm -rf"}), "bad_op"),
+    (P.pack({"v": V, "id": 6, "op": "step", "args": {"instance": "nope", "action": "ok"}}), "unknown_instance"),
+    (P.pack({"v": V, "id": 7, "op": "reset", "args": {"instance": "a", "task": {"id": 1}}}), "bad_args"),
+    (P.pack({"v": V, "id": 8, "op": "reset", "args": {"instance": "a", "seed": 0, "options": {"x": 1},
                                                         "task": {"id": "t", "split": "train", "payload": {},
                                                                  "version": "0"}}}), "bad_args"),
     (struct.pack(">I", P.MAX_FRAME_BYTES + 1) + b"\0" * (P.MAX_FRAME_BYTES + 1), "frame_too_large"),

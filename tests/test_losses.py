@@ -110,6 +110,8 @@ def test_value_loss_hand_computed():
   # token 0: max((1.5-2)², (1.2-2)²)/2 = 0.32 (clipped); token 1: 0.01/2.
   np.testing.assert_allclose(loss, (0.32 + 0.005) / 2, rtol=1e-6)
   np.testing.assert_allclose(m["value_clip_fraction"], 0.5)
+  np.testing.assert_allclose(m["value_error"], (0.5 + 0.1) / 2, rtol=1e-6)
+  assert float(m["value_positions"]) == 2   # the weight of these means when micro-batches are combined
   loss, _ = algos.value_loss(f32(v), f32(old), f32(ret), mask, 2.0, clip_eps=None)
   np.testing.assert_allclose(loss, (0.125 + 0.005) / 2, rtol=1e-6)
 

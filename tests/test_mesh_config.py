@@ -61,7 +61,7 @@ def test_mesh_from_config_on_8_devices():
 
 def test_role_tables_and_tiny_cpu_mesh():
   cfg = _mesh_config()
-  assert sharding.rules_for("learner", cfg) is models.DEFAULT_RULES
+  assert sharding.rules_for("learner", cfg) is sharding.FSDP_TP_RULES
   assert sharding.rules_for("rollout", cfg) is sharding.TENSOR_PARALLEL_RULES
   assert sharding.rules_for("reference", _mesh_config("mesh.rules.reference=replicated")) is sharding.REPLICATED_RULES
   with pytest.raises(ValueError, match=r"role 'critic': not one of \['rollout', 'learner', 'reference'\]"):
@@ -91,7 +91,7 @@ def test_rollout_and_learner_layouts_compute_the_same_logits():
 
 def test_replication_guard():
   mesh = sharding.mesh_from_config(_mesh_config("mesh.ici.tensor=2"))  # fsdp 4 x tensor 2
-  learner = nnx.split(models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh))[1]
+  learner = nnx.split(models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, sharding.FSDP_TP_RULES))[1]
   report = sharding.check_replication(learner, 0.05)
   # Only the RMSNorm scales stay replicated: (2 layers x 2 + final) x 64 floats.
   assert report.replicated_bytes == 5 * 64 * 4 and report.total_bytes == CONFIG.num_params() * 4

@@ -16,7 +16,7 @@ from jaxagent import trajectory_store
 from tests.test_train import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMON = TINY + ["train.eval_episodes=0", "train.plots=false", "env.pool=local", "env.workers=2",
+COMMON = TINY + ["train.eval_episodes=0", "train.plots=false", "env.pool.kind=local", "env.pool.num_workers=2",
                  "train.bc_steps=2", "train.checkpoint_every=1"]
 
 

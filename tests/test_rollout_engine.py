@@ -12,7 +12,8 @@ import models
 from jaxagent import algos
 from jaxagent import assembly
 from jaxagent import trajectory as tr
-from jaxagent.rollout.engine import RolloutEngine
+from jaxagent.chat import ControlTokenChat
+from jaxagent.rollout.engine import RolloutEngine, SampledActions
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 
 FAULTS = envs.get("faults")
@@ -24,19 +25,19 @@ def test_failed_reset_ends_the_episode_before_any_turn_and_is_never_trained():
                               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=16)
   model = models.Transformer(config, rngs=nnx.Rngs(0))
-  stops = ((tokenizer.encode("\n")[0],), (tokenizer.eos_id,))
-  sampler = Sampler(model, cache_size=128, config=SamplingConfig(max_new_tokens=8, stop_sequences=stops),
-                    pad_id=tokenizer.pad_id, buckets=(32, 64, 128), extend_buckets=(32,))
+  chat = ControlTokenChat(tokenizer, max_observation_tokens=24)
+  sampler = Sampler(model, cache_size=128, config=SamplingConfig(max_new_tokens=8, stop_sequences=chat.stop_sequences),
+                    pad_id=tokenizer.pad_id, buckets=(32, 64, 128), extend_buckets=(chat.frame_length,))
   tasks = FAULTS.tasks("train", 2, 0)
   tasks[1] = dataclasses.replace(tasks[1], payload={"reset": "raise"})
   with envs.pool.make_pool(4, env="faults", kind="inprocess") as pool:
-    engine = RolloutEngine(sampler, pool, FAULTS, tokenizer, max_turns=2, max_observation_tokens=24)
-    trajs, stats = engine.run(nnx.split(model)[1], tasks, [0, 1, 2, 3], group_size=2, rng=jax.random.key(0),
-                              policy_version=0)
+    engine = RolloutEngine(pool, FAULTS, chat, max_turns=2)
+    source = SampledActions(sampler, nnx.split(model)[1], jax.random.key(0))
+    trajs, stats = engine.run(source, tasks, [0, 1, 2, 3], group_size=2, policy_version=0)
 
   ok, failed = trajs[:2], trajs[2:]
   for t in failed:
-    assert t.termination == tr.TerminationReason.ENV_ERROR and not t.turns
+    assert t.termination == envs.Termination.ENV_ERROR and not t.turns
     assert "injected reset fault" in t.metadata["reset_error"]
     assert t.reward.total == 0 and not t.loss_mask.any() and not (t.roles == tr.Role.POLICY).any()
   for t in ok:

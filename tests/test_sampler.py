@@ -8,6 +8,7 @@ import scipy.stats
 from flax import nnx
 
 import models
+from jaxagent import sharding
 from jaxagent.rollout import sampler as sampler_lib
 from jaxagent.rollout.sampler import Finish, Sampler, SamplingConfig
 
@@ -228,13 +229,13 @@ def test_no_recompilation_for_new_data_in_the_same_bucket(model):
 
 
 def test_sharded_generation_equals_single_device(model):
-  mesh = models.make_mesh({"data": 2, "fsdp": 1, "tensor": 4})
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 4})
   cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)
   prompts = PROMPTS + [[3, 1, 4, 1, 5]]  # batch 4, divisible by data=2
   single = Sampler(model, cache_size=64, config=cfg, pad_id=PAD)
   _, expected = single.generate(_params(model), single.prefill(_params(model), prompts, jax.random.key(9)))
-  sharded_model = models.shard_model(model, mesh)
-  s = Sampler(sharded_model, cache_size=64, config=cfg, pad_id=PAD, mesh=mesh)
+  sharded_model = models.shard_model(model, mesh, sharding.FSDP_TP_RULES)
+  s = Sampler(sharded_model, cache_size=64, config=cfg, pad_id=PAD, mesh=mesh, rules=sharding.FSDP_TP_RULES)
   state = s.prefill(_params(sharded_model), prompts, jax.random.key(9))
   assert state.cache.k[0].sharding.spec[0] == "data"
   _, got = s.generate(_params(sharded_model), state)

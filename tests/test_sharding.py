@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from jaxagent import checkpoint
+from jaxagent import sharding
 from tests import hf_reference as ref
 
 CONFIG = models.ModelConfig(model_type="llama", vocab_size=264, hidden_size=64, intermediate_size=128,
@@ -19,7 +20,7 @@ CONFIG = models.ModelConfig(model_type="llama", vocab_size=264, hidden_size=64, 
 @pytest.fixture(scope="module")
 def mesh():
   assert jax.device_count() == 8, "tests/conftest.py must give 8 CPU devices"
-  return models.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+  return sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
 
 
 def _forward(model, tokens):
@@ -28,7 +29,7 @@ def _forward(model, tokens):
 
 
 def test_rules_table_shards_parameters(mesh):
-  model = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh)
+  model = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, sharding.FSDP_TP_RULES)
   block = model.layers[0]
   assert block.mlp.w_gate_df[...].sharding.spec == P("fsdp", "tensor")
   assert block.mlp.w_down_fd[...].sharding.spec == P("tensor", "fsdp")
@@ -44,8 +45,8 @@ def test_sharded_forward_equals_unsharded(mesh):
   model = models.Transformer(CONFIG, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 264, (4, 16)), jnp.int32)
   expected = np.asarray(model(tokens))
-  sharded = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh)
-  batch_sharding = jax.sharding.NamedSharding(mesh, models.logical_to_spec(("batch", None), (4, 16), mesh))
+  sharded = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, sharding.FSDP_TP_RULES)
+  batch_sharding = jax.sharding.NamedSharding(mesh, models.logical_to_spec(("batch", None), (4, 16), mesh, sharding.FSDP_TP_RULES))
   got = _forward(sharded, jax.device_put(tokens, batch_sharding))
   assert len(got.sharding.device_set) == 8
   np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=1e-5)
@@ -54,7 +55,7 @@ def test_sharded_forward_equals_unsharded(mesh):
 def test_from_pretrained_places_tensors_on_the_mesh(mesh, tmp_path):
   torch_model = ref.make_hf_model("qwen2", num_attention_heads=4, num_key_value_heads=2)
   path = ref.save_hf_model(torch_model, tmp_path / "hf")
-  model = models.from_pretrained(path, mesh=mesh)
+  model = models.from_pretrained(path, mesh=mesh, rules=sharding.FSDP_TP_RULES)
   w = model.layers[1].mlp.w_up_df[...]
   assert w.sharding.spec == P("fsdp", "tensor") and len(w.sharding.device_set) == 8
   tokens, mask, positions = ref.padded_batch()
@@ -65,7 +66,7 @@ def test_from_pretrained_places_tensors_on_the_mesh(mesh, tmp_path):
 
   # Orbax restore straight into the same shardings.
   ckpt = checkpoint.save_model(model, tmp_path / "ckpt")
-  restored = checkpoint.load_model(ckpt, mesh=mesh)
+  restored = checkpoint.load_model(ckpt, mesh=mesh, rules=sharding.FSDP_TP_RULES)
   assert restored.layers[1].mlp.w_up_df[...].sharding.spec == P("fsdp", "tensor")
   np.testing.assert_array_equal(np.asarray(restored.layers[1].mlp.w_up_df[...]), np.asarray(w))
 
@@ -73,7 +74,7 @@ def test_from_pretrained_places_tensors_on_the_mesh(mesh, tmp_path):
 def test_bf16_runs_sharded(mesh, tmp_path):
   model32 = models.Transformer(CONFIG, rngs=nnx.Rngs(1))
   path = models.save_pretrained(model32, tmp_path / "hf")
-  model16 = models.from_pretrained(path, dtype=jnp.bfloat16, mesh=mesh)
+  model16 = models.from_pretrained(path, dtype=jnp.bfloat16, mesh=mesh, rules=sharding.FSDP_TP_RULES)
   assert model16.embed_vd[...].dtype == jnp.bfloat16
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 264, (2, 12)), jnp.int32)
   got = np.asarray(_forward(model16, tokens))
@@ -85,8 +86,8 @@ def test_bf16_runs_sharded(mesh, tmp_path):
 
 def test_mesh_shape_errors():
   with pytest.raises(ValueError, match="at most one mesh axis"):
-    models.make_mesh({"data": -1, "fsdp": -1})
+    sharding.make_mesh({"data": -1, "fsdp": -1})
   with pytest.raises(ValueError, match="needs 6 devices"):
-    models.make_mesh({"data": 3, "fsdp": 2, "tensor": 1})
+    sharding.make_mesh({"data": 3, "fsdp": 2, "tensor": 1})
   with pytest.raises(ValueError, match="unknown mesh axes"):
-    models.make_mesh({"model": 2})
+    sharding.make_mesh({"model": 2})

@@ -1,5 +1,6 @@
 """End-to-end trainer: smoke run, stored-trajectory contract, no recompilation, exact resume after SIGKILL."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,17 +14,20 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from jaxagent import assembly
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
 from jaxagent.train import loop
+from jaxagent.train import metrics as metrics_lib
+from jaxagent.train.run import build_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
     "model.init.hidden_size=32", "model.init.intermediate_size=64", "model.init.num_hidden_layers=1",
     "model.init.num_attention_heads=2", "model.init.num_key_value_heads=1", "model.init.head_dim=16",
     "train.tasks_per_iteration=2", "train.group_size=4", "train.bc_steps=3", "train.bc_batch_size=8",
-    "train.checkpoint_every=1", "train.eval_episodes=8", "env.pool=inprocess", "train.plots=true",
+    "train.checkpoint_every=1", "train.eval_episodes=8", "env.pool.kind=inprocess", "train.plots=true",
 ]
 
 
@@ -33,7 +37,7 @@ def _config(tmp_path, *extra):
 
 def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
   config = _config(tmp_path, "train.iterations=2", "train.eval_every=1")
-  trainer = loop.train(config, run_dir=tmp_path / "run")
+  progress = loop.train(config, run_dir=tmp_path / "run")
   out = capsys.readouterr().out
   assert "after cold start: eval success" in out and "after RL:" in out
   assert "iteration 1: eval success" in out and "iteration 2: eval" not in out  # eval_every; the end once
@@ -44,7 +48,7 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
   assert config_lib.load(run / "config.yaml") == config
   rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
   assert len(rl) == 2 and all(r["env/replays"] == 0 and r["env/replay_divergences"] == 0 for r in rl)
-  assert trainer.iteration == 2 and int(trainer.state.policy_version) == 3 + 2  # 3 BC + 2 RL updates
+  assert progress.iteration == 2 and int(progress.state.policy_version) == 3 + 2  # 3 BC + 2 RL updates
 
   # `jaxagent eval` restores the latest checkpoint and reports, without writing into the run directory.
   from jaxagent import cli  # pylint: disable=g-import-not-at-top
@@ -63,14 +67,16 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
     assert policy.any() and (t.loss_mask == policy).all()
     assert np.isfinite(t.behavior_logprobs[policy]).all() and (t.behavior_logprobs[policy] <= 0).all()
     assert not t.loss_mask[np.isin(t.roles, [tr.Role.TOOL, tr.Role.PROMPT])].any()
-    assert isinstance(t.termination, tr.TerminationReason)
+    assert isinstance(t.termination, tr.Termination)
     assert t.env.name == "calculator" and t.env.version
     assert t.env.network == "host"  # an in-process pool does not cut the network, and the record says so
     for turn in t.turns:
       assert turn.policy_version == t.policy_version
       if turn.observation is not None:
         start, stop = turn.observation.span
-        assert (t.roles[start:stop] == tr.Role.TOOL).all()
+        # An error reply to a rejected action is an ERROR observation, any other reply a TOOL one.
+        error = turn.outcome in ("parser_rejected_continued", "invalid_action_continued")
+        assert (t.roles[start:stop] == (tr.Role.ERROR if error else tr.Role.TOOL)).all()
 
 
 _COMPILES: list[str] = []
@@ -78,19 +84,23 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda name, secs, **kw: _COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
 
 
+def _run(tmp_path, *overrides):
+  """The parts of a run and its initial progress (no loop)."""
+  run = build_run(_config(tmp_path, *overrides), tmp_path / "run")
+  return run, loop.Progress(state=run.init_state())
+
+
 def test_no_recompilation_after_the_first_iteration(tmp_path):
-  trainer = loop.Trainer(_config(tmp_path, "train.iterations=3", "train.bc_steps=0", "train.eval_episodes=0"),
-                         tmp_path / "run")
+  run, progress = _run(tmp_path, "train.iterations=3", "train.bc_steps=0", "train.eval_episodes=0")
   try:
     before = len(_COMPILES)
-    trainer.rl_iteration()
+    progress, _ = loop.rl_iteration(run, progress, None, 0.0)
     first = len(_COMPILES) - before
     for _ in range(2):
-      trainer.iteration += 1
-      trainer.rl_iteration()
+      progress, _ = loop.rl_iteration(run, progress, None, 0.0)
     later = len(_COMPILES) - before - first
   finally:
-    trainer.close()
+    run.close()
   assert first > 0, "the compile counter saw nothing: the check would be vacuous"
   assert later == 0, f"{later} XLA compilations after the first iteration"
 
@@ -105,7 +115,7 @@ def _final_params(run_dir: Path, step: int):
 
 def _train_cmd(run_root: Path, *extra):
   overrides = TINY + [f"run.root={run_root}", "train.iterations=5", "train.eval_episodes=0", "train.plots=false",
-                      "env.pool=local", "env.workers=2"]
+                      "env.pool.kind=local", "env.pool.num_workers=2"]
   cmd = [sys.executable, "-m", "jaxagent", "train", "tiny_cpu"]
   for o in overrides:
     cmd += ["--set", o]
@@ -153,63 +163,80 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
 def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
   config = _config(tmp_path, "train.iterations=1", "train.bc_steps=0", "train.eval_episodes=0",
                    "algo.name=ppo", "algo.advantage=gae", "algo.gae_lambda=0.95")
-  trainer = loop.Trainer(config, tmp_path / "run")
+  run = build_run(config, tmp_path / "run")
   try:
-    metrics = trainer.rl_iteration()  # a real rollout + PPO update end to end
+    progress, metrics = loop.rl_iteration(run, loop.Progress(state=run.init_state()), None, 0.0)  # end to end
     assert np.isfinite(metrics["value_loss"]) and np.isfinite(metrics["loss"])
     # Solved demonstrations have return 1: GAE targets are non-zero, so the value head must move.
-    demos = trainer.demonstrations(trainer.rows, seed=0)
-    batch, targets, value_normalizer, adv = trainer._advantages(demos)
-    assert value_normalizer == sum(len(t.turns) for t in demos)
+    demos = loop.demonstrations(run, run.rows, seed=0)
+    prepared = loop.prepare_batch(run, progress.state, demos)
+    adv = prepared.estimate
+    assert prepared.value_normalizer == sum(len(t.turns) for t in demos)
     assert all(t.reward.total == 1.0 for t in demos), "scripted demonstrations solve their tasks"
     last = np.asarray([len(t.turns) - 1 for t in demos])
     # GAE return at the last turn = r + 0 bootstrap = 1 whatever V is; earlier turns are λ-returns (> 0).
     np.testing.assert_allclose(np.asarray(adv.returns)[np.arange(len(demos)), last], 1.0, atol=1e-5)
     assert (np.asarray(adv.returns)[:, 0] > 0).all()
-    before = np.asarray(trainer.state.params["value"]["b"][...]).copy()
-    trainer.state, m = trainer.rl_step(trainer.state, batch, np.float32(batch.loss_mask.sum()), targets,
-                                       np.float32(value_normalizer))
-    after = np.asarray(trainer.state.params["value"]["b"][...])
+    before = np.asarray(progress.state.params["value"]["b"][...]).copy()
+    state, m = loop.update(run, progress.state, prepared)
+    after = np.asarray(state.params["value"]["b"][...])
+
+    # An episode cut off (max turns, budget, context) is not terminal: GAE bootstraps from V(s_T), read at its
+    # last token; a completed one from 0.
+    cut = [dataclasses.replace(t, termination=tr.Termination.MAX_TURNS) if i % 2 else t
+           for i, t in enumerate(demos)]
+    plain = assembly.assemble(cut, length=run.config.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id)
+    values = np.asarray(run.value_fn(state.params, run.layout.to_global(plain)))
+    returns = np.asarray(loop.prepare_batch(run, state, cut).estimate.returns)
   finally:
-    trainer.close()
+    run.close()
+  for i, t in enumerate(cut):
+    bootstrap = values[i, len(t) - 1] if i % 2 else 0.0
+    assert abs(returns[i, last[i]] - (1.0 + bootstrap)) < 1e-5, (i, returns[i, last[i]], bootstrap)
+  assert any(abs(values[i, len(t) - 1]) > 1e-4 for i, t in enumerate(cut) if i % 2), "V(s_T) = 0: vacuous"
   assert float(m["value_loss"]) > 0
   assert not np.array_equal(before, after), "value head received no gradient"
 
 
-def test_algo_config_combinations_are_checked(tmp_path):
+def test_algo_config_combinations_are_checked_when_the_config_loads(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="needs algo.advantage='gae'"):
-    loop.Trainer(_config(tmp_path, "algo.name=ppo"), tmp_path / "run1")
+    _config(tmp_path, "algo.name=ppo")
   with pytest.raises(config_lib.ConfigError, match="needs a value function"):
-    loop.Trainer(_config(tmp_path, "algo.advantage=gae"), tmp_path / "run2")
+    _config(tmp_path, "algo.advantage=gae")
+  # `jaxagent config` refuses them too, with the same message.
+  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  assert cli.main(["config", "tiny_cpu", "--set", "algo.name=ppo"]) == 2
+  # Topology: a config that names its process count is checked against it at load time.
+  with pytest.raises(config_lib.ConfigError, match=r"train.tasks_per_iteration=2: must be divisible by the 4"):
+    _config(tmp_path, "distributed.num_processes=4")
+  with pytest.raises(config_lib.ConfigError, match=r"train.micro_batches=3: must divide the 8 trajectories"):
+    _config(tmp_path, "train.micro_batches=3")
 
 
 def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path):
-  trainer = loop.Trainer(_config(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "optim.learning_rate=1e-2"),
-                         tmp_path / "run")
+  run, progress = _run(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "optim.learning_rate=1e-2")
   try:
-    trainer.behavior_cloning()
-    trainer.set_reference()
-    start = jax.tree.map(np.array, trainer.state.params["policy"])
-    assert jax.tree.all(jax.tree.map(np.array_equal, start, jax.tree.map(np.asarray, trainer.state.ref_params)))
-    first = trainer.rl_iteration()
-    trainer.iteration += 1
-    second = trainer.rl_iteration()
-    moved = jax.tree.map(np.asarray, trainer.state.params["policy"])
-    ref = jax.tree.map(np.asarray, trainer.state.ref_params)
-    trainer._save()
-    trainer.checkpointer.wait()
-    _, restored, _ = trainer.checkpointer.restore_latest(trainer.state, trainer.model_config)
+    with metrics_lib.MetricsLogger(tmp_path / "run", tensorboard=False) as logger:
+      state = loop.set_reference(run, loop.behavior_cloning(run, progress.state, logger))
+    start = jax.tree.map(np.array, state.params["policy"])
+    assert jax.tree.all(jax.tree.map(np.array_equal, start, jax.tree.map(np.asarray, state.ref_params)))
+    progress, first = loop.rl_iteration(run, dataclasses.replace(progress, state=state), None, 0.0)
+    progress, second = loop.rl_iteration(run, progress, None, 0.0)
+    moved = jax.tree.map(np.asarray, progress.state.params["policy"])
+    ref = jax.tree.map(np.asarray, progress.state.ref_params)
+    loop.save(run, progress, None)
+    run.checkpointer.wait()
+    _, restored, _ = run.checkpointer.restore_latest(progress.state, run.model_config)
     # Resuming with algo.kl_coef turned off drops the stored reference; turned on, a checkpoint without one
     # makes its policy the reference.
     with pytest.warns(RuntimeWarning, match="dropped"):
-      _, without, _ = trainer.checkpointer.restore_latest(trainer.state.replace(ref_params=None),
-                                                          trainer.model_config)
-    trainer.checkpointer.save(99, trainer.state.replace(ref_params=None), {"iteration": 99}, trainer.model_config, {})
-    trainer.checkpointer.wait()
+      _, without, _ = run.checkpointer.restore_latest(progress.state.replace(ref_params=None), run.model_config)
+    run.checkpointer.save(99, progress.state.replace(ref_params=None), {"iteration": 99}, run.model_config, {})
+    run.checkpointer.wait()
     with pytest.warns(RuntimeWarning, match="becomes the reference"):
-      _, with_new_ref, _ = trainer.checkpointer.restore_latest(trainer.state, trainer.model_config)
+      _, with_new_ref, _ = run.checkpointer.restore_latest(progress.state, run.model_config)
   finally:
-    trainer.close()
+    run.close()
   assert without.ref_params is None
   assert jax.tree.all(jax.tree.map(np.array_equal, jax.tree.map(np.asarray, with_new_ref.ref_params), moved))
   # The first update starts at the reference: KL is 0 up to float32 rounding (the two forwards are fused
@@ -226,29 +253,32 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
   rounds are bounded and counted."""
   from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
   from jaxagent.rollout.engine import RolloutStats  # pylint: disable=g-import-not-at-top
-  trainer = loop.Trainer(_config(tmp_path, "train.tasks_per_iteration=3", "train.group_size=2",
-                                 "train.dynamic_sampling=true", "train.dynamic_sampling_rounds=2",
-                                 "train.eval_episodes=0"), tmp_path / "run")
+  run, progress = _run(tmp_path, "train.tasks_per_iteration=3", "train.group_size=2", "train.dynamic_sampling=true",
+                       "train.dynamic_sampling_rounds=2", "train.eval_episodes=0")
   # Rewards per round (3 groups of 2): round 0 has one varied group, round 1 one more, round 2 none. None: a
   # reset that failed (no turn, reward 0): round 1's last group is flat, not varied.
   rounds = [[1, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, None], [1, 1, 0, 0, 1, 1]]
   calls = []
 
-  def fake_rollout(engine, tasks, seeds, group_size, rng):
+  def fake_collect(run, state, tasks, seeds, *, group_size, rng, evaluation=False):
     rewards = rounds[len(calls)]
     calls.append([t.id for t in tasks])
     trajs = [SimpleNamespace(name=f"r{len(calls) - 1}g{i // 2}", reward=SimpleNamespace(total=float(r or 0)),
-                             turns=() if r is None else ("turn",)) for i, r in enumerate(rewards)]
-    return trajs, RolloutStats(1.0, 1.0, 1.0, 1.0, 6, 10)
+                             turns=() if r is None else ("turn",), termination=tr.Termination.COMPLETED)
+             for i, r in enumerate(rewards)]
+    return state, trajs, RolloutStats(1.0, 1.0, 1.0, 1.0, 6, 10)
 
+  real_collect = loop.collect
   try:
-    trainer._rollout = fake_rollout
-    first, stats = fake_rollout(None, next(trainer.task_iter), None, 2, None)
-    trained, unused, stats, metrics = trainer._dynamic_sampling(first, stats, jax.random.key(0))
-    del trainer._rollout  # and one real iteration end to end: every sampled trajectory is stored
-    real = trainer.rl_iteration()
+    loop.collect = fake_collect
+    state, first, stats = fake_collect(run, progress.state, next(run.tasks), None, group_size=2, rng=None)
+    state, trained, unused, stats, metrics = loop._dynamic_sampling(run, state, 0, first, stats, jax.random.key(0))
+    loop.collect = real_collect  # and one real iteration end to end: every sampled trajectory is stored
+    with trajectory_store.TrajectoryWriter(tmp_path / "run" / "trajectories") as writer:
+      _, real = loop.rl_iteration(run, dataclasses.replace(progress, state=state), writer, 0.0)
   finally:
-    trainer.close()
+    loop.collect = real_collect
+    run.close()
   stored = list(trajectory_store.read(tmp_path / "run" / "trajectories"))
   unused_stored = [t for t in stored if t.metadata.get("trained") is False]
   assert len(stored) - len(unused_stored) == 6
@@ -266,37 +296,36 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
 
 def test_all_masked_batch_is_an_explicit_skip(tmp_path):
   """DESIGN 2.2: nothing to learn from -> skipped=1 and the state unchanged (no AdamW decay, same versions)."""
-  trainer = loop.Trainer(_config(tmp_path, "train.bc_steps=0", "train.eval_episodes=0",
-                                 "optim.weight_decay=0.1"), tmp_path / "run")
+  run, progress = _run(tmp_path, "train.bc_steps=0", "train.eval_episodes=0", "optim.weight_decay=0.1")
   try:
-    batch, _, _, _ = trainer._advantages(trainer.demonstrations(trainer.rows, seed=0))
-    batch = batch.replace(loss_mask=np.zeros_like(batch.loss_mask))
-    before = jax.tree.map(np.array, trainer.state.params)
-    step, version = int(trainer.state.step), int(trainer.state.policy_version)
-    trainer.state, m = trainer.rl_step(trainer.state, trainer._global(batch), np.float32(0.0), None, np.float32(0.0))
-    after = jax.tree.map(np.asarray, trainer.state.params)
+    prepared = loop.prepare_batch(run, progress.state, loop.demonstrations(run, run.rows, seed=0))
+    prepared = dataclasses.replace(prepared, batch=prepared.batch.replace(
+        loss_mask=jax.numpy.zeros_like(prepared.batch.loss_mask)), normalizer=0.0)
+    before = jax.tree.map(np.array, progress.state.params)
+    step, version = int(progress.state.step), int(progress.state.policy_version)
+    state, m = loop.update(run, progress.state, prepared)
+    after = jax.tree.map(np.asarray, state.params)
   finally:
-    trainer.close()
+    run.close()
   assert float(m["skipped"]) == 1.0 and float(m["loss"]) == 0.0
   assert jax.tree.all(jax.tree.map(np.array_equal, before, after)), "a skipped step changed the weights"
-  assert (int(trainer.state.step), int(trainer.state.policy_version)) == (step, version)
+  assert (int(state.step), int(state.policy_version)) == (step, version)
 
 
 def test_training_refuses_sampling_the_learner_cannot_score(tmp_path):
   for override, match in (("rollout.temperature=0", "temperature > 0"), ("rollout.top_k=5", "truncated sampling"),
                           ("rollout.top_p=0.9", "truncated sampling")):
     with pytest.raises(config_lib.ConfigError, match=match):
-      loop.Trainer(_config(tmp_path, override), tmp_path / override.replace("=", "-"))
+      _config(tmp_path, override)
 
 
 def test_tempered_rollouts_are_on_policy_for_the_learner(tmp_path):
   """The learner scores tokens under the rollout's temperature: the first update's ratio π_θ/μ is 1."""
-  trainer = loop.Trainer(_config(tmp_path, "rollout.temperature=0.6", "train.bc_steps=0", "train.eval_episodes=0"),
-                         tmp_path / "run")
+  run, progress = _run(tmp_path, "rollout.temperature=0.6", "train.bc_steps=0", "train.eval_episodes=0")
   try:
-    m = trainer.rl_iteration()
+    _, m = loop.rl_iteration(run, progress, None, 0.0)
   finally:
-    trainer.close()
+    run.close()
   assert m["loss_tokens"] > 0
   assert abs(m["ratio_min"] - 1) < 1e-4 and abs(m["ratio_max"] - 1) < 1e-4, (m["ratio_min"], m["ratio_max"])
   assert m["policy_lag"] == 0.0

@@ -23,7 +23,7 @@ def _same(a: tj.Trajectory, b: tj.Trajectory) -> None:
 
 def test_enums_and_round_trip():
   assert [r.name.lower() for r in tj.Role] == ["system", "prompt", "policy", "tool", "error", "reasoning"]
-  assert [t.value for t in tj.TerminationReason] == [
+  assert [t.value for t in tj.Termination] == [
       "completed", "max_turns", "context_exhausted", "turn_budget_exhausted", "invalid_action",
       "parser_rejected", "env_error", "env_timeout", "retries_exhausted", "cancelled"]
   t = _trajectories.make()

@@ -99,8 +99,7 @@ class CalculatorEnv(Env):
       return StepResult(Observation(str(value)), {"validity": 0.0}, False, None, {})
     verdict = self.verifier.score(self.task, call.arg)
     return StepResult(Observation("correct" if verdict.passed else "wrong"), {"outcome": verdict.reward}, True,
-                      COMPLETED, dict(outcome=COMPLETED, passed=verdict.passed, evidence=dict(verdict.evidence),
-                                      verifier=verdict.version))
+                      COMPLETED, verdict=verdict)
 
   def snapshot(self):
     return dict(turn=self.turn, done=self.done)

@@ -402,20 +402,20 @@ class CodeRepairEnv(Env):
       try:
         report = run_tests(self.root)
       except RunnerTimeout as e:
-        return StepResult(Observation(f"test: {e}"), {}, True, ENV_TIMEOUT, dict(outcome=ENV_TIMEOUT, error=str(e)))
+        return StepResult(Observation(f"test: {e}"), {}, True, ENV_TIMEOUT, dict(error=str(e)))
       return StepResult(Observation(format_report(report)), {}, False, None,
                         dict(results=dict(report["results"]), import_error=report.get("import_error")))
     if call.arg:
       raise InvalidAction("submit takes no argument")
     v = self.verifier.score(self.task, self.root)
-    info = dict(passed=v.passed, verifier=v.version, evidence=dict(v.evidence), edits=self.edits)
+    info = dict(edits=self.edits)
     if v.evidence.get("runner_timeout"):
       return StepResult(Observation(f"submit: {v.evidence['error']}"), {"outcome": 0.0}, True, ENV_TIMEOUT,
-                        dict(info, outcome=ENV_TIMEOUT))
+                        info, verdict=v)
     text = "passed" if v.passed else "failed\n" + v.evidence.get("report", "")
     if v.evidence["new_names"]:
       text += f"\nrejected: new identifiers {v.evidence['new_names']}"
-    return StepResult(Observation(text), {"outcome": v.reward}, True, COMPLETED, dict(info, outcome=COMPLETED))
+    return StepResult(Observation(text), {"outcome": v.reward}, True, COMPLETED, info, verdict=v)
 
   def _replace(self, arg: str) -> StepResult:
     m = _REPLACE.fullmatch(arg)

@@ -58,7 +58,7 @@ class FaultEnv(Env):
     if call.name in ("read", "write", "net"):
       return StepResult(Observation(_probe(call.name, call.arg)), {}, False, None, {})
     if call.name == "done":
-      return StepResult(Observation("bye"), {"outcome": 1.0}, True, COMPLETED, dict(outcome=COMPLETED))
+      return StepResult(Observation("bye"), {"outcome": 1.0}, True, COMPLETED)
     text = call.arg if call.name == "echo" else f"ok {self.count}"
     return StepResult(Observation(text), {}, False, None, {})
 

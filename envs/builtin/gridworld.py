@@ -87,8 +87,7 @@ class GridEnv(Env):
       self.pos = [r, c]
     if self.pos == list(self.task.payload["goal"]):
       v = self.verifier.score(self.task, self.pos)
-      return StepResult(Observation(self._render()), {"outcome": v.reward}, True, COMPLETED,
-                        dict(outcome=COMPLETED, passed=v.passed, verifier=v.version, evidence=dict(v.evidence)))
+      return StepResult(Observation(self._render()), {"outcome": v.reward}, True, COMPLETED, verdict=v)
     return StepResult(Observation(self._render()), {}, False, None, {})
 
   def snapshot(self):

@@ -57,12 +57,11 @@ class GuessEnv(Env):
     self.left -= 1
     if g == self.secret:
       v = self.verifier.score(self.task, (g, self.secret))
-      return StepResult(Observation("correct"), {"outcome": v.reward}, True, COMPLETED,
-                        dict(outcome=COMPLETED, passed=True, verifier=v.version, evidence=dict(v.evidence)))
+      return StepResult(Observation("correct"), {"outcome": v.reward}, True, COMPLETED, verdict=v)
     text = "higher" if g < self.secret else "lower"
-    if self.left <= 0:
-      return StepResult(Observation(text), {"outcome": 0.0}, True, TURN_BUDGET_EXHAUSTED,
-                        dict(outcome=TURN_BUDGET_EXHAUSTED, passed=False))
+    if self.left <= 0:  # the verifier scores the last guess: failed, and the episode ends on the budget.
+      v = self.verifier.score(self.task, (g, self.secret))
+      return StepResult(Observation(text), {"outcome": v.reward}, True, TURN_BUDGET_EXHAUSTED, verdict=v)
     return StepResult(Observation(text), {}, False, None, {})
 
   def snapshot(self):

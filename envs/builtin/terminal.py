@@ -72,7 +72,7 @@ class TerminalEnv(Env):
     if call.name == "done":
       v = self.verifier.score(self.task, self.root)
       return StepResult(Observation("passed" if v.passed else "failed"), {"outcome": v.reward}, True, COMPLETED,
-                        dict(outcome=COMPLETED, passed=v.passed, verifier=v.version, evidence=dict(v.evidence)))
+                        verdict=v)
     if not call.arg:
       raise InvalidAction("sh needs a command")
     try:

@@ -10,8 +10,10 @@ folded into the last valid step; `mask_ns` marks valid steps (a prefix of each r
 group indices in [0, N) (trajectories of one task). Values at masked steps are never read (they may be NaN).
 Outputs are per step: trajectory-level estimators (grpo, rloo) broadcast their scalar over the valid steps.
 
-Each estimator also returns the number of groups whose trajectory returns are all equal (no learning signal
-for group-relative estimators); they are counted, never hidden.
+Each estimator also describes the groups it used, over exactly the trajectories it treats as valid (those with
+at least one valid step; a trajectory with an all-False step mask, e.g. one excluded for an infrastructure
+failure, is in no group): how many groups have a valid trajectory, how many of them have all-equal returns (no
+learning signal for group-relative estimators; counted, never hidden), and the mean within-group return std.
 """
 
 from __future__ import annotations
@@ -27,11 +29,22 @@ from jax import lax
 
 @flax.struct.dataclass
 class AdvantageOutput:
-  """advantages: float32[N, S] (0 at masked steps); returns: float32[N, S] discounted return-to-go;
-  zero_variance_groups: int32[] groups (with at least one valid trajectory) whose returns are all equal."""
+  """Per-step advantages and returns, and statistics of the groups the estimator used.
+
+  Attributes:
+    advantages: float32[N, S] (0 at masked steps).
+    returns: float32[N, S] discounted return-to-go (GAE: A + V).
+    zero_variance_groups: int32[] groups (with at least one valid trajectory) whose returns are all equal.
+    groups: int32[] groups with at least one valid trajectory (the denominator of `zero_variance_groups`).
+    group_return_std: float32[] mean over those groups of the population std of the trajectory returns
+      (discounted, with `bootstrap_n`) of the group's valid trajectories; 0 for a group whose returns are all
+      equal; 0 when there is no group.
+  """
   advantages: jax.Array
   returns: jax.Array
   zero_variance_groups: jax.Array
+  groups: jax.Array
+  group_return_std: jax.Array
 
 
 AdvantageFn = Callable[..., AdvantageOutput]
@@ -182,8 +195,21 @@ def rloo_scalar(returns_n: jax.Array, group_ids_n: jax.Array, valid_n: jax.Array
   return adv_n, flat_g.sum().astype(jnp.int32)
 
 
-def _zero_variance_groups(returns_n, group_ids_n, valid_n):
-  return _group_stats(returns_n.astype(jnp.float32), group_ids_n, valid_n)[3].sum().astype(jnp.int32)
+def _group_summary(returns_n, group_ids_n, valid_n):
+  """(zero_variance_groups, groups, group_return_std) over the valid trajectories, from `_group_stats`."""
+  count_g, _, var_g, flat_g = _group_stats(returns_n.astype(jnp.float32), group_ids_n, valid_n)
+  present_g = count_g > 0
+  groups = present_g.sum().astype(jnp.int32)
+  std_g = jnp.where(present_g & ~flat_g, jnp.sqrt(var_g), 0.0)
+  mean_std = jnp.sum(std_g) / jnp.maximum(groups, 1).astype(jnp.float32)
+  return flat_g.sum().astype(jnp.int32), groups, mean_std
+
+
+def _output(advantages_ns, returns_ns, trajectory_returns_n, group_ids_n, mask_ns) -> AdvantageOutput:
+  """Group statistics over the trajectories the estimators use: those with a valid step."""
+  valid_n = mask_ns.any(axis=1)
+  zero, groups, std = _group_summary(trajectory_returns_n, group_ids_n, valid_n)
+  return AdvantageOutput(advantages_ns, returns_ns, zero, groups, std)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,8 +226,8 @@ def _grpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None,
   del values_ns, lam
   mask_ns = mask_ns.astype(bool)
   g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  adv_n, zero = grpo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1), eps=eps, scale_std=scale_std)
-  return AdvantageOutput(_broadcast_steps(adv_n, mask_ns), g_ns, zero)
+  adv_n, _ = grpo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1), eps=eps, scale_std=scale_std)
+  return _output(_broadcast_steps(adv_n, mask_ns), g_ns, g_ns[:, 0], group_ids_n, mask_ns)
 
 
 @register_advantage("rloo")
@@ -211,8 +237,8 @@ def _rloo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None,
   del values_ns, lam, eps, scale_std
   mask_ns = mask_ns.astype(bool)
   g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  adv_n, zero = rloo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1))
-  return AdvantageOutput(_broadcast_steps(adv_n, mask_ns), g_ns, zero)
+  adv_n, _ = rloo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1))
+  return _output(_broadcast_steps(adv_n, mask_ns), g_ns, g_ns[:, 0], group_ids_n, mask_ns)
 
 
 @register_advantage("gae")
@@ -225,7 +251,7 @@ def _gae(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, 
   mask_ns = mask_ns.astype(bool)
   adv_ns, ret_ns = gae(rewards_ns, values_ns, mask_ns, bootstrap_n, gamma=gamma, lam=lam)
   g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  return AdvantageOutput(adv_ns, ret_ns, _zero_variance_groups(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1)))
+  return _output(adv_ns, ret_ns, g_ns[:, 0], group_ids_n, mask_ns)
 
 
 @register_advantage("returns")
@@ -236,4 +262,4 @@ def _returns(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=No
   del values_ns, lam, eps, scale_std
   mask_ns = mask_ns.astype(bool)
   g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  return AdvantageOutput(g_ns, g_ns, _zero_variance_groups(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1)))
+  return _output(g_ns, g_ns, g_ns[:, 0], group_ids_n, mask_ns)

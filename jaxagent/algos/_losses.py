@@ -293,7 +293,8 @@ def value_loss(values_bt: jax.Array, old_values_bt: jax.Array, returns_bt: jax.A
   """Clipped value loss `½ max((V − R)², (V_old + clip(V − V_old, ±ε) − R)²)` (PPO); no clip if ε is None.
 
   Returns:
-    (loss scalar, metrics: value_clip_fraction, value_error (mean |V − R|)).
+    (loss scalar, metrics: value_positions (count of mask positions), value_clip_fraction, value_error
+    (mean |V − R|); the last two are means over this call's value positions).
   """
   mask_bt = loss_mask_bt.astype(bool)
   v_bt = jnp.where(mask_bt, values_bt, 0.0).astype(jnp.float32)
@@ -308,5 +309,6 @@ def value_loss(values_bt: jax.Array, old_values_bt: jax.Array, returns_bt: jax.A
     loss_bt, clipped_bt = 0.5 * jnp.maximum(err_bt, err_clip_bt), err_clip_bt > err_bt
   loss = aggregate(loss_bt, mask_bt, normalizer, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
   count = jnp.sum(mask_bt.astype(jnp.float32))
-  return loss, {"value_clip_fraction": _masked_mean(clipped_bt.astype(jnp.float32), mask_bt, count),
+  return loss, {"value_positions": count,
+                "value_clip_fraction": _masked_mean(clipped_bt.astype(jnp.float32), mask_bt, count),
                 "value_error": _masked_mean(jax.lax.stop_gradient(jnp.abs(v_bt - ret_bt)), mask_bt, count)}

@@ -29,11 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 import models
-from jaxagent import sharding as sharding_lib
+from jaxagent import multihost
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # Observations are short and every slot they take is a slot of the shared cache: finer buckets.
@@ -234,7 +233,7 @@ def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules
 
 
 def prefill(model: models.Transformer, tokens_bt: jax.Array, segment_ids_bt: jax.Array, rng: jax.Array,
-            cache_size: int, *, mesh: Mesh | None = None, rules: models.Rules = models.DEFAULT_RULES
+            cache_size: int, *, mesh: Mesh | None = None, rules: models.Rules = ()
             ) -> SamplerState:
   """Runs left-padded prompts through the model into a fresh cache."""
   b, _ = tokens_bt.shape
@@ -248,7 +247,7 @@ def prefill(model: models.Transformer, tokens_bt: jax.Array, segment_ids_bt: jax
 
 
 def extend(model: models.Transformer, state: SamplerState, tokens_bt: jax.Array, lengths_b: jax.Array,
-           *, mesh: Mesh | None = None, rules: models.Rules = models.DEFAULT_RULES
+           *, mesh: Mesh | None = None, rules: models.Rules = ()
            ) -> tuple[SamplerState, jax.Array]:
   """Appends right-padded chunks (row b: its first `lengths_b[b]` tokens) to the cache; no recomputation.
 
@@ -273,7 +272,7 @@ def extend(model: models.Transformer, state: SamplerState, tokens_bt: jax.Array,
 
 
 def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array, config: SamplingConfig,
-             pad_id: int, *, mesh: Mesh | None = None, rules: models.Rules = models.DEFAULT_RULES
+             pad_id: int, *, mesh: Mesh | None = None, rules: models.Rules = ()
              ) -> tuple[SamplerState, TurnOutput]:
   """Decodes one turn for the rows in `active_b` in a `lax.while_loop`."""
   b = active_b.shape[0]
@@ -354,7 +353,7 @@ class Sampler:
   """
 
   def __init__(self, model: models.Transformer, *, cache_size: int, config: SamplingConfig, pad_id: int,
-               mesh: Mesh | None = None, rules: models.Rules = models.DEFAULT_RULES,
+               mesh: Mesh | None = None, rules: models.Rules = (),
                buckets: Sequence[int] = DEFAULT_BUCKETS,
                extend_buckets: Sequence[int] = DEFAULT_EXTEND_BUCKETS):
     self.graphdef, _ = nnx.split(model)
@@ -375,26 +374,20 @@ class Sampler:
 
   def _put_batch(self, x: np.ndarray) -> jax.Array:
     """This process's rows -> the global batch array (rows of process p follow those of p - 1)."""
-    if self.mesh is None:
-      return jnp.asarray(x)
-    global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-    spec = models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), global_shape, self.mesh, self.rules)
-    if spec[0] is None and jax.process_count() > 1:  # rows too few to shard: every process holds all of them
-      x = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), x, global_shape)
+    return multihost.to_global(x, self.mesh, self.rules)
 
   @staticmethod
   def _bucket(lengths: Sequence[int], buckets: Sequence[int]) -> int:
     """The bucket of the longest length over every process: all of them must pick the same one (one global
     shape). With a single bucket there is nothing to agree on, and no collective (the trainer's extend)."""
     n = max(lengths, default=0)
-    if jax.process_count() > 1 and len(buckets) > 1:
-      n = int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
+    if len(buckets) > 1:
+      n = int(multihost.host_max(np.asarray(n, np.int32)))
     return bucket(n, buckets)
 
   def to_host(self, tree: Any) -> Any:
     """Numpy copies of this process's rows of batch-leading arrays (all rows in a single process)."""
-    return jax.tree.map(sharding_lib.local_rows, tree)
+    return jax.tree.map(multihost.local_rows, tree)
 
   def prefill(self, params: nnx.State, prompts: Sequence[Sequence[int]], rng: jax.Array) -> SamplerState:
     """Prefills token lists (left-padded to a bucket)."""

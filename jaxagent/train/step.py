@@ -26,9 +26,17 @@ from jaxagent.train.value import ValueTargets
 
 Mode = Literal["rl", "bc"]
 
-# Metrics that are means over loss tokens (combined across micro-batches weighted by loss tokens).
-_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "pg_loss", "nll", "policy_lag")
-# Value metrics are means over value positions; combined as plain means over micro-batches.
+# How each per-micro-batch metric ([M] values) combines into the metric of the whole batch, so that the metrics
+# of M micro-batches equal those of the batch processed at once:
+#   sums:        counts, and quantities already divided by the WHOLE batch's normalizer (pg_loss, value_loss:
+#                `aggregate` over a micro-batch is its share of the batch's aggregate).
+#   token means: plain means over the micro-batch's loss tokens, weighted by `loss_tokens`.
+#   value means: plain means over the micro-batch's value positions, weighted by `value_positions`.
+#   ratio_min / ratio_max: over micro-batches with loss tokens (0 when the batch has none, as `policy_loss`).
+#   skipped:     any (the step overwrites it from the batch's normalizers).
+_SUMS = ("loss_tokens", "value_positions", "pg_loss", "value_loss")
+_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "nll", "policy_lag")
+_VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
@@ -76,22 +84,26 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
 
 
 def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Reduces per-micro-batch metrics ([M] each) to batch metrics."""
+  """Reduces per-micro-batch metrics ([M] each) to batch metrics (rules above; an unknown key is an error)."""
   tokens = metrics["loss_tokens"]
   total = jnp.sum(tokens)
-  out = {"loss_tokens": total}
+  weighted_mean = lambda x, w: jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1.0)
+  out = {}
   for key, value in metrics.items():
-    if key == "loss_tokens":
-      continue
-    if key in _TOKEN_MEANS:
-      out[key] = jnp.sum(value * tokens) / jnp.maximum(total, 1.0)
+    if key in _SUMS:
+      out[key] = jnp.sum(value)
+    elif key in _TOKEN_MEANS:
+      out[key] = weighted_mean(value, tokens)
+    elif key in _VALUE_MEANS:
+      out[key] = weighted_mean(value, metrics["value_positions"])
     elif key == "ratio_min":
-      out[key] = jnp.min(jnp.where(tokens > 0, value, jnp.inf))
+      out[key] = jnp.where(total > 0, jnp.min(jnp.where(tokens > 0, value, jnp.inf)), 0.0)
     elif key == "ratio_max":
-      out[key] = jnp.max(jnp.where(tokens > 0, value, -jnp.inf))
+      out[key] = jnp.where(total > 0, jnp.max(jnp.where(tokens > 0, value, -jnp.inf)), 0.0)
+    elif key == "skipped":
+      out[key] = jnp.max(value)
     else:
-      out[key] = (jnp.max(value) if key == "skipped" else jnp.sum(value) if key == "value_loss"
-                  else jnp.mean(value))
+      raise ValueError(f"metric {key!r} has no micro-batch combination rule in train/step.py")
   return out
 
 

@@ -1,0 +1,232 @@
+"""`build_run(config) -> Run`: the parts of a run, built once and frozen. No train state lives here.
+
+A `Run` is a bag of parts joined by narrow types: the tokenizer and its chat framing, the model graph, the
+layouts (mesh, rules, the train state's shardings and the reshards between learner and rollout), the compiled
+steps, the env pool and rollout engine, the samplers, the task supply and the checkpointer. The train state is
+built (`init_state`) or restored (`restore`) from it and passed through the stage functions of
+`jaxagent.train.loop`, which return the new state.
+
+`build_run(config, purpose="eval")` builds what evaluation needs: no optimizer step, no BC step, no trajectory
+writer, nothing written into the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import grain
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import envs
+import envs.pool
+import models
+from jaxagent import checkpoint, multihost
+from jaxagent import config as config_lib
+from jaxagent import sharding as sharding_lib
+from jaxagent.chat import ChatFormat, ControlTokenChat
+from jaxagent.config import Config
+from jaxagent.rollout.engine import RolloutEngine
+from jaxagent.rollout.sampler import Sampler, SamplingConfig
+from jaxagent.train import checkpointing
+from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
+from jaxagent.train.step import make_train_step, make_value_fn
+from jaxagent.train.value import ValueHead
+
+NUM_TRAIN_TASKS = 100_000
+Purpose = Literal["train", "eval"]
+
+
+def stable_seed(*parts: Any) -> int:
+  """A stable 31-bit seed from any parts (independent of Python's hash randomization)."""
+  digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the train state and batches live: one mesh, the learner and rollout rules, the state's shardings.
+
+  Colocated placement: the policy lives in the learner layout and is resharded (in small groups, sources freed)
+  into the rollout layout for generation and back for the update: one layout at a time, on device.
+  """
+  mesh: jax.sharding.Mesh
+  learner_rules: models.Rules
+  rollout_rules: models.Rules
+  state_shardings: TrainState
+  rollout_policy_shardings: Any
+
+  def to_rollout(self, policy):
+    return sharding_lib.reshard(policy, self.rollout_policy_shardings)
+
+  def to_learner(self, policy):
+    return sharding_lib.reshard(policy, self.state_shardings.params["policy"])
+
+  def to_global(self, tree):
+    """This process's rows of host arrays -> global batch arrays in the learner layout."""
+    return multihost.to_global(tree, self.mesh, self.learner_rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """The parts of one run (see the module docstring). `rows`: this process's trajectories per iteration."""
+  config: Config
+  run_dir: Path
+  purpose: Purpose
+  tokenizer: models.Tokenizer
+  chat: ChatFormat
+  model: models.Transformer            # abstract unless loaded: the graph and config
+  graphdefs: dict[str, nnx.GraphDef]
+  layout: Layout
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  init_state: Callable[[], TrainState]
+  rl_step: Callable | None             # None when purpose == "eval"
+  bc_step: Callable | None
+  value_fn: Callable | None            # PPO: values at collection time
+  env_spec: envs.EnvSpec
+  env_versions: dict[str, str]         # env, parser, verifier versions (checked on resume)
+  pool: envs.pool.Pool
+  engine: RolloutEngine
+  sampler: Sampler                     # rollout sampling (rollout.temperature)
+  eval_sampler: Sampler                # evaluation sampling (train.eval_temperature)
+  tasks: Any                           # grain iterator over this process's task batches; state checkpointed
+  checkpointer: checkpointing.TrainCheckpointer
+  model_config: dict[str, Any]         # HF-style, stored with checkpoints
+  rows: int
+  global_rows: int
+  echo: bool
+
+  def print(self, *args) -> None:
+    if self.echo:
+      print(*args, flush=True)
+
+  def close(self) -> None:
+    self.checkpointer.close()
+    self.pool.close()
+
+
+def _env_versions(spec: envs.EnvSpec, pool: envs.pool.Pool, max_turns: int) -> dict[str, str]:
+  """The versions a trained policy depends on: env code (or image), action parser, verifier."""
+  env = spec.make(max_turns=max_turns)
+  try:
+    parser = getattr(getattr(env, "parser", None), "version", "")
+    verifier = getattr(getattr(env, "verifier", None), "version", "")
+  finally:
+    env.close()
+  return {"name": spec.name, "version": pool.version or spec.version, "parser": str(parser),
+          "verifier": str(verifier)}
+
+
+def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
+  """Builds every part of a run (see the module docstring). Checks the config against the process count."""
+  cfg = config
+  num_processes, process = jax.process_count(), jax.process_index()
+  config_lib.check_combinations(cfg, num_processes)
+  tokenizer = models.load_tokenizer(cfg.model.tokenizer)
+  chat = ControlTokenChat(tokenizer, stop=cfg.rollout.stop, max_observation_tokens=cfg.rollout.max_observation_tokens)
+  dtype = jnp.dtype(cfg.model.dtype)
+  mesh = sharding_lib.mesh_from_config(cfg.mesh)
+  learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
+  rollout_rules = sharding_lib.rules_for("rollout", cfg.mesh)
+
+  # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
+  # the same on every process of a multi-host run.
+  make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
+  if cfg.model.path:
+    model = checkpoint.load_model(cfg.model.path, dtype=dtype, mesh=mesh, rules=learner_rules)
+    loaded = nnx.split(model)[1]
+  else:
+    model, loaded = nnx.eval_shape(make_model), None  # abstract: the graph and config
+  if model.config.vocab_size < tokenizer.vocab_size:
+    raise config_lib.ConfigError(f"model vocab_size {model.config.vocab_size} < tokenizer vocab "
+                                 f"{tokenizer.vocab_size} ({cfg.model.tokenizer})")
+  graphdefs = {"policy": nnx.split(model)[0]}
+  make_value = lambda: ValueHead(model.config.hidden_size, dtype=dtype)
+  if cfg.algo.name == "ppo":
+    graphdefs["value"] = nnx.split(nnx.eval_shape(make_value))[0]
+  rl_updates = cfg.train.iterations * cfg.train.updates_per_iteration
+  schedule = optax.join_schedules(
+      [optax.constant_schedule(cfg.train.bc_learning_rate), learning_rate_schedule(cfg.optim, rl_updates)],
+      [cfg.train.bc_steps])
+  optimizer = make_optimizer(cfg.optim, schedule)
+
+  def new_state(policy):
+    params = {"policy": nnx.split(make_model())[1] if policy is None else policy}
+    if cfg.algo.name == "ppo":
+      params["value"] = nnx.split(make_value())[1]
+    # The frozen reference starts as the initial policy; the loop re-points it after the cold start.
+    ref = params["policy"] if cfg.algo.kl_coef > 0 else None
+    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                      policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed), ref_params=ref)
+
+  # Canonical layout: parameters and their optimizer moments by the learner rules, every other leaf (step,
+  # counts, RNG) replicated. Every jitted step returns exactly this layout, so nothing recompiles.
+  abstract = jax.eval_shape(new_state, loaded)
+  param_sh = models.state_shardings(abstract.params, mesh, learner_rules)
+  replicated = NamedSharding(mesh, P())
+  opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state, param_sh,
+                                            transform_non_params=lambda _: replicated)
+  state_shardings = TrainState(params=param_sh, opt_state=opt_sh, step=replicated, policy_version=replicated,
+                               rng=replicated, ref_params=param_sh["policy"] if cfg.algo.kl_coef > 0 else None)
+  layout = Layout(mesh=mesh, learner_rules=learner_rules, rollout_rules=rollout_rules,
+                  state_shardings=state_shardings,
+                  rollout_policy_shardings=models.state_shardings(abstract.params["policy"], mesh, rollout_rules))
+
+  def init_state() -> TrainState:
+    state = jax.jit(new_state, out_shardings=state_shardings)(loaded)
+    sharding_lib.check_replication(state.params, cfg.mesh.max_replicated_fraction)
+    return state
+
+  rl_step = bc_step = None
+  if purpose == "train":
+    rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
+                              temperature=cfg.rollout.temperature, state_shardings=state_shardings)
+    bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc",
+                              state_shardings=state_shardings)
+  value_fn = make_value_fn(graphdefs) if cfg.algo.name == "ppo" and purpose == "train" else None
+
+  env_spec = envs.get(cfg.env.name)
+  global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
+  rows = global_rows // num_processes
+  pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
+      cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action),
+      num_slots=rows)
+  sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                            max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=chat.stop_sequences)
+  buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < cfg.rollout.max_context) + (
+      cfg.rollout.max_context,)
+  # Observation frames are padded to the chat format's longest frame: one compiled extend per run.
+  make_sampler = lambda sampling: Sampler(model, cache_size=cfg.rollout.max_context, config=sampling,
+                                          pad_id=tokenizer.pad_id, buckets=buckets,
+                                          extend_buckets=(chat.frame_length,), mesh=mesh, rules=rollout_rules)
+  engine = RolloutEngine(pool, env_spec, chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
+                         invalid_action_rule=cfg.env.invalid_action)
+
+  # Tasks: a grain pipeline over the train split. Every process walks the same global sequence of batches and
+  # keeps its contiguous slice, so the global batch (and every row's seed and sampling key) is the same for
+  # any number of processes.
+  task_list = env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(cfg.env.options or {}))
+  local = cfg.train.tasks_per_iteration // num_processes
+  tasks = iter(grain.MapDataset.source(task_list).shuffle(seed=cfg.run.seed).repeat()
+               .batch(cfg.train.tasks_per_iteration, batch_fn=list)
+               .map(lambda batch: batch[process * local:(process + 1) * local]))
+
+  return Run(
+      config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,
+      graphdefs=graphdefs, layout=layout, optimizer=optimizer, schedule=schedule, init_state=init_state,
+      rl_step=rl_step, bc_step=bc_step, value_fn=value_fn, env_spec=env_spec,
+      env_versions=_env_versions(env_spec, pool, cfg.env.max_turns), pool=pool, engine=engine,
+      sampler=make_sampler(sampling),
+      eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
+      tasks=tasks,
+      checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints),
+      model_config=models.config_to_hf(model.config), rows=rows, global_rows=global_rows,
+      echo=echo and process == 0)
