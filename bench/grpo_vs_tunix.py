@@ -1,4 +1,4 @@
-"""GRPO iteration throughput: our `Trainer.rl_iteration` vs tunix's agentic GRPO learner, in one run.
+"""GRPO iteration throughput: our `loop.rl_iteration` vs tunix's agentic GRPO learner, in one run.
 
     .venv/bin/python bench/grpo_vs_tunix.py [--tasks 4 --group 4 --iters 3] \
         [--tunix-python /tmp/tunixvenv/bin/python]
@@ -51,7 +51,8 @@ ENV, MAX_TURNS, OBS_TOKENS, MAX_CONTEXT, LR = "guess", 2, 16, 128, 1e-4
 def run_ours(args) -> dict:
   from jaxagent import config as config_lib
   from jaxagent.rollout.sampler import Finish
-  from jaxagent.train.loop import Trainer
+  from jaxagent.train import loop
+  from jaxagent.train.run import build_run
 
   overrides = [f"model.init.{k}={v}" for k, v in MODEL.items()] + [
       "train.bc_steps=0", "train.eval_episodes=0", f"env.name={ENV}", f"env.max_turns={MAX_TURNS}",
@@ -64,41 +65,41 @@ def run_ours(args) -> dict:
       "run.name=bench-grpo-vs-tunix"]
   cfg = config_lib.load("tiny_cpu", overrides)
   run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
-  trainer = Trainer(cfg, run_dir, echo=False)
+  run = build_run(cfg, run_dir, echo=False)
+  progress = loop.Progress(state=run.init_state())
 
-  generate = trainer.sampler.generate
+  generate = run.sampler.generate
 
   def generate_budget_is_stop(params, state, active=None):  # see the module docstring
     state, out = generate(params, state, active)
     finish = jnp.where(out.finish == int(Finish.BUDGET), int(Finish.STOP), out.finish)
     return state, out.replace(finish=finish)
 
-  trainer.sampler.generate = generate_budget_is_stop
+  run.sampler.generate = generate_budget_is_stop
   seen = []
-  run = trainer.engine.run
+  engine_run = run.engine.run
 
   def run_and_count(*a, **k):
-    trajs, stats = run(*a, **k)
-    seen.append(dict(tokens=sum(int(np.sum(t.tokens != trainer.tokenizer.pad_id)) for t in trajs),
+    trajs, stats = engine_run(*a, **k)
+    seen.append(dict(tokens=sum(int(np.sum(t.tokens != run.tokenizer.pad_id)) for t in trajs),
                      turns=float(np.mean([len(t.turns) for t in trajs]))))
     return trajs, stats
 
-  trainer.engine.run = run_and_count
+  run.engine.run = run_and_count
   iters = []
   try:
     for i in range(args.warmup + args.iters):
       t0 = time.perf_counter()
-      m = trainer.rl_iteration()
-      jax.block_until_ready(trainer.state.params)
+      progress, m = loop.rl_iteration(run, progress, None, t0)
+      jax.block_until_ready(progress.state.params)
       wall = time.perf_counter() - t0
-      trainer.iteration += 1
       iters.append(dict(s=wall, loss_tokens=float(m["loss_tokens"]), tokens=seen[-1]["tokens"],
                         turns=seen[-1]["turns"], trajectories=args.tasks * args.group,
                         reported_s=float(m["time/iteration_s"])))
       print(f"  ours iter {i}: {wall:.2f}s loss_tokens={m['loss_tokens']:.0f} turns/traj={seen[-1]['turns']:.2f}"
             + (" (warm-up)" if i < args.warmup else ""), flush=True)
   finally:
-    trainer.close()
+    run.close()
   return summarize(iters[args.warmup:])
 
 

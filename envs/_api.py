@@ -13,6 +13,7 @@ import enum
 import hashlib
 import inspect
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -177,11 +178,13 @@ class Observation:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-  """What a verifier returns. `evidence` is kept with the trajectory (msgpack-able)."""
+  """What a verifier returns. `evidence` is kept with the trajectory (msgpack-able); `seconds` is the time the
+  verifier took (T_verify, filled by `Verifier.verify`)."""
   passed: bool
   reward: float
   evidence: Mapping[str, Any]
   version: str
+  seconds: float = 0.0
 
   def __post_init__(self):
     if not isinstance(self.evidence, Mapping):
@@ -190,11 +193,12 @@ class Verdict:
 
   def to_wire(self) -> dict[str, Any]:
     return dict(passed=bool(self.passed), reward=float(self.reward), evidence=dict(self.evidence),
-                version=str(self.version))
+                version=str(self.version), seconds=float(self.seconds))
 
   @classmethod
   def from_wire(cls, d: Mapping[str, Any]) -> "Verdict":
-    return cls(bool(d["passed"]), float(d["reward"]), dict(d["evidence"]), str(d["version"]))
+    return cls(bool(d["passed"]), float(d["reward"]), dict(d["evidence"]), str(d["version"]),
+               float(d.get("seconds", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +374,12 @@ class Verifier(abc.ABC):
   @abc.abstractmethod
   def score(self, task: Task, final: Any) -> Verdict:
     """Args: task; final: what the episode produced (an answer string, a directory...)."""
+
+  def verify(self, task: Task, final: Any) -> Verdict:
+    """`score`, timed: the verdict carries the verifier's wall time in `seconds` (recorded as T_verify)."""
+    start = time.perf_counter()
+    verdict = self.score(task, final)
+    return dataclasses.replace(verdict, seconds=time.perf_counter() - start)
 
 
 class Env(abc.ABC):

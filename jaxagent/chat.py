@@ -81,6 +81,7 @@ class ControlTokenChat(ChatFormat):
   """
 
   BOS, USER, ASSISTANT, TOOL, END_OF_TURN = "<bos>", "<|user|>", "<|assistant|>", "<|tool|>", "<|eot|>"
+  CONTROL_TOKENS = (BOS, USER, ASSISTANT, TOOL, END_OF_TURN)
 
   def __init__(self, tokenizer, *, stop: Sequence[str] = ("\n",), max_observation_tokens: int = 64):
     if not stop:

@@ -27,6 +27,9 @@ def test_enums_and_round_trip():
       "completed", "max_turns", "context_exhausted", "turn_budget_exhausted", "invalid_action",
       "parser_rejected", "env_error", "env_timeout", "retries_exhausted", "cancelled"]
   t = _trajectories.make()
+  t = dataclasses.replace(t, turns=(dataclasses.replace(t.turns[0], outcome="parser_rejected_continued"),
+                                    *t.turns[1:]))
+  assert tj.Termination is __import__("envs").Termination  # one vocabulary: the env's enum, not a copy
   assert t.schema == tj.SCHEMA_VERSION and t.group_id == "task-0"
   _same(tj.Trajectory.from_dict(t.to_dict()), t)
   _same(tj.Trajectory.from_dict(json.loads(json.dumps(t.to_dict(arrays_as="lists")))), t)
@@ -62,6 +65,15 @@ def test_invariants_are_checked():
   with pytest.raises(tj.TrajectoryFormatError, match="loss_mask.*REASONING"):   # kept, but not trained
     dataclasses.replace(t, roles=roles, reasoning=tj.Reasoning(kept=True, trained=False))
   dataclasses.replace(t, roles=roles, reasoning=tj.Reasoning(kept=True, trained=True))
+  # The return is the turns' discounted rewards plus the discounted terminal reward, never another number.
+  with pytest.raises(tj.TrajectoryFormatError, match=r"reward.total=2.0 != .* = 1.1"):
+    dataclasses.replace(t, reward=dataclasses.replace(t.reward, total=2.0))
+  gamma = dataclasses.replace(t.reward, gamma=0.5, total=0.0 + 0.5 * 0.1 + 0.25 * 1.0)
+  assert dataclasses.replace(t, reward=gamma).reward.total == pytest.approx(0.3)
+  with pytest.raises(tj.TrajectoryFormatError, match="turn outcome 'fine'"):
+    dataclasses.replace(t.turns[0], outcome="fine")
+  with pytest.raises(tj.TrajectoryFormatError, match="invalid_action_rule='skip'"):
+    dataclasses.replace(t.env, invalid_action_rule="skip")
 
 
 @pytest.mark.parametrize("mutate, message", [

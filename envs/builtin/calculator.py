@@ -97,7 +97,7 @@ class CalculatorEnv(Env):
     if call.name == "calc":
       value = safe_eval(call.arg)
       return StepResult(Observation(str(value)), {"validity": 0.0}, False, None, {})
-    verdict = self.verifier.score(self.task, call.arg)
+    verdict = self.verifier.verify(self.task, call.arg)
     return StepResult(Observation("correct" if verdict.passed else "wrong"), {"outcome": verdict.reward}, True,
                       COMPLETED, verdict=verdict)
 

@@ -407,7 +407,7 @@ class CodeRepairEnv(Env):
                         dict(results=dict(report["results"]), import_error=report.get("import_error")))
     if call.arg:
       raise InvalidAction("submit takes no argument")
-    v = self.verifier.score(self.task, self.root)
+    v = self.verifier.verify(self.task, self.root)
     info = dict(edits=self.edits)
     if v.evidence.get("runner_timeout"):
       return StepResult(Observation(f"submit: {v.evidence['error']}"), {"outcome": 0.0}, True, ENV_TIMEOUT,

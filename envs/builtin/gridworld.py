@@ -86,7 +86,7 @@ class GridEnv(Env):
     if 0 <= r < len(layout) and 0 <= c < len(layout[0]) and layout[r][c] == ".":
       self.pos = [r, c]
     if self.pos == list(self.task.payload["goal"]):
-      v = self.verifier.score(self.task, self.pos)
+      v = self.verifier.verify(self.task, self.pos)
       return StepResult(Observation(self._render()), {"outcome": v.reward}, True, COMPLETED, verdict=v)
     return StepResult(Observation(self._render()), {}, False, None, {})
 

@@ -56,11 +56,11 @@ class GuessEnv(Env):
       raise InvalidAction(f"guess {g} outside 1..{self.high}")
     self.left -= 1
     if g == self.secret:
-      v = self.verifier.score(self.task, (g, self.secret))
+      v = self.verifier.verify(self.task, (g, self.secret))
       return StepResult(Observation("correct"), {"outcome": v.reward}, True, COMPLETED, verdict=v)
     text = "higher" if g < self.secret else "lower"
     if self.left <= 0:  # the verifier scores the last guess: failed, and the episode ends on the budget.
-      v = self.verifier.score(self.task, (g, self.secret))
+      v = self.verifier.verify(self.task, (g, self.secret))
       return StepResult(Observation(text), {"outcome": v.reward}, True, TURN_BUDGET_EXHAUSTED, verdict=v)
     return StepResult(Observation(text), {}, False, None, {})
 

@@ -70,7 +70,7 @@ class TerminalEnv(Env):
 
   def _step(self, call: Call) -> StepResult:
     if call.name == "done":
-      v = self.verifier.score(self.task, self.root)
+      v = self.verifier.verify(self.task, self.root)
       return StepResult(Observation("passed" if v.passed else "failed"), {"outcome": v.reward}, True, COMPLETED,
                         verdict=v)
     if not call.arg:

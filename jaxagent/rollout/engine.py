@@ -312,7 +312,7 @@ class RolloutEngine:
       v = result.verdict
       row.verifier = tr.VerifierRecord(name=self.env_spec.name, version=str(v.version), passed=bool(v.passed),
                                        evidence=dict(v.evidence))
-      row.verify_s = float(getattr(v, "seconds", 0.0))
+      row.verify_s = float(v.seconds)
     if result.done:
       row.done = True
       row.termination = envs.Termination(result.termination)

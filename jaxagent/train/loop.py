@@ -78,9 +78,7 @@ class Progress:
   """The loop's host-side state besides the train state: iteration and the cumulative counters (x-axes)."""
   state: TrainState
   iteration: int = 0
-  counters: Mapping[str, float] = dataclasses.field(
-      default_factory=lambda: {"env_interactions": 0, "action_tokens": 0, "device_seconds": 0.0,
-                               "wall_seconds": 0.0})
+  counters: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(metrics_lib.X_AXES, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +161,9 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
                                         float(adv.zero_variance_groups),
                                         float(adv.group_return_std) * float(adv.groups), float((~train).sum())]))
   groups = max(sums[2], 1.0)
-  stats = {"reward_std_within_group": float(sums[4] / groups), "zero_variance_group_fraction": float(sums[3] / groups),
-           "excluded_trajectories": int(sums[5])}
+  stats = {metrics_lib.REWARD_STD_WITHIN_GROUP: float(sums[4] / groups),
+           metrics_lib.ZERO_VARIANCE_GROUP_FRACTION: float(sums[3] / groups),
+           metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[5])}
   return Prepared(batch=run.layout.to_global(batch), normalizer=float(sums[0]),
                   value_targets=None if value_targets is None else run.layout.to_global(value_targets),
                   value_normalizer=float(sums[1]), stats=stats, estimate=adv)
@@ -341,12 +340,12 @@ def rl_iteration(run: Run, progress: Progress, writer: trajectory_store.Trajecto
                                          + [run.pool.replays, run.pool.replay_divergences, stats.env_steps,
                                             stats.action_tokens]))
   counters = dict(progress.counters)
-  counters["env_interactions"] += int(counts[-2])
-  counters["action_tokens"] += int(counts[-1])
-  counters["device_seconds"] += stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0)
-  counters["wall_seconds"] = time.perf_counter() - start_wall
+  counters[metrics_lib.ENV_INTERACTIONS] += int(counts[-2])
+  counters[metrics_lib.ACTION_TOKENS] += int(counts[-1])
+  counters[metrics_lib.DEVICE_SECONDS] += stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0)
+  counters[metrics_lib.WALL_SECONDS] = time.perf_counter() - start_wall
   out = {
-      "reward_mean": float(totals.mean()), "success_rate": float(passed.mean()), **prepared.stats,
+      metrics_lib.REWARD_MEAN: float(totals.mean()), metrics_lib.SUCCESS_RATE: float(passed.mean()), **prepared.stats,
       "learning_rate": float(run.schedule(int(state.step) - 1)),
       "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
       "time/extend_s": stats.extend_s, "time/iteration_s": time.perf_counter() - wall0,
@@ -467,7 +466,7 @@ def run_loop(run: Run, progress: Progress, *, resume_meta: Mapping[str, Any] | N
         run.print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
                   "(trajectories/discarded/): their iterations are replayed")
     writer = trajectory_store.TrajectoryWriter(run.run_dir / "trajectories", prefix=_shard_prefix())
-  start_wall = time.perf_counter() - progress.counters["wall_seconds"]
+  start_wall = time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS]
   before = after = None
   try:
     if int(progress.state.step) < cfg.train.bc_steps:
@@ -478,20 +477,20 @@ def run_loop(run: Run, progress: Progress, *, resume_meta: Mapping[str, Any] | N
       state, before = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
       run.print(f"after cold start: {before.line()}")
-      logger.log(int(state.step), {"eval_success_rate": before.success_rate, **progress.counters},
+      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: before.success_rate, **progress.counters},
                  iteration=progress.iteration)
     bar = metrics_lib.Progress(cfg.train.iterations, "GRPO" if cfg.algo.name == "grpo" else "PPO", run.echo)
     bar.update(progress.iteration)
     while progress.iteration < cfg.train.iterations:
       progress, m = rl_iteration(run, progress, writer, start_wall)
       logger.log(int(progress.state.step), m, iteration=progress.iteration)
-      bar.update(1, reward=f"{m['reward_mean']:.2f}", succ=f"{m['success_rate']:.2f}")
+      bar.update(1, reward=f"{m[metrics_lib.REWARD_MEAN]:.2f}", succ=f"{m[metrics_lib.SUCCESS_RATE]:.2f}")
       every, it = cfg.train.eval_every, progress.iteration
       if cfg.train.eval_episodes and every and it % every == 0 and it < cfg.train.iterations:
         state, mid = evaluate(run, progress.state)
         progress = dataclasses.replace(progress, state=state)
         bar.write(f"iteration {it}: {mid.line()}")
-        logger.log(int(state.step), {"eval_success_rate": mid.success_rate}, iteration=it)
+        logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate}, iteration=it)
       if it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations:
         save(run, progress, writer, env_change)
     bar.close()
@@ -500,7 +499,7 @@ def run_loop(run: Run, progress: Progress, *, resume_meta: Mapping[str, Any] | N
       state, after = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
       run.print(f"after RL:         {after.line()}")
-      logger.log(int(state.step), {"eval_success_rate": after.success_rate, **progress.counters},
+      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: after.success_rate, **progress.counters},
                  iteration=progress.iteration)
     if cfg.train.plots and jax.process_index() == 0:
       metrics_lib.write_plots(run.run_dir)

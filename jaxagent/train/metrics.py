@@ -35,20 +35,20 @@ TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
 # Keys the logger owns in every line; a metric may not use them.
 RESERVED_KEYS = frozenset({"step", "iteration", "time", "nonfinite"})
+# Metric names, defined once: the loop writes them, the plots and tests read them.
+REWARD_MEAN = "reward_mean"                                     # first-round sample of an iteration
+SUCCESS_RATE = "success_rate"
+EVAL_SUCCESS_RATE = "eval_success_rate"                         # held-out split
+REWARD_STD_WITHIN_GROUP = "reward_std_within_group"             # the advantage estimator's groups
+ZERO_VARIANCE_GROUP_FRACTION = "zero_variance_group_fraction"
+EXCLUDED_TRAJECTORIES = "excluded_trajectories"                 # infrastructure failures, never trained
+ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS = (
+    "env_interactions", "action_tokens", "device_seconds", "wall_seconds")
 # Cumulative x-axes of DESIGN §2.11, in subplot order.
-X_AXES = ("env_interactions", "action_tokens", "device_seconds", "wall_seconds")
+X_AXES = (ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS)
 # Metrics that get a learning-curve figure when present.
-Y_METRICS = (
-    "reward_mean",
-    "success_rate",
-    "eval_success_rate",
-    "grad_norm",
-    "entropy",
-    "kl",
-    "approx_kl",
-    "zero_variance_group_fraction",
-    "reward_std_within_group",
-)
+Y_METRICS = (REWARD_MEAN, SUCCESS_RATE, EVAL_SUCCESS_RATE, "grad_norm", "entropy", "kl", "approx_kl",
+             ZERO_VARIANCE_GROUP_FRACTION, REWARD_STD_WITHIN_GROUP)
 
 
 def to_python_scalar(name: str, value: Any) -> int | float:

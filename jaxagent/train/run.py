@@ -131,7 +131,14 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   num_processes, process = jax.process_count(), jax.process_index()
   config_lib.check_combinations(cfg, num_processes)
   tokenizer = models.load_tokenizer(cfg.model.tokenizer)
-  chat = ControlTokenChat(tokenizer, stop=cfg.rollout.stop, max_observation_tokens=cfg.rollout.max_observation_tokens)
+  try:
+    chat = ControlTokenChat(tokenizer, stop=cfg.rollout.stop,
+                            max_observation_tokens=cfg.rollout.max_observation_tokens)
+  except KeyError as e:  # a tokenizer without our control tokens
+    raise config_lib.ConfigError(
+        f"model.tokenizer={cfg.model.tokenizer!r}: the trainer frames chats with the control tokens "
+        f"{ControlTokenChat.CONTROL_TOKENS} ({e.args[0]}); framing from a Hugging Face chat template is not "
+        "supported yet: use model.tokenizer=byte") from None
   dtype = jnp.dtype(cfg.model.dtype)
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
