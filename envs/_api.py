@@ -481,7 +481,8 @@ class EnvSpec:
     description: one line.
     make: `make(**kwargs) -> Env`.
     tasks: `tasks(split, n, seed) -> list[Task]` (deterministic).
-    demo: `demo(task) -> list[str]`, scripted actions that solve `task` (behavior cloning).
+    demo: `demo(task, seed, **options) -> list[str]`, scripted actions that solve `task` reset with `seed`
+      (behavior cloning; `options` are the config's `env.demo_options`).
     version_sources: objects whose source files define the version.
     deterministic: replay with the same seed and actions gives the same observations.
     needs_sandbox: actions run real programs (terminal, code repair).
@@ -490,7 +491,7 @@ class EnvSpec:
   description: str
   make: Callable[..., Env]
   tasks: Callable[[str, int, int], list[Task]]
-  demo: Callable[[Task], list[str]]
+  demo: Callable[..., list[str]]
   version_sources: tuple[Any, ...] = ()
   data_files: tuple[Path, ...] = ()
   deterministic: bool = True

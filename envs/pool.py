@@ -582,21 +582,23 @@ class Pool:
     self.version = hello["version"]
 
   def _unsandboxed(self, why: str) -> None:
-    """An env whose actions run real programs never runs outside a sandbox unless pool.sandbox='none' says so."""
+    """An env whose actions run real programs never runs outside a sandbox unless sandbox='none' says so."""
     from envs._registry import get  # pylint: disable=g-import-not-at-top
     if get(self.cfg.env).needs_sandbox and self.cfg.sandbox != "none":
       raise RuntimeError(f"env {self.cfg.env!r} runs real programs and needs a sandbox, but {why}; use the local "
-                         "pool with bubblewrap or the docker pool (pool.sandbox='none' runs it unsandboxed anyway)")
+                         "pool with bubblewrap or the docker pool (sandbox='none', env.pool.sandbox in a jaxagent "
+                         "config, runs it unsandboxed anyway)")
 
   def _make_worker(self, i: int) -> Worker:
     cfg = self.cfg
     if cfg.kind == "inprocess":
       if i == 0:
-        self._unsandboxed("pool.kind='inprocess' runs it in this process")
+        self._unsandboxed("kind='inprocess' (env.pool.kind) runs it in this process")
       return InProcessWorker(cfg, i)
     if cfg.kind == "remote":
       if len(cfg.addresses) < cfg.num_workers:
-        raise ValueError(f"pool.addresses has {len(cfg.addresses)} entries for num_workers={cfg.num_workers}")
+        raise ValueError(f"addresses (env.pool.addresses) has {len(cfg.addresses)} entries for "
+                         f"num_workers={cfg.num_workers}")
       return RemoteWorker(cfg, i)
     if cfg.kind == "docker":
       if i == 0:
@@ -608,7 +610,8 @@ class Pool:
       want = cfg.sandbox != "none"
       self.sandboxed = want and bwrap_available()
       if cfg.sandbox == "bwrap" and not self.sandboxed:
-        raise RuntimeError("pool.sandbox='bwrap' but bubblewrap is not installed or cannot create namespaces "
+        raise RuntimeError("sandbox='bwrap' (env.pool.sandbox) but bubblewrap is not installed or cannot create "
+                           "namespaces "
                            "here (apt-get install -y bubblewrap)")
       if want and not self.sandboxed:
         self._unsandboxed("bubblewrap is unavailable here")

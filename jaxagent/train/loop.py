@@ -195,8 +195,10 @@ def demonstrations(run: Run, n: int, seed: int) -> list[tr.Trajectory]:
   out = []
   for start in range(0, n, run.rows):
     chunk = tasks[start:start + run.rows]
-    scripts = [[run.chat.action_tokens(a) for a in run.env_spec.demo(task, **dict(cfg.env.demo_options or {}))]
-               for task in chunk]
+    # The episode's seed goes to the script too: a seeded env (guess draws its secret from it) needs it.
+    scripts = [[run.chat.action_tokens(a)
+                for a in run.env_spec.demo(task, start + k, **dict(cfg.env.demo_options or {}))]
+               for k, task in enumerate(chunk)]
     trajs, _ = run.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), chunk,
                               list(range(start, start + len(chunk))), group_size=1, policy_version=-1)
     out += [dataclasses.replace(t, metadata={**t.metadata, "source": "scripted_demo"}) for t in trajs]
