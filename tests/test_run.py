@@ -59,8 +59,10 @@ def test_infrastructure_failures_are_recorded_but_never_trained_or_grouped(tmp_p
   # Group 0 has only solved members left: no signal (it would have been "varied" with the fault counted).
   adv = np.asarray(prepared.estimate.advantages)
   assert not adv[:4].any() and adv[4:6, 0].min() > 0 > adv[6:8, 0].max()
-  assert prepared.stats == {"reward_std_within_group": pytest.approx(0.25), "zero_variance_group_fraction": 0.5,
-                            "excluded_trajectories": 1}
+  assert prepared.stats == {"excluded_trajectories": 1}
+  spread = {"reward_std_within_group": pytest.approx(0.25), "zero_variance_group_fraction": 0.5}
+  assert loop.group_statistics(run, trajs, prepared.estimate) == spread
+  assert loop.group_statistics(run, trajs) == spread  # the estimator run again: the same grouping
 
 
 def test_error_replies_are_error_observations(tmp_path):

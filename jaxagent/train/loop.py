@@ -156,17 +156,34 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     value_normalizer = float(vmask.sum())
   normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
                                      norm_length=cfg.algo.norm_length, allow_empty=True)
-  # Group statistics with the estimator's own grouping (excluded and turn-less rows are in no group).
-  sums = multihost.host_sum(np.asarray([float(normalizer), value_normalizer, float(adv.groups),
-                                        float(adv.zero_variance_groups),
-                                        float(adv.group_return_std) * float(adv.groups), float((~train).sum())]))
-  groups = max(sums[2], 1.0)
-  stats = {metrics_lib.REWARD_STD_WITHIN_GROUP: float(sums[4] / groups),
-           metrics_lib.ZERO_VARIANCE_GROUP_FRACTION: float(sums[3] / groups),
-           metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[5])}
+  sums = multihost.host_sum(np.asarray([float(normalizer), value_normalizer, float((~train).sum())]))
   return Prepared(batch=run.layout.to_global(batch), normalizer=float(sums[0]),
                   value_targets=None if value_targets is None else run.layout.to_global(value_targets),
-                  value_normalizer=float(sums[1]), stats=stats, estimate=adv)
+                  value_normalizer=float(sums[1]), stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2])},
+                  estimate=adv)
+
+
+def group_statistics(run: Run, trajectories: Sequence[tr.Trajectory],
+                     estimate: algos.AdvantageOutput | None = None) -> dict[str, float]:
+  """Within-group return spread of `trajectories` with the advantage estimator's own grouping: a trajectory
+  without a turn or ended by an infrastructure failure is in no group. Summed over processes (a group never
+  spans two: each holds whole task slots).
+
+  `estimate`: the estimator's output for exactly these trajectories, when `prepare_batch` already has it.
+  """
+  cfg = run.config
+  if estimate is None:
+    rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
+    mask_ns &= trained_rows(run, trajectories)[:, None]
+    values = jnp.zeros(mask_ns.shape, jnp.float32) if cfg.algo.advantage == "gae" else None  # unused by the groups
+    estimate = algos.get_advantage(cfg.algo.advantage)(jnp.asarray(rewards_ns), jnp.asarray(mask_ns),
+                                                       jnp.asarray(group_ids), values_ns=values,
+                                                       **algos.advantage_kwargs(cfg.algo))
+  groups, flat, std = (float(x) for x in jax.device_get((estimate.groups, estimate.zero_variance_groups,
+                                                         estimate.group_return_std)))
+  groups, flat, spread = multihost.host_sum(np.asarray([groups, flat, std * groups]))
+  return {metrics_lib.REWARD_STD_WITHIN_GROUP: float(spread / max(groups, 1.0)),
+          metrics_lib.ZERO_VARIANCE_GROUP_FRACTION: float(flat / max(groups, 1.0))}
 
 
 def update(run: Run, state: TrainState, prepared: Prepared) -> tuple[TrainState, dict[str, Any]]:
@@ -346,8 +363,12 @@ def rl_iteration(run: Run, progress: Progress, writer: trajectory_store.Trajecto
   counters[metrics_lib.ACTION_TOKENS] += int(counts[-1])
   counters[metrics_lib.DEVICE_SECONDS] += stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0)
   counters[metrics_lib.WALL_SECONDS] = time.perf_counter() - start_wall
+  # Like reward_mean, the group statistics describe the first-round sample (what the policy does; the "echo
+  # trap" diagnostic of DESIGN 2.6), with the estimator's grouping.
+  spread = group_statistics(run, sampled, prepared.estimate if trajs is sampled else None)
   out = {
-      metrics_lib.REWARD_MEAN: float(totals.mean()), metrics_lib.SUCCESS_RATE: float(passed.mean()), **prepared.stats,
+      metrics_lib.REWARD_MEAN: float(totals.mean()), metrics_lib.SUCCESS_RATE: float(passed.mean()), **spread,
+      **prepared.stats,
       "learning_rate": float(run.schedule(int(state.step) - 1)),
       "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
       "time/extend_s": stats.extend_s, "time/iteration_s": time.perf_counter() - wall0,
