@@ -184,7 +184,7 @@ class Verdict:
   reward: float
   evidence: Mapping[str, Any]
   version: str
-  seconds: float = 0.0
+  seconds: float = dataclasses.field(default=0.0, compare=False)  # a measurement, not part of the verdict
 
   def __post_init__(self):
     if not isinstance(self.evidence, Mapping):

@@ -160,7 +160,10 @@ def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device]
   Unset axes default to `data: -1, fsdp: 1, tensor: 1`. For the configured mesh use `mesh_from_config`.
   """
   devices = list(jax.devices() if devices is None else devices)
-  sizes = _infer({"data": -1, "fsdp": 1, "tensor": 1, **(shape or {})}, len(devices), f"mesh {shape}")
+  sizes = {"data": -1, "fsdp": 1, "tensor": 1, **(shape or {})}
+  if -1 not in sizes.values() and math.prod(sizes.values()) != len(devices):
+    raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, have {len(devices)}")
+  sizes = _infer(sizes, len(devices), "mesh")
   return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
 
 
