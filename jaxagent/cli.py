@@ -130,7 +130,7 @@ def _cmd_eval(args) -> int:
   # Only what evaluation needs: no train step is compiled, nothing is written into the run directory.
   run = build_run(config_lib.load(saved, args.overrides), run_dir, purpose="eval")
   try:
-    progress, _ = loop.restore(run, read_only=True)
+    progress, _ = loop.restore(run)
     _, result = loop.evaluate(run, progress.state, args.split, args.episodes)
   finally:
     run.close()

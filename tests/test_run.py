@@ -20,7 +20,7 @@ from jaxagent.rollout.engine import ScriptedActions
 from jaxagent.train import loop
 from jaxagent.train import run as run_lib
 from tests import test_envs_plugin
-from tests.test_train import ROOT, TINY, _config
+from tests.test_train import _COMPILES, ROOT, TINY, _config
 
 
 def _scripted(run, scripts, *, group_size):
@@ -62,7 +62,9 @@ def test_infrastructure_failures_are_recorded_but_never_trained_or_grouped(tmp_p
   assert prepared.stats == {"excluded_trajectories": 1}
   spread = {"reward_std_within_group": pytest.approx(0.25), "zero_variance_group_fraction": 0.5}
   assert loop.group_statistics(run, trajs, prepared.estimate) == spread
+  compiles = len(_COMPILES)
   assert loop.group_statistics(run, trajs) == spread  # the estimator run again: the same grouping
+  assert len(_COMPILES) == compiles, "the estimator was called another way than prepare_batch calls it"
 
 
 def test_error_replies_are_error_observations(tmp_path):

@@ -115,6 +115,15 @@ def trained_rows(run: Run, trajectories: Sequence[tr.Trajectory]) -> np.ndarray:
   return np.asarray([t.termination.value not in excluded for t in trajectories], bool)
 
 
+def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, bootstrap_n=None
+              ) -> algos.AdvantageOutput:
+  """The configured advantage estimator, always called the same way (one compiled program per shape)."""
+  put = lambda x: None if x is None else jnp.asarray(x)
+  return algos.get_advantage(cfg.algo.advantage)(put(rewards_ns), put(mask_ns), put(group_ids),
+                                                 values_ns=put(values_ns), bootstrap_n=put(bootstrap_n),
+                                                 **algos.advantage_kwargs(cfg.algo))
+
+
 def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Trajectory]) -> Prepared:
   """Assembly, advantages (PPO: values at collection time and GAE with bootstrap) and the loss normalizers."""
   cfg = run.config
@@ -137,10 +146,7 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     cut = np.asarray([t.termination in TRUNCATIONS and bool(t.turns) for t in trajectories]) & train
     last = np.asarray([max(len(t) - 1, 0) for t in trajectories])
     bootstrap_n = np.where(cut, values_bt[rows, last], 0.0).astype(np.float32)
-  adv = algos.get_advantage(cfg.algo.advantage)(
-      jnp.asarray(rewards_ns), jnp.asarray(mask_ns), jnp.asarray(group_ids),
-      values_ns=None if values_ns is None else jnp.asarray(values_ns),
-      bootstrap_n=None if bootstrap_n is None else jnp.asarray(bootstrap_n), **algos.advantage_kwargs(cfg.algo))
+  adv = _estimate(cfg, rewards_ns, mask_ns, group_ids, values_ns, bootstrap_n)
   adv_ns = np.asarray(adv.advantages)
   batch = assemble(trajectories, [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajectories)], level="turn",
                    train=train, **layout)
@@ -175,10 +181,9 @@ def group_statistics(run: Run, trajectories: Sequence[tr.Trajectory],
   if estimate is None:
     rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
     mask_ns &= trained_rows(run, trajectories)[:, None]
-    values = jnp.zeros(mask_ns.shape, jnp.float32) if cfg.algo.advantage == "gae" else None  # unused by the groups
-    estimate = algos.get_advantage(cfg.algo.advantage)(jnp.asarray(rewards_ns), jnp.asarray(mask_ns),
-                                                       jnp.asarray(group_ids), values_ns=values,
-                                                       **algos.advantage_kwargs(cfg.algo))
+    values = np.zeros(mask_ns.shape, np.float32) if cfg.algo.advantage == "gae" else None  # unused by the groups
+    bootstrap = np.zeros(mask_ns.shape[:1], np.float32) if cfg.algo.advantage == "gae" else None
+    estimate = _estimate(cfg, rewards_ns, mask_ns, group_ids, values, bootstrap)
   groups, flat, std = (float(x) for x in jax.device_get((estimate.groups, estimate.zero_variance_groups,
                                                          estimate.group_return_std)))
   groups, flat, spread = multihost.host_sum(np.asarray([groups, flat, std * groups]))
@@ -303,7 +308,8 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
     tasks = next(run.tasks)
     seeds = [stable_seed(cfg.run.seed, "env", iteration, "refill", rounds, process * run.rows + i)
              for i in range(run.rows)]
-    state, more, more_stats = collect(run, state, tasks, seeds, group_size=g, rng=jax.random.fold_in(rng, 1000 + rounds))
+    state, more, more_stats = collect(run, state, tasks, seeds, group_size=g,
+                                      rng=jax.random.fold_in(rng, 1000 + rounds))
     stats = stats + more_stats
     for slot, group in enumerate(chunks(more)):
       sampled_groups += 1
@@ -427,8 +433,9 @@ def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, 
   return {"from": dict(stored), "to": dict(now)}
 
 
-def restore(run: Run, *, read_only: bool = False) -> tuple[Progress, dict[str, Any]]:
-  """The newest intact checkpoint of the run as `Progress`, and its metadata. Raises if there is none."""
+def restore(run: Run) -> tuple[Progress, dict[str, Any]]:
+  """The newest intact checkpoint of the run as `Progress`, and its metadata (the task iterator continues from
+  it when the run has one). Raises `models.CheckpointError` if there is none."""
   restored = run.checkpointer.restore_latest(run.init_state(), run.model_config)
   if restored is None:
     raise models.CheckpointError(f"{run.run_dir}: no complete checkpoint under {run.run_dir / 'checkpoints'}")
@@ -437,7 +444,7 @@ def restore(run: Run, *, read_only: bool = False) -> tuple[Progress, dict[str, A
   change = check_env_versions(run, meta.get("env"))
   if change:
     meta = {**meta, "env_change_allowed": change}
-  if not read_only:
+  if run.tasks is not None:
     run.tasks.set_state(meta["data_iterator"])
   skipped = meta.get("_skipped_steps") or []
   note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""

@@ -97,7 +97,7 @@ class Run:
   engine: RolloutEngine
   sampler: Sampler                     # rollout sampling (rollout.temperature)
   eval_sampler: Sampler                # evaluation sampling (train.eval_temperature)
-  tasks: Any                           # grain iterator over this process's task batches; state checkpointed
+  tasks: Any                           # grain iterator over this process's task batches (None for eval)
   checkpointer: checkpointing.TrainCheckpointer
   model_config: dict[str, Any]         # HF-style, stored with checkpoints
   rows: int
@@ -220,11 +220,13 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   # Tasks: a grain pipeline over the train split. Every process walks the same global sequence of batches and
   # keeps its contiguous slice, so the global batch (and every row's seed and sampling key) is the same for
   # any number of processes.
-  task_list = env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(cfg.env.options or {}))
-  local = cfg.train.tasks_per_iteration // num_processes
-  tasks = iter(grain.MapDataset.source(task_list).shuffle(seed=cfg.run.seed).repeat()
-               .batch(cfg.train.tasks_per_iteration, batch_fn=list)
-               .map(lambda batch: batch[process * local:(process + 1) * local]))
+  tasks = None
+  if purpose == "train":
+    task_list = env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(cfg.env.options or {}))
+    local = cfg.train.tasks_per_iteration // num_processes
+    tasks = iter(grain.MapDataset.source(task_list).shuffle(seed=cfg.run.seed).repeat()
+                 .batch(cfg.train.tasks_per_iteration, batch_fn=list)
+                 .map(lambda batch: batch[process * local:(process + 1) * local]))
 
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,
