@@ -281,7 +281,7 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
                            {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
 
 
-def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list[tr.Trajectory], stats, rng):
+def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list[tr.Trajectory], stats):
   """DAPO dynamic sampling (Yu et al. 2025): a group whose rewards are all equal carries no GRPO signal.
 
   The batch keeps its B task slots. While some slot (on any process) holds such a flat group, and at most
@@ -309,7 +309,7 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
     seeds = [stable_seed(cfg.run.seed, "env", iteration, "refill", rounds, process * run.rows + i)
              for i in range(run.rows)]
     state, more, more_stats = collect(run, state, tasks, seeds, group_size=g,
-                                      rng=jax.random.fold_in(rng, 1000 + rounds))
+                                      rng=run.rollout_key(state.rng, iteration, rounds))
     stats = stats + more_stats
     for slot, group in enumerate(chunks(more)):
       sampled_groups += 1
@@ -334,12 +334,12 @@ def rl_iteration(run: Run, progress: Progress, writer: trajectory_store.Trajecto
   tasks = next(run.tasks)  # this process's slice of the global batch of tasks
   process = jax.process_index()
   seeds = [stable_seed(cfg.run.seed, "env", it, process * run.rows + i) for i in range(run.rows)]
-  rng = jax.random.fold_in(state.rng, it)
+  rng = run.rollout_key(state.rng, it, 0)
   with timer("rollout"):
     state, sampled, stats = collect(run, state, tasks, seeds, group_size=cfg.train.group_size, rng=rng)
     trajs, extra, refill = sampled, [], {}
     if cfg.train.dynamic_sampling:
-      state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats, rng)
+      state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats)
   with timer("advantages"):
     prepared = prepare_batch(run, state, trajs)
   with timer("update"):

@@ -50,6 +50,14 @@ def stable_seed(*parts: Any) -> int:
   return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+def rollout_key(key: jax.Array, iteration: jax.Array, round_: jax.Array) -> jax.Array:
+  """The sampling key of an iteration's rollout round: `fold_in(key, iteration)` for the first round, folded
+  again with `1000 + round` for dynamic sampling's refill rounds. Jitted once per run with its layout pinned
+  (`Run.rollout_key`): every round's key has the same sharding, so nothing downstream compiles again."""
+  first = jax.random.fold_in(key, iteration)
+  return jax.lax.cond(round_ == 0, lambda: first, lambda: jax.random.fold_in(first, 1000 + round_))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where the train state and batches live: one mesh, the learner and rollout rules, the state's shardings.
@@ -88,6 +96,7 @@ class Run:
   optimizer: optax.GradientTransformation
   schedule: optax.Schedule
   init_state: Callable[[], TrainState]
+  rollout_key: Callable                # (key, iteration, round) -> the round's sampling key (`rollout_key`)
   rl_step: Callable | None             # None when purpose == "eval"
   bc_step: Callable | None
   value_fn: Callable | None            # PPO: values at collection time
@@ -231,7 +240,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,
       graphdefs=graphdefs, layout=layout, optimizer=optimizer, schedule=schedule, init_state=init_state,
-      rl_step=rl_step, bc_step=bc_step, value_fn=value_fn, env_spec=env_spec,
+      rollout_key=jax.jit(rollout_key, out_shardings=replicated), rl_step=rl_step, bc_step=bc_step,
+      value_fn=value_fn, env_spec=env_spec,
       env_versions=_env_versions(env_spec, pool, cfg.env.max_turns), pool=pool, engine=engine,
       sampler=make_sampler(sampling),
       eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
