@@ -15,7 +15,7 @@ import inspect
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 # ----------------------------------------------------------------------------------------------
 # Termination reasons and per-step outcomes: the one vocabulary shared with jaxagent (which imports these).

@@ -1,9 +1,7 @@
 """Train checkpoints carry digests of their state: a damaged step is reported by name and skipped, never restored."""
 
 import json
-import os
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -20,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import models
 from jaxagent.train import checkpointing
 from jaxagent.train.state import TrainState
+from tests import _processes
 
 ROOT = Path(__file__).resolve().parent.parent
 saveable = checkpointing._to_saveable  # pylint: disable=protected-access  (the tree that is saved and digested)
@@ -360,23 +359,8 @@ def test_two_processes_agree_on_the_damaged_step(tmp_path):
   """Digests of arrays sharded across 2 processes are the same on both; both skip the same step and go on."""
   import portpicker  # pylint: disable=g-import-not-at-top
   port = portpicker.pick_unused_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-             PYTHONPATH=str(ROOT))
-  for key in ("JAX_COORDINATOR_ADDRESS", "JAXAGENT_NUM_PROCESSES", "JAXAGENT_PROCESS_ID", "JAX_NUM_CPU_DEVICES"):
-    env.pop(key, None)
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.test_checkpoint_integrity", str(port), str(i), str(tmp_path)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  outputs = []
-  try:
-    for proc in procs:
-      outputs.append(proc.communicate(timeout=300)[0])
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-  for proc, out in zip(procs, outputs):
-    assert proc.returncode == 0, out[-4000:]
+  _processes.run_all([[sys.executable, "-m", "tests.test_checkpoint_integrity", str(port), str(i), str(tmp_path)]
+                      for i in range(2)], timeout=300, cwd=ROOT, env=_processes.cpu_env(2))
   results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
   for r in results:
     assert r["step"] == 1 and r["skipped"] == [2], r

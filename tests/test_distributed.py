@@ -1,8 +1,6 @@
 """jaxagent.distributed: SLURM/explicit/TPU resolution without a cluster, and a real 2-process run on CPU."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +11,7 @@ from jax._src.clusters import slurm_cluster  # the reference our SLURM parsing m
 
 from jaxagent import distributed
 from jaxagent.config import DistributedConfig
+from tests import _processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,25 +129,10 @@ def test_initialize_is_idempotent_in_one_process(monkeypatch):
 def test_two_processes_form_one_mesh_and_reduce_across_processes(tmp_path):
   """2 real processes x 4 fake CPU devices, coordinator on 127.0.0.1: one 8-device hybrid mesh (DCN data=2)."""
   port = portpicker.pick_unused_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             PYTHONPATH=str(ROOT))
-  for k in ("JAX_COORDINATOR_ADDRESS", "JAXAGENT_NUM_PROCESSES", "JAXAGENT_PROCESS_ID", "JAX_NUM_CPU_DEVICES"):
-    env.pop(k, None)
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "jaxagent.distributed", "--coordinator-address", f"127.0.0.1:{port}",
-       "--num-processes", "2", "--process-id", str(i), "--set", "distributed.initialization_timeout_s=60",
-       "--out", str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=120)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out[-3000:]
+  _processes.run_all([[sys.executable, "-m", "jaxagent.distributed", "--coordinator-address", f"127.0.0.1:{port}",
+                       "--num-processes", "2", "--process-id", str(i), "--set",
+                       "distributed.initialization_timeout_s=60", "--out", str(tmp_path)] for i in range(2)],
+                     timeout=120, cwd=ROOT, env=_processes.cpu_env(4))
   results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
   for i, r in enumerate(results):
     assert r["process_id"] == i and r["num_processes"] == 2 and r["device_count"] == 8

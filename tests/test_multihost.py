@@ -2,7 +2,6 @@
 devices on a different mesh; the result equals an uninterrupted 1-process run. Each host's env workers see only
 that host's trajectories."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxagent import trajectory_store
+from tests import _processes
 from tests.test_train import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,13 +22,6 @@ COMMON = TINY + ["train.eval_episodes=0", "train.plots=false", "env.pool.kind=lo
 
 def _sets(overrides):
   return [x for o in overrides for x in ("--set", o)]
-
-
-def _env(devices: int):
-  env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  for key in ("JAX_COORDINATOR_ADDRESS", "JAXAGENT_NUM_PROCESSES", "JAXAGENT_PROCESS_ID"):
-    env.pop(key, None)
-  return env
 
 
 def _params(run_dir: Path, step: int):
@@ -45,14 +38,14 @@ def test_two_processes_then_one_process_on_another_mesh_equals_uninterrupted(tmp
   # Uninterrupted reference: 1 process x 8 devices, 3 iterations.
   subprocess.run([sys.executable, "-m", "jaxagent", "train", "tiny_cpu",
                   *_sets(COMMON + one_proc_mesh + [f"run.root={tmp_path / 'ref'}", "train.iterations=3"])],
-                 check=True, env=_env(8), cwd=ROOT, capture_output=True, timeout=900)
+                 check=True, env=_processes.cpu_env(8), cwd=ROOT, capture_output=True, timeout=900)
   (ref,) = (tmp_path / "ref").iterdir()
 
   # 2 processes x 4 devices (data parallel across processes), 2 iterations.
   launched = subprocess.run(
       [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "4", "--timeout", "420", "--",
        "train", "tiny_cpu", *_sets(COMMON + [f"run.root={tmp_path / 'mh'}", "train.iterations=2"])],
-      env=_env(4), cwd=ROOT, capture_output=True, text=True, timeout=1000)
+      env=_processes.cpu_env(4), cwd=ROOT, capture_output=True, text=True, timeout=1000)
   assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
   (run,) = (tmp_path / "mh").iterdir()
   assert sorted({p.name.split("-")[1] for p in (run / "trajectories").glob("trajectories-p*")}) == ["p0", "p1"]
@@ -73,7 +66,7 @@ def test_two_processes_then_one_process_on_another_mesh_equals_uninterrupted(tmp
   # Resume the same run as 1 process x 8 devices on a different mesh, for the third iteration.
   resumed = subprocess.run([sys.executable, "-m", "jaxagent", "train", "--resume", str(run),
                             *_sets(one_proc_mesh + ["train.iterations=3"])],
-                           env=_env(8), cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           env=_processes.cpu_env(8), cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert resumed.returncode == 0, resumed.stderr[-4000:]
   a, b = _params(ref, 3), _params(run, 3)
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 from typing import Any, Sequence
 
 import flax.struct
