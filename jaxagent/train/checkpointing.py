@@ -60,9 +60,18 @@ def versions() -> dict[str, str]:
           "orbax": ocp.__version__ if hasattr(ocp, "__version__") else "?"}
 
 
+def _key_data(rng: Any) -> Any:
+  """The RNG key's raw data; for an abstract key (`jax.ShapeDtypeStruct`), its abstract data, same sharding."""
+  if isinstance(rng, jax.ShapeDtypeStruct):
+    data = jax.eval_shape(jax.random.key_data, rng)
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=rng.sharding)
+  return jax.random.key_data(rng)
+
+
 def _to_saveable(state: TrainState) -> dict[str, Any]:
+  """The stored form of a (concrete or abstract) train state."""
   out = {"params": state.params, "opt_state": state.opt_state, "step": state.step,
-         "policy_version": state.policy_version, "rng": jax.random.key_data(state.rng)}
+         "policy_version": state.policy_version, "rng": _key_data(state.rng)}
   if state.ref_params is not None:
     out["ref_params"] = state.ref_params
   return out
@@ -272,6 +281,9 @@ class TrainCheckpointer:
   def restore_latest(self, abstract_state: TrainState, model_config: dict[str, Any]
                      ) -> tuple[int, TrainState, dict[str, Any]] | None:
     """(iteration, state, meta) of the newest intact step, or None when there is no step at all.
+
+    `abstract_state` gives the structure, dtypes and shardings to restore into: a `TrainState` of
+    `jax.ShapeDtypeStruct`s (nothing allocated before the restore) or of arrays.
 
     Each step's restored state is checked against the digests saved in its meta. A step that is unreadable
     or damaged is skipped with a RuntimeWarning naming it (and the mismatching leaves) and the previous step

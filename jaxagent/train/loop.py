@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 import envs
 import models
 from jaxagent import algos, multihost
+from jaxagent import sharding as sharding_lib
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
@@ -436,11 +437,13 @@ def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, 
 def restore(run: Run) -> tuple[Progress, dict[str, Any]]:
   """The newest intact checkpoint of the run as `Progress`, and its metadata (the task iterator continues from
   it when the run has one). Raises `models.CheckpointError` if there is none."""
-  restored = run.checkpointer.restore_latest(run.init_state(), run.model_config)
+  # Restored straight into the learner layout: no train state is initialized first (one copy in memory).
+  restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config)
   if restored is None:
     raise models.CheckpointError(f"{run.run_dir}: no complete checkpoint under {run.run_dir / 'checkpoints'}")
   iteration, state, meta = restored
-  state = jax.jit(lambda x: x, out_shardings=run.layout.state_shardings)(state)
+  state = jax.jit(lambda x: x, out_shardings=run.layout.state_shardings, donate_argnums=0)(state)  # pinned
+  sharding_lib.check_replication(state.params, run.config.mesh.max_replicated_fraction)
   change = check_env_versions(run, meta.get("env"))
   if change:
     meta = {**meta, "env_change_allowed": change}

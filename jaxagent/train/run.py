@@ -96,6 +96,7 @@ class Run:
   optimizer: optax.GradientTransformation
   schedule: optax.Schedule
   init_state: Callable[[], TrainState]
+  abstract_state: TrainState           # shapes, dtypes and shardings only: the restore target
   rollout_key: Callable                # (key, iteration, round) -> the round's sampling key (`rollout_key`)
   rl_step: Callable | None             # None when purpose == "eval"
   bc_step: Callable | None
@@ -196,6 +197,9 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                   state_shardings=state_shardings,
                   rollout_policy_shardings=models.state_shardings(abstract.params["policy"], mesh, rollout_rules))
 
+  abstract_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract,
+                                state_shardings)
+
   def init_state() -> TrainState:
     state = jax.jit(new_state, out_shardings=state_shardings)(loaded)
     sharding_lib.check_replication(state.params, cfg.mesh.max_replicated_fraction)
@@ -240,6 +244,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,
       graphdefs=graphdefs, layout=layout, optimizer=optimizer, schedule=schedule, init_state=init_state,
+      abstract_state=abstract_state,
       rollout_key=jax.jit(rollout_key, out_shardings=replicated), rl_step=rl_step, bc_step=bc_step,
       value_fn=value_fn, env_spec=env_spec,
       env_versions=_env_versions(env_spec, pool, cfg.env.max_turns), pool=pool, engine=engine,
