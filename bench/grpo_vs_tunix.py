@@ -66,7 +66,7 @@ def run_ours(args) -> dict:
   cfg = config_lib.load("tiny_cpu", overrides)
   run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
   run = build_run(cfg, run_dir, echo=False)
-  progress = loop.Progress(state=run.init_state())
+  progress = loop.LoopState(state=run.init_state())
 
   generate = run.sampler.generate
 

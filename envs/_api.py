@@ -390,6 +390,11 @@ class Env(abc.ABC):
   name: str = "env"
   description: str = ""
   parser: ActionParser
+  verifier: Verifier | None = None  # set by envs that score their episodes
+
+  def versions(self) -> dict[str, str]:
+    """What a policy trained here depends on besides the env's code: its action parser and verifier versions."""
+    return {"parser": str(self.parser.version), "verifier": "" if self.verifier is None else str(self.verifier.version)}
 
   def __init__(self, *, max_turns: int = 8, invalid_action: InvalidActionRule = InvalidActionRule(),
                max_obs_bytes: int = 4096):

@@ -84,7 +84,10 @@ def test_error_replies_are_error_observations(tmp_path):
 def test_resume_refuses_a_changed_env_unless_allowed_and_recorded(tmp_path):
   run = run_lib.build_run(_config(tmp_path, "train.eval_episodes=0", "train.bc_steps=0"), tmp_path / "run")
   try:
-    loop.save(run, loop.Progress(state=run.init_state()), None)
+    # The env tells what a policy depends on: its code's version, its action parser's and its verifier's.
+    assert {k: run.env_versions[k] for k in ("name", "parser", "verifier")} == {
+        "name": "calculator", "parser": "line-v1", "verifier": "calc-exact-v1"}
+    loop.save(run, loop.LoopState(state=run.init_state()), None)
     run.checkpointer.wait()
     changed = dataclasses.replace(run, env_versions={**run.env_versions, "verifier": "calculator-v2"})
     with pytest.raises(loop.EnvChangedError, match=r"verifier: checkpoint '\S+' vs now 'calculator-v2'"):

@@ -87,7 +87,7 @@ jax.monitoring.register_event_duration_secs_listener(
 def _run(tmp_path, *overrides):
   """The parts of a run and its initial progress (no loop)."""
   run = build_run(_config(tmp_path, *overrides), tmp_path / "run")
-  return run, loop.Progress(state=run.init_state())
+  return run, loop.LoopState(state=run.init_state())
 
 
 def test_no_recompilation_after_the_first_iteration(tmp_path):
@@ -175,7 +175,7 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
                    "algo.name=ppo", "algo.advantage=gae", "algo.gae_lambda=0.95")
   run = build_run(config, tmp_path / "run")
   try:
-    progress, metrics = loop.rl_iteration(run, loop.Progress(state=run.init_state()), None, 0.0)  # end to end
+    progress, metrics = loop.rl_iteration(run, loop.LoopState(state=run.init_state()), None, 0.0)  # end to end
     assert np.isfinite(metrics["value_loss"]) and np.isfinite(metrics["loss"])
     # Solved demonstrations have return 1: GAE targets are non-zero, so the value head must move.
     demos = loop.demonstrations(run, run.rows, seed=0)

@@ -75,7 +75,7 @@ class EvalResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class Progress:
+class LoopState:
   """The loop's host-side state besides the train state: iteration and the cumulative counters (x-axes)."""
   state: TrainState
   iteration: int = 0
@@ -325,8 +325,8 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
   return state, [t for group in chosen for t in group], unused, stats, metrics
 
 
-def rl_iteration(run: Run, progress: Progress, writer: trajectory_store.TrajectoryWriter | None,
-                 start_wall: float) -> tuple[Progress, dict[str, Any]]:
+def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
+                 start_wall: float) -> tuple[LoopState, dict[str, Any]]:
   """Rollout (with dynamic sampling), batch preparation, update(s) and trajectory storage for one iteration."""
   cfg = run.config
   it, state = progress.iteration, progress.state
@@ -387,7 +387,7 @@ def rl_iteration(run: Run, progress: Progress, writer: trajectory_store.Trajecto
     out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in sampled]))
   out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
   out.update({"env/replays": int(counts[len(names)]), "env/replay_divergences": int(counts[len(names) + 1])})
-  return Progress(state=state, iteration=it + 1, counters=counters), out
+  return LoopState(state=state, iteration=it + 1, counters=counters), out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def _shard_prefix() -> str:
   return "trajectories" if jax.process_count() == 1 else f"trajectories-p{jax.process_index()}"
 
 
-def save(run: Run, progress: Progress, writer: trajectory_store.TrajectoryWriter | None,
+def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
          env_change: Mapping[str, Any] | None = None) -> None:
   """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously)."""
   shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
@@ -434,8 +434,8 @@ def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, 
   return {"from": dict(stored), "to": dict(now)}
 
 
-def restore(run: Run) -> tuple[Progress, dict[str, Any]]:
-  """The newest intact checkpoint of the run as `Progress`, and its metadata (the task iterator continues from
+def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
+  """The newest intact checkpoint of the run as `LoopState`, and its metadata (the task iterator continues from
   it when the run has one). Raises `models.CheckpointError` if there is none."""
   # Restored straight into the learner layout: no train state is initialized first (one copy in memory).
   restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config)
@@ -453,7 +453,7 @@ def restore(run: Run) -> tuple[Progress, dict[str, Any]]:
   note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""
   run.print(f"resumed from {run.run_dir / 'checkpoints' / str(iteration)} (iteration {iteration}, step "
             f"{int(state.step)}, policy version {int(state.policy_version)}{note})")
-  return Progress(state=state, iteration=iteration, counters=meta["counters"]), meta
+  return LoopState(state=state, iteration=iteration, counters=meta["counters"]), meta
 
 
 # ------------------------------------------------------------------------------------------------
@@ -471,8 +471,8 @@ def new_run_dir(config: Config) -> Path:
   return run_dir
 
 
-def run_loop(run: Run, progress: Progress, *, resume_meta: Mapping[str, Any] | None = None
-             ) -> tuple[Progress, EvalResult | None, EvalResult | None]:
+def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | None = None
+             ) -> tuple[LoopState, EvalResult | None, EvalResult | None]:
   """Cold start, held-out eval, RL iterations with checkpoints and eval, final eval.
 
   Args:
@@ -543,7 +543,7 @@ def run_loop(run: Run, progress: Progress, *, resume_meta: Mapping[str, Any] | N
   return progress, before, after
 
 
-def train(config: Config, *, run_dir: Path | None = None, resume: bool = False) -> Progress:
+def train(config: Config, *, run_dir: Path | None = None, resume: bool = False) -> LoopState:
   """Trains per `config` in `run_dir` (a new one unless resuming). Returns the final progress.
 
   `jax.distributed` is initialized first (a no-op for a single process), so the same command runs on one
@@ -557,7 +557,7 @@ def train(config: Config, *, run_dir: Path | None = None, resume: bool = False) 
   run_dir.mkdir(parents=True, exist_ok=True)
   run = build_run(config, run_dir)
   try:
-    progress, meta = restore(run) if resume else (Progress(state=run.init_state()), None)
+    progress, meta = restore(run) if resume else (LoopState(state=run.init_state()), None)
     progress, _, _ = run_loop(run, progress, resume_meta=meta)
   finally:
     run.close()

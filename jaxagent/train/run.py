@@ -127,12 +127,9 @@ def _env_versions(spec: envs.EnvSpec, pool: envs.pool.Pool, max_turns: int) -> d
   """The versions a trained policy depends on: env code (or image), action parser, verifier."""
   env = spec.make(max_turns=max_turns)
   try:
-    parser = getattr(getattr(env, "parser", None), "version", "")
-    verifier = getattr(getattr(env, "verifier", None), "version", "")
+    return {"name": spec.name, "version": pool.version or spec.version, **env.versions()}
   finally:
     env.close()
-  return {"name": spec.name, "version": pool.version or spec.version, "parser": str(parser),
-          "verifier": str(verifier)}
 
 
 def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
