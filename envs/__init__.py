@@ -1,7 +1,8 @@
 """Environments: API, built-in envs, worker server and pools. Never imports JAX or jaxagent.
 
 Public API:
-  Task, Observation, StepResult, Verdict, Verifier, Env, EnvSpec, ActionParser, Call, InvalidActionRule
+  Task, Observation, StepResult, Verdict, Verifier, Env, EnvSpec, ActionParser, Call, Tool, InvalidActionRule
+  ACTION_SYNTAXES: how actions are written (line `NAME ARG`, or json function calls)
   Termination, Outcome (str enums: the one vocabulary of episode ends) and TERMINATIONS, OUTCOMES, OUTCOME_CODES
   get(name), names(), register(spec), check_name(name), is_valid_name(name), UnknownEnvError
   (names: built-ins, `jaxagent.envs` entry points of installed packages, or `package.module:ATTR`)
@@ -9,9 +10,10 @@ Public API:
 
 from envs._api import (CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION,
                        INVALID_ACTION_RULES, MAX_TURNS, OUTCOME_CODES, OUTCOMES, PARSER_REJECTED,
-                       RETRIES_EXHAUSTED, SPLITS, TERMINATIONS, TURN_BUDGET_EXHAUSTED, ActionParser, Call, Env,
+                       RETRIES_EXHAUSTED, SPLITS, TERMINATIONS, TURN_BUDGET_EXHAUSTED, ACTION_SYNTAXES,
+                       ActionParser, Call, Env,
                        EnvError, EnvSpec, InvalidAction, InvalidActionRule, Observation, Outcome, ParseError,
-                       StepResult, Task, Termination, Verdict, Verifier, source_version)
+                       StepResult, Task, Termination, Tool, Verdict, Verifier, source_version)
 from envs._registry import (ENTRY_POINT_GROUP, UnknownEnvError, check_name, get, is_valid_name, names,
                             register)
 from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)

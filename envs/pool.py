@@ -46,8 +46,8 @@ from typing import Any, Literal, Sequence
 
 from envs import _protocol as P
 from envs import _registry
-from envs._api import (CANCELLED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION_RULES, RETRIES_EXHAUSTED, Observation,
-                       Outcome, StepResult, Task, Termination)
+from envs._api import (ACTION_SYNTAXES, CANCELLED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION_RULES, RETRIES_EXHAUSTED,
+                       Observation, Outcome, StepResult, Task, Termination)
 
 log = logging.getLogger(__name__)
 PoolKind = Literal["inprocess", "local", "docker", "remote"]
@@ -113,6 +113,7 @@ class PoolConfig(WorkerConfig):
   max_turns: int | None = None  # per-episode turn limit (None: the env's default)
   invalid_action: str = "error_observation"  # DESIGN.md §2.3: one of INVALID_ACTION_RULES
   penalty: float = 0.1  # validity penalty under the "penalty" rule
+  action_syntax: str = "line"  # how actions are written: one of ACTION_SYNTAXES (line `NAME ARG`, json calls)
 
   def __post_init__(self):
     super().__post_init__()
@@ -122,10 +123,12 @@ class PoolConfig(WorkerConfig):
       raise _invalid(self, "max_turns", "must be >= 1 or None")
     if self.penalty < 0:
       raise _invalid(self, "penalty", "must be >= 0")
+    if self.action_syntax not in ACTION_SYNTAXES:
+      raise _invalid(self, "action_syntax", f"not one of {ACTION_SYNTAXES}")
 
   @classmethod
   def from_workers(cls, workers: WorkerConfig, **episode_fields: Any) -> "PoolConfig":
-    """`workers`' fields plus the episode-level ones (env, max_turns, invalid_action, penalty)."""
+    """`workers`' fields plus the episode-level ones (env, max_turns, invalid_action, penalty, action_syntax)."""
     worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
     clash = sorted(set(episode_fields) & worker_fields)
     if clash:
@@ -136,6 +139,8 @@ class PoolConfig(WorkerConfig):
     opts = dict(invalid_action=self.invalid_action, penalty=float(self.penalty), max_obs_bytes=self.max_obs_bytes)
     if self.max_turns is not None:
       opts["max_turns"] = self.max_turns
+    if self.action_syntax != "line":  # the default is not sent: a line-syntax pool talks to any server
+      opts["action_syntax"] = self.action_syntax
     return opts
 
 

@@ -25,7 +25,8 @@ from envs import _protocol as P
 from envs._api import Env, InvalidActionRule, Task
 from envs._registry import UnknownEnvError, get
 
-RESET_OPTIONS = {"max_turns": int, "invalid_action": str, "penalty": float, "max_obs_bytes": int}
+RESET_OPTIONS = {"max_turns": int, "invalid_action": str, "penalty": float, "max_obs_bytes": int,
+                 "action_syntax": str}
 MAX_INSTANCES = 4096
 
 

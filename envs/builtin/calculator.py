@@ -17,7 +17,7 @@ import operator
 import random
 
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvSpec, InvalidAction, Observation, StepResult,
-                       Task, Verdict, Verifier, source_version)
+                       Task, Verdict, Verifier, source_version, Tool)
 
 # template -> (question format, the two steps as (format, uses previous result) used by the demo)
 TEMPLATES = {
@@ -84,7 +84,11 @@ class CalculatorVerifier(Verifier):
 class CalculatorEnv(Env):
   name = "calculator"
   description = "2-step arithmetic with a calc tool: `calc 12*7` -> `84`, then `answer 89`"
-  parser = ActionParser(tools=("calc", "answer"), max_chars=48)
+  parser = ActionParser(tools=(
+      Tool.with_arg("calc", "Evaluate an integer expression with + - * and parentheses; returns its value.",
+                    "expression", "e.g. 12*7"),
+      Tool.with_arg("answer", "Submit the final integer answer; ends the episode.", "answer", "e.g. 89",
+                    ["string", "integer"])), max_chars=48)
 
   def __init__(self, max_turns: int = 6, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from envs._api import (COMPLETED, ENV_TIMEOUT, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction,
-                       Observation, StepResult, Task, Verdict, Verifier, source_version)
+                       Observation, StepResult, Task, Verdict, Verifier, source_version, Tool)
 
 HERE = Path(__file__).resolve().parent
 PKG_DIR = HERE / "code_repair_pkg"
@@ -349,7 +349,12 @@ class CodeRepairEnv(Env):
   name = "code_repair"
   description = ("repair a mutated Python package until its tests pass (sandboxed): show FILE, "
                  "replace FILE:LINE TEXT, test, submit")
-  parser = ActionParser(tools=("show", "replace", "test", "submit"), max_chars=512)
+  parser = ActionParser(tools=(
+      Tool.with_arg("show", "Print a file with line numbers.", "file", "a module of the package or pkg_tests.py"),
+      Tool.with_arg("replace", "Replace one line of a file.", "edit",
+                    "FILE:LINE TEXT, or LINE TEXT for the last shown file"),
+      Tool("test", "Run the package's tests against the edited copy and show the result."),
+      Tool("submit", "End the episode; the tests are run on the edited package.")), max_chars=512)
 
   def __init__(self, max_turns: int = 12, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)

@@ -10,7 +10,7 @@ import collections
 import random
 
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvSpec, InvalidAction, Observation, StepResult,
-                       Task, Verdict, Verifier, source_version)
+                       Task, Verdict, Verifier, source_version, Tool)
 
 LAYOUTS = (
     (".....", ".#...", ".#.#.", "...#.", "....."),
@@ -60,7 +60,9 @@ class GridVerifier(Verifier):
 class GridEnv(Env):
   name = "gridworld"
   description = "5x5 text gridworld, reach G: `move up|down|left|right`"
-  parser = ActionParser(tools=("move",), max_chars=16)
+  parser = ActionParser(tools=(
+      Tool.with_arg("move", "Move the agent A one cell; the reply is the new grid.", "direction",
+                    "up, down, left or right"),), max_chars=16)
 
   def __init__(self, max_turns: int = 24, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)

@@ -11,7 +11,7 @@ import math
 import random
 
 from envs._api import (COMPLETED, TURN_BUDGET_EXHAUSTED, ActionParser, Call, Env, EnvSpec, InvalidAction,
-                       Observation, StepResult, Task, Verdict, Verifier, source_version)
+                       Observation, StepResult, Task, Verdict, Verifier, source_version, Tool)
 
 SPLIT_RANGES = {"train": (16,), "tune": (24,), "eval": (32,)}
 
@@ -35,7 +35,9 @@ class GuessVerifier(Verifier):
 class GuessEnv(Env):
   name = "guess"
   description = "guess a number with higher/lower feedback and a turn budget: `guess 7`"
-  parser = ActionParser(tools=("guess",), max_chars=16)
+  parser = ActionParser(tools=(
+      Tool.with_arg("guess", "Guess the secret number; the reply is higher, lower or correct.", "number",
+                    "an integer in the task's range", ["string", "integer"]),), max_chars=16)
 
   def __init__(self, max_turns: int = 16, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction, Observation,
-                       StepResult, Task, Verdict, Verifier, source_version)
+                       StepResult, Task, Verdict, Verifier, source_version, Tool)
 
 SPLIT_TEMPLATES = {"train": ("create", "delete_logs"), "tune": ("rename",), "eval": ("count_lines",)}
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta")
@@ -53,7 +53,9 @@ class TerminalVerifier(Verifier):
 class TerminalEnv(Env):
   name = "terminal"
   description = "shell tasks on a generated file tree (sandboxed): `sh CMD`, then `done`"
-  parser = ActionParser(tools=("sh", "done"), max_chars=512)
+  parser = ActionParser(tools=(
+      Tool.with_arg("sh", "Run a shell command in the task's directory; the reply is its output.", "command"),
+      Tool("done", "End the episode; the final state of the directory is checked.")), max_chars=512)
 
   def __init__(self, max_turns: int = 8, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)

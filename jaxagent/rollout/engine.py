@@ -181,10 +181,11 @@ class RolloutEngine:
     max_turns: hard bound on turns per episode.
     gamma: discount for the recorded return.
     invalid_action_rule: as configured on the pool (recorded on every trajectory).
+    train_reasoning: a sampled action's reasoning span (`chat.reasoning_length`) carries loss.
   """
 
   def __init__(self, pool: envs.pool.Pool, env_spec: envs.EnvSpec, chat: ChatFormat, *, max_turns: int,
-               gamma: float = 1.0, invalid_action_rule: str = "error_observation"):
+               gamma: float = 1.0, invalid_action_rule: str = "error_observation", train_reasoning: bool = True):
     if invalid_action_rule not in envs.INVALID_ACTION_RULES:
       raise ValueError(f"invalid_action_rule={invalid_action_rule!r}: not one of {envs.INVALID_ACTION_RULES}")
     self.pool = pool
@@ -193,6 +194,7 @@ class RolloutEngine:
     self.max_turns = max_turns
     self.gamma = gamma
     self.rule = invalid_action_rule
+    self.reasoning = tr.Reasoning(kept=chat.has_reasoning, trained=chat.has_reasoning and train_reasoning)
     self.env_version = pool.version or env_spec.version
 
   def run(self, source: ActionSource, tasks: Sequence[envs.Task], seeds: Sequence[int], *, group_size: int,
@@ -238,7 +240,7 @@ class RolloutEngine:
         if action is None:  # a script ran out before its episode ended
           row.done, row.termination = True, envs.Termination.CANCELLED
           continue
-        span = row.stream.sampled(action.tokens, action.logprobs)
+        span = self._append_action(row.stream, action)
         action_tokens += len(action.tokens)
         text = self.chat.action_text(action.tokens)
         if action.finish == Finish.STOP:
@@ -259,7 +261,7 @@ class RolloutEngine:
         env_s += t_env
         env_steps += len(stepping)
         for i, result in zip(stepping, results):
-          self._record_step(rows[i], result, *spans[i], policy_version, t_decode, t_env)
+          self._record_step(rows[i], result, *spans[i], actions[i].tokens, policy_version, t_decode, t_env)
 
       needs = [i for i, r in enumerate(rows) if not r.done]
       if not multihost.any_process(bool(needs)):
@@ -289,15 +291,24 @@ class RolloutEngine:
     return trajectories, RolloutStats(reset_s=reset_s, decode_s=source.decode_s, env_s=env_s,
                                       extend_s=source.extend_s, env_steps=env_steps, action_tokens=action_tokens)
 
-  def _record_step(self, row: _Row, result: envs.StepResult, span, text: str, policy_version: int,
-                   t_decode: float, t_env: float) -> None:
+  def _append_action(self, stream: tr.TokenStream, action: RowAction) -> tuple[int, int]:
+    """Appends an action as sampled: its reasoning span (role REASONING) first, then the rest (POLICY)."""
+    n = self.chat.reasoning_length(action.tokens)
+    start = len(stream)
+    if n:
+      stream.sampled(action.tokens[:n], action.logprobs[:n], role=tr.Role.REASONING, train=self.reasoning.trained)
+    stream.sampled(action.tokens[n:], action.logprobs[n:])
+    return start, len(stream)
+
+  def _record_step(self, row: _Row, result: envs.StepResult, span, text: str, tokens: Sequence[int],
+                   policy_version: int, t_decode: float, t_env: float) -> None:
     for key, value in result.reward_components.items():
       row.components[key] = row.components.get(key, 0.0) + float(value) * self.gamma ** len(row.turns)
-    call = None if result.call is None else {"name": result.call.name, "arg": result.call.arg}
+    call = None if result.call is None else result.call.to_wire()
     obs = None
     if not result.done:
       role = tr.Role.ERROR if result.outcome in _ERROR_REPLIES else tr.Role.TOOL
-      row.frame = self.chat.observation(result.observation.text, role)
+      row.frame = self.chat.observation(result.observation.text, role, after=tokens)
       start = len(row.stream)
       obs = tr.ObservationRecord(span=(start + row.frame.body[0], start + row.frame.body[1]),
                                  text=result.observation.text,
@@ -327,5 +338,6 @@ class RolloutEngine:
         policy_version=policy_version, termination=row.termination,
         reward=tr.Reward(total=float(total), gamma=self.gamma, components=dict(row.components)),
         turns=tuple(row.turns), id=uuid.uuid4().hex, group_id=group_id,
-        timing=tr.Timing(reset_s=reset_s, verify_s=row.verify_s), verifier=row.verifier, metadata=row.provenance,
+        timing=tr.Timing(reset_s=reset_s, verify_s=row.verify_s), verifier=row.verifier, reasoning=self.reasoning,
+        metadata=row.provenance,
         **row.stream.arrays())

@@ -208,6 +208,14 @@ def set_reference(run: Run, state: TrainState) -> TrainState:
                  out_shardings=run.layout.state_shardings)(state)
 
 
+def _demo_action(run: Run, line: str) -> str:
+  """A scripted action (written `NAME ARG`) in the run's action syntax (a JSON call for `json`)."""
+  if run.action_syntax == "line":
+    return line
+  parser = run.demo_parser
+  return parser.with_syntax(run.action_syntax).format(parser.parse(line))
+
+
 def demonstrations(run: Run, n: int, seed: int) -> list[tr.Trajectory]:
   """`n` scripted demonstrations, run through the rollout engine like sampled episodes (same framing, records).
 
@@ -219,7 +227,7 @@ def demonstrations(run: Run, n: int, seed: int) -> list[tr.Trajectory]:
   for start in range(0, n, run.rows):
     chunk = tasks[start:start + run.rows]
     # The episode's seed goes to the script too: a seeded env (guess draws its secret from it) needs it.
-    scripts = [[run.chat.action_tokens(a)
+    scripts = [[run.chat.action_tokens(_demo_action(run, a))
                 for a in run.env_spec.demo(task, start + k, **dict(cfg.env.demo_options or {}))]
                for k, task in enumerate(chunk)]
     trajs, _ = run.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), chunk,
@@ -238,6 +246,7 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
   rng = np.random.default_rng(stable_seed(cfg.run.seed, "bc", start_step))
   progress = metrics_lib.Progress(train.bc_steps - start_step, "cold start (BC)", run.echo)
   local = train.bc_batch_size // jax.process_count()
+  shown = start_step  # steps the bar has counted (it redraws with the logged metrics, every 10 steps)
   for step in range(start_step, train.bc_steps):
     pick = rng.choice(len(demos), train.bc_batch_size, replace=False)
     mine = pick[jax.process_index() * local:(jax.process_index() + 1) * local]
@@ -250,7 +259,8 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
     if step % 10 == 0 or step == train.bc_steps - 1:
       m = jax.device_get(m)
       logger.log(int(state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"]})
-      progress.update(10 if step % 10 == 0 and step else 1, nll=f"{float(m['nll']):.3f}")
+      progress.update(step + 1 - shown, nll=f"{float(m['nll']):.3f}")
+      shown = step + 1
   progress.close()
   return state
 

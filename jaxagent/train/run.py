@@ -31,7 +31,7 @@ import models
 from jaxagent import checkpoint, multihost
 from jaxagent import config as config_lib
 from jaxagent import sharding as sharding_lib
-from jaxagent.chat import ChatFormat, ControlTokenChat
+from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateError, make_chat
 from jaxagent.config import Config
 from jaxagent.rollout.engine import RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
@@ -103,6 +103,8 @@ class Run:
   value_fn: Callable | None            # PPO: values at collection time
   env_spec: envs.EnvSpec
   env_versions: dict[str, str]         # env, parser, verifier versions (checked on resume)
+  action_syntax: str                   # how actions are written: "line" or "json" (env.action_syntax resolved)
+  demo_parser: envs.ActionParser       # the env's tools in line syntax, in which demonstrations are written
   pool: envs.pool.Pool
   engine: RolloutEngine
   sampler: Sampler                     # rollout sampling (rollout.temperature)
@@ -123,13 +125,46 @@ class Run:
     self.pool.close()
 
 
-def _env_versions(spec: envs.EnvSpec, pool: envs.pool.Pool, max_turns: int) -> dict[str, str]:
-  """The versions a trained policy depends on: env code (or image), action parser, verifier."""
+@dataclasses.dataclass(frozen=True)
+class _EnvInfo:
+  tools: tuple[dict, ...]         # the tools' JSON schemas, for the chat template
+  parser: envs.ActionParser       # line syntax: the scripted demonstrations are written in it
+
+
+def _env_info(spec: envs.EnvSpec, max_turns: int) -> _EnvInfo:
   env = spec.make(max_turns=max_turns)
+  try:
+    return _EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser)
+  finally:
+    env.close()
+
+
+def _env_versions(spec: envs.EnvSpec, pool: envs.pool.Pool, max_turns: int, syntax: str) -> dict[str, str]:
+  """The versions a trained policy depends on: env code (or image), action parser, verifier."""
+  env = spec.make(max_turns=max_turns, action_syntax=syntax)
   try:
     return {"name": spec.name, "version": pool.version or spec.version, **env.versions()}
   finally:
     env.close()
+
+
+def _make_chat(cfg: Config, tokenizer, tools) -> ChatFormat:
+  """The chat framing `model.chat_format` asks for, with errors that name the setting."""
+  where = f"model.tokenizer={cfg.model.tokenizer!r}"
+  if cfg.model.chat_format == "template" and tokenizer.chat_template is None:
+    raise config_lib.ConfigError(f"model.chat_format='template': {where} has no chat template; use "
+                                 "'control_tokens' (byte tokenizer) or a tokenizer directory with one")
+  try:
+    return make_chat(tokenizer, cfg.model.chat_format, tools=tools, system_prompt=cfg.model.system_prompt,
+                     template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
+                     max_observation_tokens=cfg.rollout.max_observation_tokens)
+  except KeyError as e:  # control-token framing with a tokenizer that lacks the control tokens
+    raise config_lib.ConfigError(
+        f"{where}: model.chat_format={cfg.model.chat_format!r} frames chats with the control tokens "
+        f"{ControlTokenChat.CONTROL_TOKENS} ({e.args[0]}); use chat_format 'auto' or 'template' with a tokenizer "
+        "that has a chat template") from None
+  except TemplateError as e:
+    raise config_lib.ConfigError(f"{where}: its chat template cannot frame agent turns: {e}") from None
 
 
 def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
@@ -138,14 +173,12 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   num_processes, process = jax.process_count(), jax.process_index()
   config_lib.check_combinations(cfg, num_processes)
   tokenizer = models.load_tokenizer(cfg.model.tokenizer)
-  try:
-    chat = ControlTokenChat(tokenizer, stop=cfg.rollout.stop,
-                            max_observation_tokens=cfg.rollout.max_observation_tokens)
-  except KeyError as e:  # a tokenizer without our control tokens
-    raise config_lib.ConfigError(
-        f"model.tokenizer={cfg.model.tokenizer!r}: the trainer frames chats with the control tokens "
-        f"{ControlTokenChat.CONTROL_TOKENS} ({e.args[0]}); framing from a Hugging Face chat template is not "
-        "supported yet: use model.tokenizer=byte") from None
+  env_spec = envs.get(cfg.env.name)
+  env_info = _env_info(env_spec, cfg.env.max_turns)
+  chat = _make_chat(cfg, tokenizer, env_info.tools)
+  syntax = cfg.env.action_syntax
+  if syntax == "auto":
+    syntax = "json" if isinstance(chat, TemplateChat) else "line"
   dtype = jnp.dtype(cfg.model.dtype)
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
@@ -210,12 +243,11 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                               state_shardings=state_shardings)
   value_fn = make_value_fn(graphdefs) if cfg.algo.name == "ppo" and purpose == "train" else None
 
-  env_spec = envs.get(cfg.env.name)
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rows = global_rows // num_processes
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
-      cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action),
-      num_slots=rows)
+      cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
+      action_syntax=syntax), num_slots=rows)
   sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=chat.stop_sequences)
   buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < cfg.rollout.max_context) + (
@@ -225,7 +257,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                                           pad_id=tokenizer.pad_id, buckets=buckets,
                                           extend_buckets=(chat.frame_length,), mesh=mesh, rules=rollout_rules)
   engine = RolloutEngine(pool, env_spec, chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
-                         invalid_action_rule=cfg.env.invalid_action)
+                         invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning)
 
   # Tasks: a grain pipeline over the train split. Every process walks the same global sequence of batches and
   # keeps its contiguous slice, so the global batch (and every row's seed and sampling key) is the same for
@@ -244,7 +276,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       abstract_state=abstract_state,
       rollout_key=jax.jit(rollout_key, out_shardings=replicated), rl_step=rl_step, bc_step=bc_step,
       value_fn=value_fn, env_spec=env_spec,
-      env_versions=_env_versions(env_spec, pool, cfg.env.max_turns), pool=pool, engine=engine,
+      env_versions=_env_versions(env_spec, pool, cfg.env.max_turns, syntax), pool=pool, engine=engine,
+      action_syntax=syntax, demo_parser=env_info.parser,
       sampler=make_sampler(sampling),
       eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
       tasks=tasks,
