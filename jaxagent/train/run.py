@@ -179,6 +179,12 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   syntax = cfg.env.action_syntax
   if syntax == "auto":
     syntax = "json" if isinstance(chat, TemplateChat) else "line"
+  framing = len(chat.prompt(""))
+  if framing + cfg.rollout.max_new_tokens > cfg.rollout.max_context:
+    raise config_lib.ConfigError(
+        f"rollout.max_context={cfg.rollout.max_context} cannot hold the chat's prompt framing ({framing} tokens, "
+        f"tool schemas included) plus one action (rollout.max_new_tokens={cfg.rollout.max_new_tokens}); "
+        f"raise it to at least {framing + cfg.rollout.max_new_tokens} (more for the task and later turns)")
   dtype = jnp.dtype(cfg.model.dtype)
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
