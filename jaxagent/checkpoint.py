@@ -86,14 +86,34 @@ def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None 
             v.shape, v.dtype, sharding=device if mesh is None else models.variable_sharding(v, mesh, rules)),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     target = nnx.to_pure_dict(target)
+    items = set(mngr.item_metadata(step).keys())
     try:
-      params = mngr.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))[
-          PARAMS]
-    except (ValueError, KeyError, FileNotFoundError) as e:
+      if PARAMS in items:  # a model checkpoint (`jaxagent convert`)
+        params = mngr.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))[
+            PARAMS]
+      else:  # a training checkpoint: the policy's parameters only, the rest of the train state stays on disk
+        params = _restore_policy(mngr, step, target)
+    except (ValueError, KeyError, FileNotFoundError, TypeError) as e:
       raise models.CheckpointError(
-          f"{directory}/{step}/{PARAMS}: does not match {MODEL_CONFIG} ({type(e).__name__}: {e})") from None
+          f"{directory}/{step}: its parameters do not match {MODEL_CONFIG} ({type(e).__name__}: {e})") from None
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
+
+
+TRAIN_STATE = "state"  # the train state item of a training checkpoint (jaxagent/train/checkpointing.py)
+
+
+def _restore_policy(mngr: ocp.CheckpointManager, step: int, target: dict[str, Any]) -> dict[str, Any]:
+  """`state/params/policy` of a training checkpoint as a pure dict (Orbax partial restore: nothing else read).
+
+  The train state stores each nnx variable as `{"value": array}`.
+  """
+  wrapped = jax.tree.map(lambda x: {"value": x}, target)
+  item = {"params": {"policy": wrapped}}
+  restored = mngr.restore(step, args=ocp.args.Composite(**{TRAIN_STATE: ocp.args.PyTreeRestore(
+      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)}))
+  policy = restored[TRAIN_STATE]["params"]["policy"]
+  return jax.tree.map(lambda v: v["value"], policy, is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:

@@ -5,7 +5,11 @@ stored records exactly once, as policy (or reasoning) tokens, and nothing else i
 """
 
 import collections
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,29 +18,44 @@ from jaxagent import cli
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
-from jaxagent.rollout import engine as engine_lib
-from jaxagent.train import loop
 import models
+from tests import _processes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# Trains in a child process with one CPU device (the test process has 8 fake ones, over which a 152k-vocabulary
+# batch would be replicated), recording every action the sampler returned, in order.
+DRIVER = """
+import json, sys
+from jaxagent import cli
+from jaxagent.rollout import engine
+act, sampled = engine.SampledActions.act, []
+def recording_act(self, active):
+  out = act(self, active)
+  sampled.extend(list(a.tokens) for a in out.values())
+  return out
+engine.SampledActions.act = recording_act
+code = cli.main(sys.argv[2:])
+open(sys.argv[1], "w").write(json.dumps(sampled))
+sys.exit(code)
+"""
 
 
 @pytest.mark.slow
-def test_qwen3_recipe_trains_two_grpo_iterations_token_in_token_out(tmp_path, qwen3_tokenizer_dir, monkeypatch,
-                                                                     capsys):
-  config = config_lib.load("qwen3_tiny_cpu", [
-      f"run.root={tmp_path}", f"model.tokenizer={qwen3_tokenizer_dir}", "train.iterations=2",
-      "train.bc_steps=12", "train.bc_batch_size=2", "train.eval_episodes=0", "env.pool.kind=inprocess"])
-  sampled = []  # every action the sampler returned, in the order it returned them
-  act = engine_lib.SampledActions.act
-
-  def recording_act(self, active):
-    out = act(self, active)
-    sampled.extend(tuple(a.tokens) for a in out.values())
-    return out
-
-  monkeypatch.setattr(engine_lib.SampledActions, "act", recording_act)
-  state = loop.train(config, run_dir=tmp_path / "run")
-  assert state.iteration == 2
-  records = list(trajectory_store.read(tmp_path / "run" / "trajectories"))
+def test_qwen3_recipe_trains_two_grpo_iterations_token_in_token_out(tmp_path, qwen3_tokenizer_dir, capsys):
+  overrides = [f"run.root={tmp_path}", f"model.tokenizer={qwen3_tokenizer_dir}", "train.iterations=2",
+               "train.bc_steps=12", "train.bc_batch_size=2", "train.eval_episodes=0", "env.pool.kind=inprocess"]
+  config = config_lib.load("qwen3_tiny_cpu", overrides)
+  (tmp_path / "driver.py").write_text(DRIVER)
+  run = tmp_path / "run"
+  done = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "sampled.json"), "train",
+                         "qwen3_tiny_cpu", "--run-dir", str(run)] + [a for o in overrides for a in ("--set", o)],
+                        env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "GRPO" in done.stderr and "cold start (BC)" in done.stderr
+  sampled = [tuple(a) for a in json.loads((tmp_path / "sampled.json").read_text())]
+  records = list(trajectory_store.read(run / "trajectories"))
   assert len(records) == 2 * config.train.tasks_per_iteration * config.train.group_size
 
   # The policy tokens are exactly the sampled ones: the same multiset of actions, nothing added or re-encoded.
@@ -83,11 +102,11 @@ def test_qwen3_recipe_trains_two_grpo_iterations_token_in_token_out(tmp_path, qw
 
   # `jaxagent inspect` decodes the stream by role with the real tokenizer; `generate --chat` samples from the run.
   capsys.readouterr()
-  assert cli.main(["inspect", str(tmp_path / "run" / "trajectories"), "--format", "text", "--color", "never",
+  assert cli.main(["inspect", str(run / "trajectories"), "--format", "text", "--color", "never",
                    "--tokenizer", str(qwen3_tokenizer_dir)]) == 0
   shown = capsys.readouterr().out
   assert "<|im_start|>assistant" in shown and "<tool_response>" in shown and "roles: system prompt policy" in shown
-  assert cli.main(["generate", "--model", str(tmp_path / "run" / "checkpoints"), "--chat", "--env", "calculator",
+  assert cli.main(["generate", "--model", str(run / "checkpoints"), "--chat", "--env", "calculator",
                    "--prompt", "3*4+5", "--max-new-tokens", "8", "--temperature", "1.0"]) == 0
   generated = capsys.readouterr()
   assert "finish=" in generated.err
