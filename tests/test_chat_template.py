@@ -158,3 +158,23 @@ def test_the_trainer_refuses_framings_that_cannot_work(tok, qwen3_tokenizer_dir)
   with pytest.raises(config_lib.ConfigError, match=r"rollout.max_context=128 cannot hold the chat's prompt framing "
                      r"\(\d+ tokens"):
     run_lib.build_run(small, "unused", echo=False)
+
+
+def test_llama3_template_tools_in_the_system_prompt_and_its_end_of_turn(llama3_tokenizer_dir):
+  """Another family, nothing special-cased: Llama 3's template renders no tools and no tool calls, always adds
+  the generation prompt, ends turns with <|eot_id|> while its eos is <|end_of_text|>."""
+  tok = models.HFTokenizer(llama3_tokenizer_dir)
+  chat = TemplateChat(tok, tools=TOOLS, system_prompt="Use the tools.")
+  eot = tok.special("<|eot_id|>")
+  assert chat.tools_in_system_prompt and chat.end_of_turn == eot
+  assert {(eot,), (tok.eos_id,)} <= set(chat.stop_sequences) and not chat.has_reasoning
+  prompt = chat.prompt("3*4+5")
+  messages = [{"role": "system", "content": chat.system_prompt}, {"role": "user", "content": "3*4+5"}]
+  assert prompt.tokens(0, len(prompt)) == tok.encode_template(tok.render_chat(messages, add_generation_prompt=True))
+  text = tok.decode(prompt.tokens(0, len(prompt)))
+  assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>") and '"name": "calc"' in text
+  action = chat.action_tokens(JSON.format(envs.Call("calc", "3*4")))  # the system prompt's <tool_call> convention
+  assert action[-1] == eot and JSON.parse(chat.action_text(action)).arguments == {"expression": "3*4"}
+  frame = chat.observation("12", after=action)
+  assert tok.decode(frame.tokens) == ("<|start_header_id|>tool<|end_header_id|>\n\n12<|eot_id|>"
+                                      "<|start_header_id|>assistant<|end_header_id|>\n\n")
