@@ -154,6 +154,9 @@ def test_the_trainer_refuses_framings_that_cannot_work(tok, qwen3_tokenizer_dir)
                                             "model.chat_format=control_tokens"])
   with pytest.raises(config_lib.ConfigError, match="frames chats with the control tokens"):
     run_lib._make_chat(qwen, tok, TOOLS)
+  hf_dir = config_lib.load("tiny_cpu", [f"model.path={qwen3_tokenizer_dir}"])  # has tokenizer_config.json
+  with pytest.raises(config_lib.ConfigError, match="has its own tokenizer .* but model.tokenizer='byte'"):
+    run_lib.build_run(hf_dir, "unused", echo=False)
   small = config_lib.load("qwen3_tiny_cpu", [f"model.tokenizer={qwen3_tokenizer_dir}", "rollout.max_context=128"])
   with pytest.raises(config_lib.ConfigError, match=r"rollout.max_context=128 cannot hold the chat's prompt framing "
                      r"\(\d+ tokens"):

@@ -172,6 +172,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   cfg = config
   num_processes, process = jax.process_count(), jax.process_index()
   config_lib.check_combinations(cfg, num_processes)
+  if cfg.model.path and cfg.model.tokenizer == "byte" and (Path(cfg.model.path) / "tokenizer_config.json").is_file():
+    raise config_lib.ConfigError(
+        f"model.path={cfg.model.path!r} has its own tokenizer (tokenizer_config.json) but model.tokenizer='byte': "
+        f"set model.tokenizer={cfg.model.path!r}")
   tokenizer = models.load_tokenizer(cfg.model.tokenizer)
   env_spec = envs.get(cfg.env.name)
   env_info = _env_info(env_spec, cfg.env.max_turns)
