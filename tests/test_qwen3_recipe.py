@@ -77,6 +77,8 @@ def test_qwen3_recipe_trains_two_grpo_iterations_token_in_token_out(tmp_path, qw
     assert not t.loss_mask[~sampled_roles].any()  # template, prompt and tool tokens carry no loss
     assert set(t.roles[~sampled_roles]) <= {tr.Role.PROMPT, tr.Role.TOOL, tr.Role.ERROR}
     assert t.reasoning.kept and t.env.invalid_action_rule == "error_observation"
+    if t.termination in ("turn_budget_exhausted", "context_exhausted"):  # cut by the sampler, never stepped
+      assert t.turns[-1].outcome == t.termination.value and t.turns[-1].observation is None
   assert observations > 0, "no episode reached a tool reply: the cold start did not teach <|im_end|>"
   assert any(turn.action.parsed for t in records for turn in t.turns) or observations
 

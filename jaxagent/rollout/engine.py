@@ -248,11 +248,12 @@ class RolloutEngine:
           texts.append(text)
           spans[i] = (span, text)
           continue
-        row.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=False),
-                                 policy_version=policy_version, t_decode_s=t_decode))
         row.done = True
         row.termination = (envs.Termination.TURN_BUDGET_EXHAUSTED if action.finish == Finish.BUDGET
                            else envs.Termination.CONTEXT_EXHAUSTED)
+        # The cut action never reached the env: its outcome is the termination (not "ok").
+        row.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=False),
+                                 policy_version=policy_version, t_decode_s=t_decode, outcome=row.termination.value))
 
       if stepping:
         t0 = time.perf_counter()
