@@ -238,6 +238,10 @@ class TrainConfig:
   group_size: int = field(8, ge=1, help="G: samples per task (GRPO group)")
   updates_per_iteration: int = field(1, ge=1, help="optimizer steps per rollout batch (PPO epochs)")
   micro_batches: int = field(1, ge=1, help="gradient accumulation inside the jitted step")
+  logits_chunk: int | None = field(None, ge=1, help="score each row's positions this many at a time: no float32 "
+                                   "[B, T, V] logits (same values and gradients); null: all at once")
+  remat: Literal["none", "full", "dots"] = field("none", help="per-layer rematerialization in the train step: "
+                                                 "full saves nothing inside a layer, dots its matmul outputs")
   bc_steps: int = field(0, ge=0, help="behavior-cloning cold-start steps on scripted demonstrations")
   bc_batch_size: int = field(32, ge=1)
   bc_learning_rate: float = field(1e-3, gt=0.0)

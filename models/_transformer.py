@@ -21,6 +21,10 @@ from flax import nnx
 from models._config import ModelConfig
 from models._rope import apply_rope, inverse_frequencies
 
+# Per-layer rematerialization (`Transformer.features(remat=...)`): what a layer keeps for the backward pass.
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
 _INIT = nnx.initializers.normal(stddev=0.02)
 
 
@@ -230,8 +234,16 @@ class Transformer(nnx.Module):
     if not config.tie_word_embeddings:
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
 
-  def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
-    """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them."""
+  def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None,
+               remat: str = "none"):
+    """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them.
+
+    `remat` (training, no cache): each layer's activations are recomputed in the backward pass instead of
+    stored, keeping what the policy saves (`REMAT_POLICIES`: "full" saves nothing inside a layer, "dots" its
+    matmul outputs without batch dimensions); "none" stores everything.
+    """
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r}: not one of {sorted(REMAT_POLICIES)}")
     b, t = tokens_bt.shape
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
     if positions_bt is None:
@@ -245,10 +257,13 @@ class Transformer(nnx.Module):
     inv_freq = inverse_frequencies(self.config)  # static: folded into the compiled program
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0)
     new_k, new_v = [], []
+    call = lambda layer, x, kv: layer(x, positions_bt, segment_ids_bt, inv_freq, kv)
+    if remat != "none" and cache is None:
+      call = nnx.remat(call, policy=REMAT_POLICIES[remat])
     for i, layer in enumerate(self.layers):
       with jax.named_scope(f"layer_{i}"):
         kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start)
-        x_btd, layer_kv = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv)
+        x_btd, layer_kv = call(layer, x_btd, kv)
       if layer_kv is not None:
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
@@ -257,11 +272,13 @@ class Transformer(nnx.Module):
       return x_btd, None
     return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=start + t)
 
+  def unembed_weight(self) -> jax.Array:
+    """The [D, V] matrix that maps hidden states to logits (the tied embedding, transposed, or its own)."""
+    return self.embed_vd[...].T if self.config.tie_word_embeddings else self.w_unembed_dv[...]
+
   def unembed(self, x_btd):
     """float32 logits [B, T, V] from hidden states."""
-    unembed_dv = (self.embed_vd[...].T if self.config.tie_word_embeddings
-                  else self.w_unembed_dv[...])
-    return jnp.einsum("btd,dv->btv", x_btd, unembed_dv, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", x_btd, self.unembed_weight(), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
                cache: KVCache | None = None):

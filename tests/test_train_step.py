@@ -142,3 +142,51 @@ def test_behavior_cloning_micro_batches_match_the_whole_batch():
   normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids)
   m, _ = _compare(graphdefs, optimizer, state, algo, "bc", batch, normalizer)
   assert m["nll"] > 0 and m["entropy"] > 0
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 40])  # a ragged last chunk, one chunk per row, one longer than a row
+def test_chunked_logprobs_and_entropy_equal_the_direct_path_with_gradients(chunk):
+  rng = np.random.default_rng(0)
+  b, t, d, v = 3, 16, 8, 300
+  x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
+  mask = jnp.asarray(rng.random((b, t)) < 0.7)
+
+  def stats(x, w, chunk):
+    logp, ent = algos.next_token_stats(x, w, tokens, mask, temperature=0.7, chunk=chunk)
+    return jnp.sum(jnp.where(mask, logp * jnp.arange(t) + 0.3 * ent, 0.0)), (logp, ent)
+
+  (direct, (lp0, e0)), g0 = jax.value_and_grad(stats, argnums=(0, 1), has_aux=True)(x, w, None)
+  (chunked, (lp1, e1)), g1 = jax.value_and_grad(stats, argnums=(0, 1), has_aux=True)(x, w, chunk)
+  np.testing.assert_allclose(lp1, lp0, **TOL)
+  np.testing.assert_allclose(e1, e0, **TOL)
+  np.testing.assert_allclose(chunked, direct, rtol=1e-5)
+  for a, c in zip(g0, g1):
+    np.testing.assert_allclose(c, a, **TOL)
+  assert float(jnp.abs(g0[1]).max()) > 1e-3  # the gradient is not trivially zero
+  # The unshifted reference: position t's log-prob comes from x[t-1].
+  ref = algos.next_token_logprobs(jnp.einsum("btd,dv->btv", x, w) / 0.7, tokens, mask)
+  np.testing.assert_allclose(lp1, ref, **TOL)
+
+
+def test_chunked_logits_and_remat_leave_the_train_step_unchanged():
+  """The memory options change what is stored, not the update: same params and metrics (RL with KL, and BC)."""
+  algo = AlgoConfig(name="grpo", advantage="grpo", kl_coef=0.1, entropy_coef=0.01)
+  model, graphdefs, optimizer, state = _setup(algo, value=False, reference=True)
+  batch = _batch(model, seed=3)
+  normalizer = jnp.float32(algos.loss_normalizer(batch.loss_mask, batch.segment_ids))
+  for mode in ("rl", "bc"):
+    results = []
+    for memory in ({}, {"logits_chunk": 6}, {"logits_chunk": 6, "remat": "full"}, {"remat": "dots"}):
+      step = make_train_step(graphdefs, optimizer, algo, micro_batches=2, mode=mode, temperature=TEMPERATURE,
+                             **memory)
+      new, metrics = step(state(), batch, normalizer)
+      results.append(jax.device_get((new.params, metrics)))
+    for params, metrics in results[1:]:
+      for key, value in results[0][1].items():
+        np.testing.assert_allclose(metrics[key], value, **TOL, err_msg=f"{mode} {key}")
+      for a, c in zip(jax.tree.leaves(results[0][0]), jax.tree.leaves(params)):
+        np.testing.assert_allclose(c, a, **TOL)
+  with pytest.raises(ValueError, match="remat='some': not one of"):
+    model.features(jnp.zeros((1, 4), jnp.int32), remat="some")

@@ -97,6 +97,48 @@ def next_token_entropy(logits_btv: jax.Array, mask_bt: jax.Array | None = None) 
   return entropy(logits_btv, mask_bt)
 
 
+def next_token_stats(x_btd: jax.Array, unembed_dv: jax.Array, tokens_bt: jax.Array, mask_bt: jax.Array, *,
+                     temperature: float = 1.0, chunk: int | None = None, with_entropy: bool = True
+                     ) -> tuple[jax.Array, jax.Array | None]:
+  """`next_token_logprobs` and `next_token_entropy` of the logits `(x_btd @ unembed_dv) / temperature`.
+
+  `chunk=None` builds the float32 logits [B, T, V] once. With `chunk`, each row's positions are taken `chunk`
+  at a time (`lax.scan`, the body rematerialized in the backward pass): the largest array is [B, chunk, V], and
+  the values and gradients are those of the direct path. Rows stay whole, so a batch sharded over rows needs no
+  communication.
+
+  Returns:
+    (logp_bt, entropy_bt), float32[B, T] each; entropy None unless `with_entropy`.
+  """
+  logits = lambda x: jnp.einsum("btd,dv->btv", x, unembed_dv, preferred_element_type=jnp.float32)
+  scaled = (lambda x: logits(x) / temperature) if temperature != 1.0 else logits
+  if chunk is None:
+    logits_btv = scaled(x_btd)
+    return (next_token_logprobs(logits_btv, tokens_bt, mask_bt),
+            next_token_entropy(logits_btv, mask_bt) if with_entropy else None)
+  b, t, d = x_btd.shape
+  # The hidden state at t-1 predicts token t; position 0 predicts nothing (zeros, masked: as `_shift`).
+  x_btd = jnp.concatenate([jnp.zeros_like(x_btd[:, :1]), x_btd[:, :-1]], axis=1)
+  mask_bt = mask_bt.at[:, 0].set(False)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  if pad:
+    x_btd = jnp.pad(x_btd, ((0, 0), (0, pad), (0, 0)))
+    tokens_bt, mask_bt = jnp.pad(tokens_bt, ((0, 0), (0, pad))), jnp.pad(mask_bt, ((0, 0), (0, pad)))
+  to_chunks = lambda a: jnp.moveaxis(a.reshape((b, n, chunk) + a.shape[2:]), 1, 0)  # [n, B, chunk, ...]
+
+  @jax.checkpoint
+  def body(carry, xs):
+    x_bcd, tokens_bc, mask_bc = xs
+    logits_bcv = scaled(x_bcd)
+    ent = entropy(logits_bcv, mask_bc) if with_entropy else jnp.zeros(mask_bc.shape, jnp.float32)
+    return carry, (token_logprobs(logits_bcv, tokens_bc, mask_bc), ent)
+
+  _, (logp, ent) = jax.lax.scan(body, None, (to_chunks(x_btd), to_chunks(tokens_bt), to_chunks(mask_bt)))
+  from_chunks = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, n * chunk)[:, :t]
+  return from_chunks(logp), (from_chunks(ent) if with_entropy else None)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sequences and aggregation.
 

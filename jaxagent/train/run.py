@@ -247,10 +247,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
 
   rl_step = bc_step = None
   if purpose == "train":
+    memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings)
     rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
-                              temperature=cfg.rollout.temperature, state_shardings=state_shardings)
-    bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc",
-                              state_shardings=state_shardings)
+                              temperature=cfg.rollout.temperature, **memory)
+    bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
   value_fn = make_value_fn(graphdefs) if cfg.algo.name == "ppo" and purpose == "train" else None
 
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size

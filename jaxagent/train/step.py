@@ -40,21 +40,22 @@ _VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
-          algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None):
+          algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None,
+          logits_chunk: int | None = None, remat: str = "none"):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
-  `ref_params` the frozen reference policy (KL term), not differentiated.
+  `ref_params` the frozen reference policy (KL term), not differentiated. `logits_chunk` and `remat` trade
+  compute for memory without changing values (`algos.next_token_stats`, `Transformer.features`).
 
   In RL mode π_θ is the distribution the rollout samples from, softmax(logits / temperature), so that the
   ratio π_θ/μ against the recorded behavior log-probs is 1 on-policy.
   """
   model = nnx.merge(graphdefs["policy"], params["policy"])
-  x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
-  logits_btv = model.unembed(x_btd)
-  if mode == "rl" and temperature != 1.0:
-    logits_btv = logits_btv / temperature
+  x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
+                            remat=remat)
   mask_bt = batch.loss_mask
-  logp_bt = algos.next_token_logprobs(logits_btv, batch.tokens, mask_bt)
-  entropy_bt = algos.next_token_entropy(logits_btv, mask_bt)
+  scale = temperature if mode == "rl" else 1.0
+  logp_bt, entropy_bt = algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, mask_bt,
+                                               temperature=scale, chunk=logits_chunk)
   if mode == "bc":
     nll_bt = -logp_bt
     loss = algos.aggregate(nll_bt, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
@@ -65,8 +66,10 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   ref_logp_bt = None
   if ref_params is not None:
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
-    ref_logits_btv = ref(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids) / temperature
-    ref_logp_bt = jax.lax.stop_gradient(algos.next_token_logprobs(ref_logits_btv, batch.tokens, mask_bt))
+    ref_x_btd, _ = ref.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+    ref_logp_bt, _ = algos.next_token_stats(ref_x_btd, ref.unembed_weight(), batch.tokens, mask_bt,
+                                            temperature=temperature, chunk=logits_chunk, with_entropy=False)
+    ref_logp_bt = jax.lax.stop_gradient(ref_logp_bt)
   loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer,
                                     ref_logp_bt=ref_logp_bt, segment_ids_bt=batch.segment_ids,
                                     entropy_bt=entropy_bt,
@@ -109,10 +112,12 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
                     algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
-                    temperature: float = 1.0):
+                    temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none"):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
-  `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). A batch with nothing to
+  `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
+  each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
+  (`models.REMAT_POLICIES`). Neither changes the values. A batch with nothing to
   learn from (normalizer and value normalizer 0) is an explicit skip: metrics say `skipped=1` and the state
   is returned unchanged (no optimizer step, no weight decay, same step and policy version).
 
@@ -130,7 +135,8 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
     raise ValueError(f"temperature={temperature}: RL needs a sampling temperature > 0 (greedy rollouts have no "
                      "behavior distribution to correct for)")
   grad_fn = jax.value_and_grad(functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode,
-                                                 temperature=temperature), has_aux=True)
+                                                 temperature=temperature, logits_chunk=logits_chunk, remat=remat),
+                               has_aux=True)
 
   def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
            value_normalizer: jax.Array | float = 0.0) -> tuple[TrainState, dict[str, Any]]:
