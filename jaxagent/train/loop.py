@@ -106,7 +106,7 @@ def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], seeds: Sequ
     trajs, stats = run.engine.run(source, tasks, seeds, group_size=group_size,
                                   policy_version=int(state.policy_version))
   finally:
-    state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy)})
+    state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy, state.params["policy"])})
   return state, trajs, stats
 
 

@@ -37,7 +37,7 @@ from jaxagent.rollout.engine import RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import checkpointing
 from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
-from jaxagent.train.step import make_train_step, make_value_fn
+from jaxagent.train.step import cast_floating, make_train_step, make_value_fn
 from jaxagent.train.value import ValueHead
 
 NUM_TRAIN_TASKS = 100_000
@@ -70,12 +70,22 @@ class Layout:
   rollout_rules: models.Rules
   state_shardings: TrainState
   rollout_policy_shardings: Any
+  rollout_cast: Callable | None = None  # mixed precision: policy -> its compute-dtype copy in the rollout layout
 
   def to_rollout(self, policy):
-    return sharding_lib.reshard(policy, self.rollout_policy_shardings)
+    """The policy in the rollout layout: moved (the learner's arrays are donated), or with mixed precision a
+    cast copy (the float32 master weights stay where they are)."""
+    if self.rollout_cast is None:
+      return sharding_lib.reshard(policy, self.rollout_policy_shardings)
+    return self.rollout_cast(policy)
 
-  def to_learner(self, policy):
-    return sharding_lib.reshard(policy, self.state_shardings.params["policy"])
+  def to_learner(self, rollout_policy, master):
+    """The policy in the learner layout again: `rollout_policy` moved back, or (mixed precision) freed and the
+    untouched `master` returned."""
+    if self.rollout_cast is None:
+      return sharding_lib.reshard(rollout_policy, self.state_shardings.params["policy"])
+    jax.tree.map(lambda x: x.delete(), rollout_policy)
+    return master
 
   def to_global(self, tree):
     """This process's rows of host arrays -> global batch arrays in the learner layout."""
@@ -233,9 +243,13 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                                             transform_non_params=lambda _: replicated)
   state_shardings = TrainState(params=param_sh, opt_state=opt_sh, step=replicated, policy_version=replicated,
                                rng=replicated, ref_params=param_sh["policy"] if cfg.algo.kl_coef > 0 else None)
+  compute = jnp.dtype(cfg.model.compute_dtype or cfg.model.dtype)
+  mixed = compute if compute != dtype else None
+  rollout_policy_shardings = models.state_shardings(abstract.params["policy"], mesh, rollout_rules)
   layout = Layout(mesh=mesh, learner_rules=learner_rules, rollout_rules=rollout_rules,
-                  state_shardings=state_shardings,
-                  rollout_policy_shardings=models.state_shardings(abstract.params["policy"], mesh, rollout_rules))
+                  state_shardings=state_shardings, rollout_policy_shardings=rollout_policy_shardings,
+                  rollout_cast=None if mixed is None else jax.jit(lambda tree: cast_floating(tree, mixed),
+                                                                  out_shardings=rollout_policy_shardings))
 
   abstract_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract,
                                 state_shardings)
@@ -247,11 +261,12 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
 
   rl_step = bc_step = None
   if purpose == "train":
-    memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings)
+    memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings,
+                  compute_dtype=mixed)
     rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
                               temperature=cfg.rollout.temperature, **memory)
     bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
-  value_fn = make_value_fn(graphdefs) if cfg.algo.name == "ppo" and purpose == "train" else None
+  value_fn = make_value_fn(graphdefs, mixed) if cfg.algo.name == "ppo" and purpose == "train" else None
 
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rows = global_rows // num_processes
@@ -263,7 +278,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < cfg.rollout.max_context) + (
       cfg.rollout.max_context,)
   # Observation frames are padded to the chat format's longest frame: one compiled extend per run.
-  make_sampler = lambda sampling: Sampler(model, cache_size=cfg.rollout.max_context, config=sampling,
+  # The sampler runs the rollout copy of the policy: in the compute dtype (its KV cache too).
+  rollout_model = model if mixed is None else nnx.eval_shape(
+      lambda: models.Transformer(model.config, dtype=mixed, rngs=nnx.Rngs(0)))
+  make_sampler = lambda sampling: Sampler(rollout_model, cache_size=cfg.rollout.max_context, config=sampling,
                                           pad_id=tokenizer.pad_id, buckets=buckets,
                                           extend_buckets=(chat.frame_length,), mesh=mesh, rules=rollout_rules)
   engine = RolloutEngine(pool, env_spec, chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,

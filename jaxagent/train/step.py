@@ -41,14 +41,20 @@ _VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
           algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None,
-          logits_chunk: int | None = None, remat: str = "none"):
+          logits_chunk: int | None = None, remat: str = "none", compute_dtype=None):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
   `ref_params` the frozen reference policy (KL term), not differentiated. `logits_chunk` and `remat` trade
   compute for memory without changing values (`algos.next_token_stats`, `Transformer.features`).
 
   In RL mode π_θ is the distribution the rollout samples from, softmax(logits / temperature), so that the
   ratio π_θ/μ against the recorded behavior log-probs is 1 on-policy.
+
+  `compute_dtype` (mixed precision): the parameters are cast to it here, so the forward and backward run in it
+  while the gradient reaches the master weights in their own dtype.
   """
+  if compute_dtype is not None:
+    params = cast_floating(params, compute_dtype)
+    ref_params = None if ref_params is None else cast_floating(ref_params, compute_dtype)
   model = nnx.merge(graphdefs["policy"], params["policy"])
   x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
                             remat=remat)
@@ -78,12 +84,17 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
   metrics = dict(metrics, policy_lag=jnp.sum(jnp.where(mask_bt, lag_bt, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1))
   if value_targets is not None:
-    values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd)
+    values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
     vloss, vmetrics = algos.value_loss(values_bt, value_targets.old_values, value_targets.returns,
                                        value_targets.mask, value_normalizer, clip_eps=algo.value_clip_eps)
     loss = loss + algo.value_coef * vloss
     metrics = dict(metrics, value_loss=vloss, **vmetrics)
   return loss, metrics
+
+
+def cast_floating(tree, dtype):
+  """Floating-point leaves of `tree` as `dtype` (integer leaves, e.g. RNG state, unchanged)."""
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -112,12 +123,13 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
                     algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
-                    temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none"):
+                    temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
+                    compute_dtype=None):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
   each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
-  (`models.REMAT_POLICIES`). Neither changes the values. A batch with nothing to
+  (`models.REMAT_POLICIES`). Neither changes the values. `compute_dtype`: mixed precision (see `_loss`). A batch with nothing to
   learn from (normalizer and value normalizer 0) is an explicit skip: metrics say `skipped=1` and the state
   is returned unchanged (no optimizer step, no weight decay, same step and policy version).
 
@@ -135,7 +147,8 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
     raise ValueError(f"temperature={temperature}: RL needs a sampling temperature > 0 (greedy rollouts have no "
                      "behavior distribution to correct for)")
   grad_fn = jax.value_and_grad(functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode,
-                                                 temperature=temperature, logits_chunk=logits_chunk, remat=remat),
+                                                 temperature=temperature, logits_chunk=logits_chunk, remat=remat,
+                                                 compute_dtype=compute_dtype),
                                has_aux=True)
 
   def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
@@ -169,12 +182,15 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
   return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
 
-def make_value_fn(graphdefs: dict[str, nnx.GraphDef]):
-  """Jitted `values(params, batch) -> float32[B, T]` (value estimates at collection time, for GAE)."""
+def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None):
+  """Jitted `values(params, batch) -> float32[B, T]` (value estimates at collection time, for GAE), in the
+  same `compute_dtype` as the loss."""
 
   def values(params, batch: Batch):
+    if compute_dtype is not None:
+      params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdefs["policy"], params["policy"])
     x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
-    return nnx.merge(graphdefs["value"], params["value"])(x_btd)
+    return nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
 
   return jax.jit(values)
