@@ -69,6 +69,9 @@ class ModelSection:
   chat_format: Literal["auto", "control_tokens", "template"] = field(
       "auto", help="auto: the tokenizer's chat template if it has one (as token deltas), else the byte "
       "tokenizer's control tokens (jaxagent/chat.py)")
+  attention: Literal["einsum", "dot_product"] = field(
+      "einsum", help="attention kernel for prefill and training: einsum + softmax, or jax.nn.dot_product_attention "
+      "(XLA; cuDNN where supported); one-token decode is the same for both")
   system_prompt: str | None = field(None, help="template chats: the system message (tool schemas are added)")
   chat_template_kwargs: dict[str, Any] | None = field(
       None, help="template chats: extra template variables, e.g. {enable_thinking: false} for Qwen3")

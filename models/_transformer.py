@@ -23,6 +23,8 @@ from models._config import ModelConfig
 from models._rope import apply_rope, inverse_frequencies
 
 # Per-layer rematerialization (`Transformer.features(remat=...)`): what a layer keeps for the backward pass.
+# Attention kernels for T > 1 (`features(attention=...)`): today's einsum + softmax, or jax.nn.dot_product_attention.
+ATTENTION_IMPLEMENTATIONS = ("einsum", "dot_product")
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -92,6 +94,11 @@ class RMSNorm(nnx.Module):
     return self.scale[...] * x32.astype(x.dtype)
 
 
+def _masked_softmax(logits_bkgts, visible_bts, dtype):
+  logits_bkgts = jnp.where(visible_bts[:, None, None], logits_bkgts, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(logits_bkgts, axis=-1).astype(dtype)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
@@ -113,8 +120,12 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
     self.config = config
 
-  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None):
-    """Returns (output [B, T, D], (k_cache, v_cache, cache_segment_ids) or None)."""
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None, attention: str = "einsum"):
+    """Returns (output [B, T, D], (k_cache, v_cache, cache_segment_ids) or None).
+
+    `attention` ("einsum" or "dot_product", see `ATTENTION_IMPLEMENTATIONS`) picks the kernel for T > 1
+    (prefill, training); one-token decode always takes the multiply-reduce path below.
+    """
     cfg = self.config
     q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.w_q_dnh[...])
     k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.w_k_dkh[...])
@@ -148,20 +159,25 @@ class Attention(nnx.Module):
     b, _, n, h = q_btnh.shape
     q_btkgh = q_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h)
     f32 = jnp.float32
-    if t == 1:
+    if t > 1 and attention == "dot_product":
+      # jax.nn.dot_product_attention (XLA on CPU; its cuDNN kernel where the GPU supports the mask). The same
+      # grouping of query heads over KV heads as the einsum path: head i reads KV head i // num_groups.
+      out_btnh = jax.nn.dot_product_attention(
+          q_btnh, keys_bkhs.transpose(0, 3, 1, 2).astype(q_btnh.dtype),
+          values_bksh.transpose(0, 2, 1, 3).astype(q_btnh.dtype), mask=visible_bts[:, None], scale=h ** -0.5)
+      out_btkgh = out_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h).astype(x_btd.dtype)
+    elif t == 1:
       # One query per row (decode): multiply-reduces, one fused pass over each cache (see `KVCache`). As
       # dot_generals they are B*K tiny matmuls, measured 2-7x slower on CPU at B=64, S=128.
       logits_bkgts = jnp.sum(q_btkgh[:, 0, :, :, :, None].astype(f32) * keys_bkhs[:, :, None].astype(f32),
                              axis=3)[:, :, :, None, :] * (h ** -0.5)
-    else:
-      logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh, keys_bkhs.astype(q_btkgh.dtype),
-                                preferred_element_type=f32) * (h ** -0.5)
-    logits_bkgts = jnp.where(visible_bts[:, None, None], logits_bkgts, jnp.finfo(f32).min)
-    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(x_btd.dtype)
-    if t == 1:
+      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
       out_btkgh = jnp.sum(probs_bkgts[:, :, :, 0, :, None].astype(f32) * values_bksh[:, :, None].astype(f32),
                           axis=-2)[:, None].astype(x_btd.dtype)
     else:
+      logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh, keys_bkhs.astype(q_btkgh.dtype),
+                                preferred_element_type=f32) * (h ** -0.5)
+      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
       out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts, values_bksh.astype(x_btd.dtype))
     # Heads flattened first: contracting (n, h) as two axes, XLA transposed w_o (a copy per decode step).
     out_btd = jnp.einsum("btf,fd->btd", out_btkgh.reshape(b, t, n * h),
@@ -204,8 +220,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
     self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv):
-    attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv)
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum"):
+    attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv, attention)
     x_btd = x_btd + attn_btd
     return x_btd + self.mlp(self.mlp_norm(x_btd)), new_kv
 
@@ -236,7 +252,7 @@ class Transformer(nnx.Module):
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
 
   def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None,
-               remat: str = "none"):
+               remat: str = "none", attention: str = "einsum"):
     """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them.
 
     `remat` (training, no cache): the layers run as one scan and each layer's activations are recomputed in the
@@ -245,6 +261,8 @@ class Transformer(nnx.Module):
     """
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r}: not one of {sorted(REMAT_POLICIES)}")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention={attention!r}: not one of {ATTENTION_IMPLEMENTATIONS}")
     b, t = tokens_bt.shape
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
     if positions_bt is None:
@@ -259,11 +277,11 @@ class Transformer(nnx.Module):
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0)
     new_k, new_v = [], []
     if remat != "none" and cache is None:
-      x_btd = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq, REMAT_POLICIES[remat])
+      x_btd = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq, REMAT_POLICIES[remat], attention)
     for i, layer in enumerate(self.layers if remat == "none" or cache is not None else ()):
       with jax.named_scope(f"layer_{i}"):
         kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start)
-        x_btd, layer_kv = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv)
+        x_btd, layer_kv = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention)
       if layer_kv is not None:
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
@@ -272,7 +290,7 @@ class Transformer(nnx.Module):
       return x_btd, None
     return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=start + t)
 
-  def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy):
+  def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention):
     """All layers as one `lax.scan` over their parameters stacked on the fly, each step rematerialized.
 
     Under a scan the backward pass keeps only what `policy` saves per layer (measured with XLA's memory
@@ -285,7 +303,7 @@ class Transformer(nnx.Module):
 
     @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)  # prevent_cse is moot inside scan
     def body(x_btd, layer_state):
-      x_btd, _ = nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt, inv_freq, None)
+      x_btd, _ = nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt, inv_freq, None, attention)
       return x_btd, None
 
     return jax.lax.scan(body, x_btd, stacked)[0]
@@ -299,9 +317,9 @@ class Transformer(nnx.Module):
     return jnp.einsum("btd,dv->btv", x_btd, self.unembed_weight(), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
-               cache: KVCache | None = None):
+               cache: KVCache | None = None, attention: str = "einsum"):
     x_btd, cache_out = self.features(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt,
-                                     cache=cache)
+                                     cache=cache, attention=attention)
     logits_btv = self.unembed(x_btd)
     if cache is None:
       return logits_btv

@@ -84,3 +84,36 @@ def test_cache_output_is_finite_at_padding_slots(model):
   segments = jnp.asarray([[0, 0, 0, 0], [1, 1, 1, 1]], jnp.int32)  # row 0 is all padding
   logits, _ = model(tokens, segment_ids_bt=segments, cache=models.KVCache.init(CONFIG, 2, 8))
   assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_dot_product_attention_equals_the_einsum_path_for_forward_prefill_and_extend():
+  """jax.nn.dot_product_attention (model.attention=dot_product) on packed, padded rows and through the
+  sampler's prefill and extend (KV cache): the same logits as the einsum path; decode is shared."""
+  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
+
+  cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+  model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 64, (3, 10)), jnp.int32)
+  seg = jnp.asarray([[1] * 10, [1] * 6 + [0] * 4, [1] * 4 + [2] * 5 + [0]], jnp.int32)
+  pos = jnp.asarray([list(range(10)), list(range(6)) + [0] * 4, list(range(4)) + list(range(5)) + [0]], jnp.int32)
+  valid = np.asarray(seg) > 0
+  einsum = model(tokens, positions_bt=pos, segment_ids_bt=seg)
+  fused = model(tokens, positions_bt=pos, segment_ids_bt=seg, attention="dot_product")
+  np.testing.assert_allclose(np.asarray(fused)[valid], np.asarray(einsum)[valid], rtol=1e-5, atol=1e-5)
+
+  params = nnx.state(model)
+  out = {}
+  for kind in ("einsum", "dot_product"):
+    sampler = Sampler(model, cache_size=48, config=SamplingConfig(temperature=0.0, max_new_tokens=4), pad_id=0,
+                      buckets=(16,), extend_buckets=(8,), attention=kind)
+    state = sampler.prefill(params, [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]], jax.random.key(0))
+    state, first = sampler.generate(params, state)
+    state, ok = sampler.extend(params, state, [[9, 8, 7, 6], [3]])
+    state, second = sampler.generate(params, state)
+    out[kind] = (np.asarray(state.next_logits), first.tokens, second.tokens, bool(ok))
+  np.testing.assert_allclose(out["dot_product"][0], out["einsum"][0], rtol=1e-5, atol=1e-5)
+  assert all(np.array_equal(a, b) for a, b in zip(out["dot_product"][1:3], out["einsum"][1:3]))
+  with pytest.raises(ValueError, match="attention='flash': not one of"):
+    model(tokens, attention="flash")

@@ -171,14 +171,16 @@ def test_chunked_logprobs_and_entropy_equal_the_direct_path_with_gradients(chunk
 
 
 def test_chunked_logits_and_remat_leave_the_train_step_unchanged():
-  """The memory options change what is stored, not the update: same params and metrics (RL with KL, and BC)."""
+  """The memory options (and the attention kernel) change what is stored, not the update: same params and
+  metrics (RL with KL, and BC)."""
   algo = AlgoConfig(name="grpo", advantage="grpo", kl_coef=0.1, entropy_coef=0.01)
   model, graphdefs, optimizer, state = _setup(algo, value=False, reference=True)
   batch = _batch(model, seed=3)
   normalizer = jnp.float32(algos.loss_normalizer(batch.loss_mask, batch.segment_ids))
   for mode in ("rl", "bc"):
     results = []
-    for memory in ({}, {"logits_chunk": 6}, {"logits_chunk": 6, "remat": "full"}, {"remat": "dots"}):
+    for memory in ({}, {"logits_chunk": 6}, {"logits_chunk": 6, "remat": "full"}, {"remat": "dots"},
+                   {"attention": "dot_product"}, {"attention": "dot_product", "remat": "full", "logits_chunk": 5}):
       step = make_train_step(graphdefs, optimizer, algo, micro_batches=2, mode=mode, temperature=TEMPERATURE,
                              **memory)
       new, metrics = step(state(), batch, normalizer)

@@ -232,13 +232,14 @@ def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules
 
 
 def prefill(model: models.Transformer, tokens_bt: jax.Array, segment_ids_bt: jax.Array, rng: jax.Array,
-            cache_size: int, *, mesh: Mesh | None = None, rules: models.Rules = ()
+            cache_size: int, *, mesh: Mesh | None = None, rules: models.Rules = (), attention: str = "einsum"
             ) -> SamplerState:
   """Runs left-padded prompts through the model into a fresh cache."""
   b, _ = tokens_bt.shape
   cache = _constrain_cache(models.KVCache.init(model.config, b, cache_size, model.dtype), mesh, rules)
   positions_bt = jnp.maximum(jnp.cumsum(segment_ids_bt != 0, axis=1) - 1, 0).astype(jnp.int32)
-  logits_btv, cache = model(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt, cache=cache)
+  logits_btv, cache = model(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt, cache=cache,
+                            attention=attention)
   last_b = _last_valid(segment_ids_bt)
   rows = jnp.arange(b)
   return _constrain_state(SamplerState(cache=cache, next_logits=logits_btv[rows, last_b],
@@ -246,7 +247,7 @@ def prefill(model: models.Transformer, tokens_bt: jax.Array, segment_ids_bt: jax
 
 
 def extend(model: models.Transformer, state: SamplerState, tokens_bt: jax.Array, lengths_b: jax.Array,
-           *, mesh: Mesh | None = None, rules: models.Rules = ()
+           *, mesh: Mesh | None = None, rules: models.Rules = (), attention: str = "einsum"
            ) -> tuple[SamplerState, jax.Array]:
   """Appends right-padded chunks (row b: its first `lengths_b[b]` tokens) to the cache; no recomputation.
 
@@ -260,7 +261,7 @@ def extend(model: models.Transformer, state: SamplerState, tokens_bt: jax.Array,
 
   def run(state):
     logits_btv, cache = model(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt,
-                              cache=state.cache)
+                              cache=state.cache, attention=attention)
     last_logits = logits_btv[jnp.arange(b), jnp.maximum(lengths_b - 1, 0)]
     has = lengths_b > 0
     return state.replace(cache=_constrain_cache(cache, mesh, rules),
@@ -354,7 +355,7 @@ class Sampler:
   def __init__(self, model: models.Transformer, *, cache_size: int, config: SamplingConfig, pad_id: int,
                mesh: Mesh | None = None, rules: models.Rules = (),
                buckets: Sequence[int] = DEFAULT_BUCKETS,
-               extend_buckets: Sequence[int] = DEFAULT_EXTEND_BUCKETS):
+               extend_buckets: Sequence[int] = DEFAULT_EXTEND_BUCKETS, attention: str = "einsum"):
     self.graphdef, _ = nnx.split(model)
     self.cache_size = cache_size
     self.config = config
@@ -365,10 +366,11 @@ class Sampler:
     self.rules = rules
     shard = dict(mesh=mesh, rules=rules)
     merge = lambda params: nnx.merge(self.graphdef, params)
-    self._prefill = jax.jit(lambda p, t, s, r: prefill(merge(p), t, s, r, cache_size, **shard))
+    self._prefill = jax.jit(lambda p, t, s, r: prefill(merge(p), t, s, r, cache_size, attention=attention, **shard))
     self._generate = jax.jit(lambda p, st, a: generate(merge(p), st, a, config, pad_id, **shard),
                              donate_argnums=1)
-    self._extend = jax.jit(lambda p, st, t, n: extend(merge(p), st, t, n, **shard), donate_argnums=1)
+    self._extend = jax.jit(lambda p, st, t, n: extend(merge(p), st, t, n, attention=attention, **shard),
+                           donate_argnums=1)
     self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
 
   def _put_batch(self, x: np.ndarray) -> jax.Array:

@@ -262,7 +262,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   rl_step = bc_step = None
   if purpose == "train":
     memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings,
-                  compute_dtype=mixed)
+                  compute_dtype=mixed, attention=cfg.model.attention)
     rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
                               temperature=cfg.rollout.temperature, **memory)
     bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
@@ -283,7 +283,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       lambda: models.Transformer(model.config, dtype=mixed, rngs=nnx.Rngs(0)))
   make_sampler = lambda sampling: Sampler(rollout_model, cache_size=cfg.rollout.max_context, config=sampling,
                                           pad_id=tokenizer.pad_id, buckets=buckets,
-                                          extend_buckets=(chat.frame_length,), mesh=mesh, rules=rollout_rules)
+                                          extend_buckets=(chat.frame_length,), mesh=mesh, rules=rollout_rules,
+                                          attention=cfg.model.attention)
   engine = RolloutEngine(pool, env_spec, chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
                          invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning)
 

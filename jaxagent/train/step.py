@@ -41,7 +41,7 @@ _VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
           algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None,
-          logits_chunk: int | None = None, remat: str = "none", compute_dtype=None):
+          logits_chunk: int | None = None, remat: str = "none", compute_dtype=None, attention: str = "einsum"):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
   `ref_params` the frozen reference policy (KL term), not differentiated. `logits_chunk` and `remat` trade
   compute for memory without changing values (`algos.next_token_stats`, `Transformer.features`).
@@ -57,7 +57,7 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
     ref_params = None if ref_params is None else cast_floating(ref_params, compute_dtype)
   model = nnx.merge(graphdefs["policy"], params["policy"])
   x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                            remat=remat)
+                            remat=remat, attention=attention)
   mask_bt = batch.loss_mask
   scale = temperature if mode == "rl" else 1.0
   logp_bt, entropy_bt = algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, mask_bt,
@@ -72,7 +72,8 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   ref_logp_bt = None
   if ref_params is not None:
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
-    ref_x_btd, _ = ref.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+    ref_x_btd, _ = ref.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
+                                attention=attention)
     ref_logp_bt, _ = algos.next_token_stats(ref_x_btd, ref.unembed_weight(), batch.tokens, mask_bt,
                                             temperature=temperature, chunk=logits_chunk, with_entropy=False)
     ref_logp_bt = jax.lax.stop_gradient(ref_logp_bt)
@@ -124,12 +125,13 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
                     algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
                     temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
-                    compute_dtype=None):
+                    compute_dtype=None, attention: str = "einsum"):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
   each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
-  (`models.REMAT_POLICIES`). Neither changes the values. `compute_dtype`: mixed precision (see `_loss`). A batch with nothing to
+  (`models.REMAT_POLICIES`); `attention`: the kernel for training (`models.ATTENTION_IMPLEMENTATIONS`). None
+  of the three changes the values. `compute_dtype`: mixed precision (see `_loss`). A batch with nothing to
   learn from (normalizer and value normalizer 0) is an explicit skip: metrics say `skipped=1` and the state
   is returned unchanged (no optimizer step, no weight decay, same step and policy version).
 
@@ -148,7 +150,7 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
                      "behavior distribution to correct for)")
   grad_fn = jax.value_and_grad(functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode,
                                                  temperature=temperature, logits_chunk=logits_chunk, remat=remat,
-                                                 compute_dtype=compute_dtype),
+                                                 compute_dtype=compute_dtype, attention=attention),
                                has_aux=True)
 
   def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
