@@ -92,7 +92,12 @@ def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None 
         params = mngr.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))[
             PARAMS]
       else:  # a training checkpoint: the policy's parameters only, the rest of the train state stays on disk
-        params = _restore_policy(mngr, step, target)
+        run_config = mngr.restore(step, args=ocp.args.Composite(**{RUN_CONFIG: ocp.args.JsonRestore()}))[
+            RUN_CONFIG] if RUN_CONFIG in items else {}
+        if (run_config.get("model") or {}).get("lora_rank"):
+          params = _restore_lora_policy(mngr, step, target, run_config, config, dtype)
+        else:
+          params = _restore_policy(mngr, step, target)
     except (ValueError, KeyError, FileNotFoundError, TypeError) as e:
       raise models.CheckpointError(
           f"{directory}/{step}: its parameters do not match {MODEL_CONFIG} ({type(e).__name__}: {e})") from None
@@ -101,6 +106,26 @@ def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None 
 
 
 TRAIN_STATE = "state"  # the train state item of a training checkpoint (jaxagent/train/checkpointing.py)
+RUN_CONFIG = "config"  # the run's config, stored with each training checkpoint
+
+
+def _restore_lora_policy(mngr: ocp.CheckpointManager, step: int, target: dict[str, Any], run_config: dict[str, Any],
+                         model_config: models.ModelConfig, dtype: Any) -> dict[str, Any]:
+  """The merged policy of a LoRA run: its base (model.path, or the seeded init the run started from) plus the
+  adapters stored in the checkpoint, `W + alpha / rank · a @ b`."""
+  m = run_config["model"]
+  if m.get("path"):
+    base = nnx.to_pure_dict(nnx.state(load_model(m["path"], dtype=dtype)))
+  else:  # the trainer's own init (jaxagent/train/run.py make_model): same config, dtype and seed
+    base = nnx.to_pure_dict(nnx.state(models.Transformer(model_config, dtype=dtype,
+                                                         rngs=nnx.Rngs(run_config["run"]["seed"]))))
+  rank, targets = int(m["lora_rank"]), tuple(m["lora_targets"])
+  abstract = jax.eval_shape(lambda p: models.lora_init(p, rank=rank, targets=targets, key=jax.random.key(0)), target)
+  item = {"params": {"lora": abstract}}
+  restored = mngr.restore(step, args=ocp.args.Composite(**{TRAIN_STATE: ocp.args.PyTreeRestore(
+      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)}))
+  adapters = restored[TRAIN_STATE]["params"]["lora"]
+  return models.lora_merge(base, adapters, float(m["lora_alpha"]) / rank)
 
 
 def _restore_policy(mngr: ocp.CheckpointManager, step: int, target: dict[str, Any]) -> dict[str, Any]:

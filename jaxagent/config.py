@@ -69,6 +69,11 @@ class ModelSection:
   chat_format: Literal["auto", "control_tokens", "template"] = field(
       "auto", help="auto: the tokenizer's chat template if it has one (as token deltas), else the byte "
       "tokenizer's control tokens (jaxagent/chat.py)")
+  lora_rank: int = field(0, ge=0, help="LoRA adapters of this rank are trained alone (0: full fine-tuning); the "
+                         "optimizer and checkpoints hold only them, the base weights come from model.path / init")
+  lora_alpha: float = field(16.0, gt=0.0, help="LoRA scale alpha / rank")
+  lora_targets: tuple[str, ...] = field(("q", "k", "v", "o"), choices=lambda: sorted(models.LORA_TARGETS),
+                                        help="weights that get adapters: q k v o (attention), gate up down (MLP)")
   attention: Literal["einsum", "dot_product"] = field(
       "einsum", help="attention kernel for prefill and training: einsum + softmax, or jax.nn.dot_product_attention "
       "(XLA; cuDNN where supported); one-token decode is the same for both")
@@ -308,6 +313,9 @@ def check_combinations(config: Config, num_processes: int) -> None:
     raise ConfigError(f"rollout.top_k={rollout.top_k}, rollout.top_p={rollout.top_p}: truncated sampling would "
                       "make the importance ratio wrong; use top_k=0, top_p=1.0 for training (they remain "
                       "available to `jaxagent generate`)")
+  if config.model.lora_rank and algo.kl_coef > 0:
+    raise ConfigError(f"algo.kl_coef={algo.kl_coef} with model.lora_rank={config.model.lora_rank}: a KL reference "
+                      "policy is not supported with LoRA yet; set algo.kl_coef=0")
   if "completed" in train.exclude_terminations:
     raise ConfigError("train.exclude_terminations: 'completed' is task success or failure, never an "
                       "infrastructure failure")

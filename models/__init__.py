@@ -10,6 +10,7 @@ from models._families import (Family, UnsupportedModelError, config_from_hf, con
                               get_family, register_family)
 from models._hf import CheckpointError, from_pretrained, hf_tensors, read_config, save_pretrained
 from models._sharding import Rules, logical_to_spec, shard_model, state_shardings, variable_sharding
+from models._lora import LORA_TARGETS, lora_init, lora_merge
 from models._tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, fetch_npm_tokenizer, load_tokenizer
 from models._transformer import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, KVCache, Transformer
 
@@ -17,6 +18,6 @@ __all__ = [
     "ByteTokenizer", "CheckpointError", "Family", "HFTokenizer", "KVCache",
     "ATTENTION_IMPLEMENTATIONS", "ModelConfig", "REMAT_POLICIES", "RopeScaling", "Rules", "Tokenizer", "Transformer", "UnsupportedModelError",
     "config_from_hf", "config_to_hf", "families", "from_pretrained", "get_family", "hf_tensors",
-    "fetch_npm_tokenizer", "load_tokenizer", "logical_to_spec", "read_config", "register_family", "save_pretrained",
+    "fetch_npm_tokenizer", "load_tokenizer", "LORA_TARGETS", "lora_init", "lora_merge", "logical_to_spec", "read_config", "register_family", "save_pretrained",
     "shard_model", "state_shardings", "variable_sharding",
 ]

@@ -16,7 +16,8 @@ def test_memory_bench_runs_and_chunking_and_remat_lower_the_peak(capsys):
   results = bench.main(["--tiny"])
   out = capsys.readouterr().out
   assert "x direct" in out and len(out.splitlines()) == 1 + len(bench.VARIANTS)
-  direct, chunked, remat = (results[k] for k in ("direct", "chunked", "chunked + remat"))
+  direct, chunked, remat, lora = (results[k] for k in ("direct", "chunked", "chunked + remat", "+ LoRA"))
   assert direct.arguments == chunked.arguments == remat.arguments  # same state and batch
+  assert lora.arguments < remat.arguments / 2 and lora.peak < remat.peak  # no Adam moments for the base
   # At V = 151,936 and T = 256 the [B, T, V] float32 logits (and their gradient) dominate the direct step.
   assert chunked.temp < direct.temp / 2 and remat.peak <= chunked.peak

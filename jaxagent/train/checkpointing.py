@@ -68,9 +68,10 @@ def _key_data(rng: Any) -> Any:
   return jax.random.key_data(rng)
 
 
-def _to_saveable(state: TrainState) -> dict[str, Any]:
-  """The stored form of a (concrete or abstract) train state."""
-  out = {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+def _to_saveable(state: TrainState, frozen: tuple[str, ...] = ()) -> dict[str, Any]:
+  """The stored form of a (concrete or abstract) train state; `frozen` parameter groups are left out."""
+  params = {k: v for k, v in state.params.items() if k not in frozen}
+  out = {"params": params, "opt_state": state.opt_state, "step": state.step,
          "policy_version": state.policy_version, "rng": _key_data(state.rng)}
   if state.ref_params is not None:
     out["ref_params"] = state.ref_params
@@ -225,8 +226,11 @@ class TrainCheckpointer:
       `jaxagent eval` changes nothing), so the run can write those step numbers again.
   """
 
-  def __init__(self, directory: Path, *, keep: int):
+  def __init__(self, directory: Path, *, keep: int, frozen: tuple[str, ...] = ()):
+    """`frozen`: parameter groups never saved (LoRA's base policy: it comes from model.path or the seed);
+    `restore_latest` returns a state without them."""
     self.directory = Path(directory).resolve()
+    self.frozen = tuple(frozen)
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                              enable_async_checkpointing=True))
@@ -241,7 +245,7 @@ class TrainCheckpointer:
     they describe exactly the values saved; the extra cost is that pass plus a wait for the state to be ready.
     """
     self._set_aside_damaged()
-    saveable = _to_saveable(state)
+    saveable = _to_saveable(state, self.frozen)
     digests = state_digests(saveable)
     meta = {**meta, "has_reference": state.ref_params is not None,  # read back first: the restore target
             INTEGRITY_KEY: {"algorithm": DIGEST_ALGORITHM, "leaves": digests}}
@@ -316,7 +320,7 @@ class TrainCheckpointer:
       _check_compatible(stored["model_config"], model_config, self.directory / str(step))
       meta = dict(stored["meta"])
       integrity = meta.pop(INTEGRITY_KEY, None)
-      target = _to_saveable(abstract_state)
+      target = _to_saveable(abstract_state, self.frozen)
       target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                             target)
       # The target is the state as it was saved: a run may resume with `algo.kl_coef` turned on (the

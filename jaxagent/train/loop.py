@@ -100,7 +100,7 @@ class Prepared:
 def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], seeds: Sequence[int], *, group_size: int,
             rng: jax.Array, evaluation: bool = False) -> tuple[TrainState, list[tr.Trajectory], RolloutStats]:
   """Reshards the policy into the rollout layout, rolls out, reshards back (donating each time)."""
-  policy = run.layout.to_rollout(state.params["policy"])
+  policy = run.layout.to_rollout(state.params)
   try:
     source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, rng)
     trajs, stats = run.engine.run(source, tasks, seeds, group_size=group_size,
@@ -452,6 +452,10 @@ def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
   if restored is None:
     raise models.CheckpointError(f"{run.run_dir}: no complete checkpoint under {run.run_dir / 'checkpoints'}")
   iteration, state, meta = restored
+  missing = [k for k in run.abstract_state.params if k not in state.params]
+  if missing:  # frozen parameters (LoRA's base policy) are not in checkpoints: from model.path or the seed
+    base = run.init_state().params
+    state = state.replace(params={**state.params, **{k: base[k] for k in missing}})
   state = jax.jit(lambda x: x, out_shardings=run.layout.state_shardings, donate_argnums=0)(state)  # pinned
   sharding_lib.check_replication(state.params, run.config.mesh.max_replicated_fraction)
   change = check_env_versions(run, meta.get("env"))

@@ -37,7 +37,7 @@ from jaxagent.rollout.engine import RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import checkpointing
 from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
-from jaxagent.train.step import cast_floating, make_train_step, make_value_fn
+from jaxagent.train.step import cast_floating, make_train_step, make_value_fn, policy_params
 from jaxagent.train.value import ValueHead
 
 NUM_TRAIN_TASKS = 100_000
@@ -70,19 +70,19 @@ class Layout:
   rollout_rules: models.Rules
   state_shardings: TrainState
   rollout_policy_shardings: Any
-  rollout_cast: Callable | None = None  # mixed precision: policy -> its compute-dtype copy in the rollout layout
+  rollout_copy: Callable | None = None  # params -> the policy rollouts use (LoRA merged, mixed precision cast)
 
-  def to_rollout(self, policy):
-    """The policy in the rollout layout: moved (the learner's arrays are donated), or with mixed precision a
-    cast copy (the float32 master weights stay where they are)."""
-    if self.rollout_cast is None:
-      return sharding_lib.reshard(policy, self.rollout_policy_shardings)
-    return self.rollout_cast(policy)
+  def to_rollout(self, params):
+    """The policy of `params` in the rollout layout: moved (the learner's arrays are donated), or a copy (LoRA
+    adapters merged, mixed precision cast) while the learner's arrays stay where they are."""
+    if self.rollout_copy is None:
+      return sharding_lib.reshard(params["policy"], self.rollout_policy_shardings)
+    return self.rollout_copy(params)
 
   def to_learner(self, rollout_policy, master):
-    """The policy in the learner layout again: `rollout_policy` moved back, or (mixed precision) freed and the
+    """The policy in the learner layout again: `rollout_policy` moved back, or (a copy) freed and the
     untouched `master` returned."""
-    if self.rollout_cast is None:
+    if self.rollout_copy is None:
       return sharding_lib.reshard(rollout_policy, self.state_shardings.params["policy"])
     jax.tree.map(lambda x: x.delete(), rollout_policy)
     return master
@@ -225,31 +225,52 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       [cfg.train.bc_steps])
   optimizer = make_optimizer(cfg.optim, schedule)
 
+  # LoRA: the base policy is a frozen input of the step; the adapters (params["lora"]) are what is trained,
+  # what the optimizer holds moments for and what checkpoints store.
+  lora = cfg.model.lora_rank > 0
+  lora_scale = cfg.model.lora_alpha / cfg.model.lora_rank if lora else 0.0
+  frozen = ("policy",) if lora else ()
+
   def new_state(policy):
     params = {"policy": nnx.split(make_model())[1] if policy is None else policy}
     if cfg.algo.name == "ppo":
       params["value"] = nnx.split(make_value())[1]
+    if lora:
+      params["lora"] = models.lora_init(params["policy"], rank=cfg.model.lora_rank, targets=cfg.model.lora_targets,
+                                        key=jax.random.key(stable_seed(cfg.run.seed, "lora")))
     # The frozen reference starts as the initial policy; the loop re-points it after the cold start.
     ref = params["policy"] if cfg.algo.kl_coef > 0 else None
-    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+    trained = {k: v for k, v in params.items() if k not in frozen}
+    return TrainState(params=params, opt_state=optimizer.init(trained), step=jnp.zeros((), jnp.int32),
                       policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed), ref_params=ref)
 
-  # Canonical layout: parameters and their optimizer moments by the learner rules, every other leaf (step,
-  # counts, RNG) replicated. Every jitted step returns exactly this layout, so nothing recompiles.
+  # Canonical layout: parameters and their optimizer moments by the learner rules (LoRA adapters, small,
+  # replicated), every other leaf (step, counts, RNG) replicated. Every jitted step returns exactly this layout,
+  # so nothing recompiles.
   abstract = jax.eval_shape(new_state, loaded)
-  param_sh = models.state_shardings(abstract.params, mesh, learner_rules)
   replicated = NamedSharding(mesh, P())
-  opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state, param_sh,
+  param_sh = models.state_shardings({k: v for k, v in abstract.params.items() if k != "lora"}, mesh, learner_rules)
+  if lora:
+    param_sh["lora"] = jax.tree.map(lambda _: replicated, abstract.params["lora"])
+  opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
+                                            {k: v for k, v in param_sh.items() if k not in frozen},
                                             transform_non_params=lambda _: replicated)
   state_shardings = TrainState(params=param_sh, opt_state=opt_sh, step=replicated, policy_version=replicated,
                                rng=replicated, ref_params=param_sh["policy"] if cfg.algo.kl_coef > 0 else None)
   compute = jnp.dtype(cfg.model.compute_dtype or cfg.model.dtype)
   mixed = compute if compute != dtype else None
   rollout_policy_shardings = models.state_shardings(abstract.params["policy"], mesh, rollout_rules)
+  rollout_copy = None
+  if mixed is not None or lora:  # rollouts read a merged and/or cast copy; the learner's arrays stay put
+
+    def rollout_policy(params):
+      policy = policy_params(params, lora_scale)["policy"]
+      return policy if mixed is None else cast_floating(policy, mixed)
+
+    rollout_copy = jax.jit(rollout_policy, out_shardings=rollout_policy_shardings)
   layout = Layout(mesh=mesh, learner_rules=learner_rules, rollout_rules=rollout_rules,
                   state_shardings=state_shardings, rollout_policy_shardings=rollout_policy_shardings,
-                  rollout_cast=None if mixed is None else jax.jit(lambda tree: cast_floating(tree, mixed),
-                                                                  out_shardings=rollout_policy_shardings))
+                  rollout_copy=rollout_copy)
 
   abstract_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract,
                                 state_shardings)
@@ -262,11 +283,12 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   rl_step = bc_step = None
   if purpose == "train":
     memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings,
-                  compute_dtype=mixed, attention=cfg.model.attention)
+                  compute_dtype=mixed, attention=cfg.model.attention, frozen=frozen, lora_scale=lora_scale)
     rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
                               temperature=cfg.rollout.temperature, **memory)
     bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
-  value_fn = make_value_fn(graphdefs, mixed) if cfg.algo.name == "ppo" and purpose == "train" else None
+  value_fn = (make_value_fn(graphdefs, mixed, lora_scale) if cfg.algo.name == "ppo" and purpose == "train"
+              else None)
 
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rows = global_rows // num_processes
@@ -310,6 +332,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       sampler=make_sampler(sampling),
       eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
       tasks=tasks,
-      checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints),
+      checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
+                                                   frozen=frozen),
       model_config=models.config_to_hf(model.config), rows=rows, global_rows=global_rows,
       echo=echo and process == 0)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import models
 from jaxagent import algos
 from jaxagent.assembly import Batch
 from jaxagent.config import AlgoConfig
@@ -41,7 +42,8 @@ _VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
           algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None,
-          logits_chunk: int | None = None, remat: str = "none", compute_dtype=None, attention: str = "einsum"):
+          logits_chunk: int | None = None, remat: str = "none", compute_dtype=None, attention: str = "einsum",
+          lora_scale: float = 0.0):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
   `ref_params` the frozen reference policy (KL term), not differentiated. `logits_chunk` and `remat` trade
   compute for memory without changing values (`algos.next_token_stats`, `Transformer.features`).
@@ -52,6 +54,7 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   `compute_dtype` (mixed precision): the parameters are cast to it here, so the forward and backward run in it
   while the gradient reaches the master weights in their own dtype.
   """
+  params = policy_params(params, lora_scale)
   if compute_dtype is not None:
     params = cast_floating(params, compute_dtype)
     ref_params = None if ref_params is None else cast_floating(ref_params, compute_dtype)
@@ -93,6 +96,14 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   return loss, metrics
 
 
+def policy_params(params: dict[str, Any], lora_scale: float) -> dict[str, Any]:
+  """`params` with LoRA adapters (`params["lora"]`) merged into the policy's weights, and without them."""
+  if "lora" not in params:
+    return params
+  rest = {k: v for k, v in params.items() if k != "lora"}
+  return {**rest, "policy": models.lora_merge(params["policy"], params["lora"], lora_scale)}
+
+
 def cast_floating(tree, dtype):
   """Floating-point leaves of `tree` as `dtype` (integer leaves, e.g. RNG state, unchanged)."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
@@ -125,13 +136,16 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
                     algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
                     temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
-                    compute_dtype=None, attention: str = "einsum"):
+                    compute_dtype=None, attention: str = "einsum", frozen: tuple[str, ...] = (),
+                    lora_scale: float = 0.0):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
   each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
   (`models.REMAT_POLICIES`); `attention`: the kernel for training (`models.ATTENTION_IMPLEMENTATIONS`). None
-  of the three changes the values. `compute_dtype`: mixed precision (see `_loss`). A batch with nothing to
+  of the three changes the values. `compute_dtype`: mixed precision (see `_loss`). `frozen`: keys of
+  `state.params` that are inputs only (LoRA: "policy"): no gradient is computed for them and the optimizer state
+  covers the rest. A batch with nothing to
   learn from (normalizer and value normalizer 0) is an explicit skip: metrics say `skipped=1` and the state
   is returned unchanged (no optimizer step, no weight decay, same step and policy version).
 
@@ -148,33 +162,37 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
   if mode == "rl" and not temperature > 0:
     raise ValueError(f"temperature={temperature}: RL needs a sampling temperature > 0 (greedy rollouts have no "
                      "behavior distribution to correct for)")
-  grad_fn = jax.value_and_grad(functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode,
-                                                 temperature=temperature, logits_chunk=logits_chunk, remat=remat,
-                                                 compute_dtype=compute_dtype, attention=attention),
-                               has_aux=True)
+  loss = functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode, temperature=temperature,
+                           logits_chunk=logits_chunk, remat=remat, compute_dtype=compute_dtype, attention=attention,
+                           lora_scale=lora_scale)
+  # Differentiated with respect to the trained parameters only; the frozen ones are a plain input.
+  grad_fn = jax.value_and_grad(lambda trained, fixed, **kw: loss({**fixed, **trained}, **kw), has_aux=True)
 
   def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
            value_normalizer: jax.Array | float = 0.0) -> tuple[TrainState, dict[str, Any]]:
     micro = jax.tree.map(split, (batch, value_targets))
+    trained = {k: v for k, v in state.params.items() if k not in frozen}
+    fixed = {k: v for k, v in state.params.items() if k in frozen}
 
     def accumulate(grads, mb):
-      (loss, metrics), g = grad_fn(state.params, batch=mb[0], normalizer=normalizer, value_targets=mb[1],
+      (loss, metrics), g = grad_fn(trained, fixed, batch=mb[0], normalizer=normalizer, value_targets=mb[1],
                                    value_normalizer=value_normalizer,
                                    ref_params=state.ref_params if mode == "rl" else None,
                                    policy_version=state.policy_version)
       return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(jnp.zeros_like, trained)
     grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, micro)
     metrics = _combine(metrics)
     metrics["loss"] = jnp.sum(losses)  # each micro-batch loss is already divided by the global normalizer
     metrics["grad_norm"] = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+    new_trained = optax.apply_updates(trained, updates)
     skip = (normalizer <= 0) & (jnp.asarray(value_normalizer) <= 0)
     metrics["skipped"] = skip.astype(jnp.float32)
     keep = lambda old, new: jax.tree.map(lambda a, b: jnp.where(skip, a, b), old, new)
-    new_state = state.replace(params=keep(state.params, params), opt_state=keep(state.opt_state, opt_state),
+    new_state = state.replace(params={**state.params, **keep(trained, new_trained)},
+                              opt_state=keep(state.opt_state, opt_state),
                               step=jnp.where(skip, state.step, state.step + 1),
                               policy_version=jnp.where(skip, state.policy_version, state.policy_version + 1))
     return new_state, metrics
@@ -184,11 +202,12 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
   return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
 
-def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None):
+def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_scale: float = 0.0):
   """Jitted `values(params, batch) -> float32[B, T]` (value estimates at collection time, for GAE), in the
   same `compute_dtype` as the loss."""
 
   def values(params, batch: Batch):
+    params = policy_params(params, lora_scale)
     if compute_dtype is not None:
       params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdefs["policy"], params["policy"])
