@@ -360,6 +360,34 @@ def _plain(value: Any) -> Any:
   return value
 
 
+def _typed(text: str, schema: Mapping[str, Any]) -> Any:
+  """`text` as the JSON type `schema` asks for: kept a string when strings are allowed, else an int or float."""
+  types = schema.get("type", "string")
+  types = [types] if isinstance(types, str) else list(types)
+  if "string" in types:
+    return text
+  for name, cast in (("integer", int), ("number", float)):
+    if name in types:
+      try:
+        return cast(text)
+      except ValueError:
+        pass
+  return text
+
+
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def _check_wire_ints(value: Any, tool: str) -> None:
+  """JSON integers are unbounded; the env wire (msgpack) carries 64-bit ones. A bigger one is a bad argument."""
+  if isinstance(value, bool):
+    return
+  if isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+    raise InvalidAction(f"bad arguments for {tool!r}: integer {str(value)[:24]}... does not fit in 64 bits")
+  for v in (value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()):
+    _check_wire_ints(v, tool)
+
+
 ACTION_SYNTAXES = ("line", "json")
 JSON_PARSER_VERSION = "json-v1"
 JSON_ENVELOPE_CHARS = 128
@@ -403,9 +431,9 @@ class ActionParser:
   def with_syntax(self, syntax: str) -> "ActionParser":
     if syntax == self.syntax:
       return self
-    if syntax == "json":  # the JSON envelope and tags get room beyond the line form's limit
+    if syntax == "json":  # the JSON envelope and tags get room beyond the line form's limit (escapes double)
       return dataclasses.replace(self, syntax=syntax, version=JSON_PARSER_VERSION,
-                                 max_chars=self.max_chars + JSON_ENVELOPE_CHARS)
+                                 max_chars=2 * self.max_chars + JSON_ENVELOPE_CHARS)
     raise ValueError(f"a {self.syntax} parser cannot be turned into a {syntax} one")
 
   def _tool(self, name: str) -> Tool:
@@ -463,17 +491,26 @@ class ActionParser:
     if errors:
       where = "/".join(map(str, errors[0].absolute_path)) or "arguments"
       raise InvalidAction(f"bad arguments for {tool.name!r}: {where}: {errors[0].message}")
+    _check_wire_ints(arguments, tool.name)
     value = arguments.get(tool.arg, "") if tool.arg else ""
     arg = value if isinstance(value, str) else json.dumps(value)
     return Call(tool.name, arg, arguments)
 
   def format(self, call: Call) -> str:
-    """The action text of `call` in this parser's syntax (scripted demonstrations are written as lines)."""
+    """The action text of `call` in this parser's syntax (scripted demonstrations are written as lines); a line
+    argument becomes the JSON type its schema asks for (a tool whose `arg` is an integer gets 7, not "7")."""
     tool = self._tool(call.name)
     if self.syntax == "line":
       return f"{call.name} {call.arg}".rstrip() if tool.arg else call.name
-    arguments = dict(call.arguments) or ({tool.arg: call.arg} if tool.arg else {})
-    return json.dumps({"name": call.name, "arguments": arguments})
+    if call.arguments:
+      arguments = dict(call.arguments)
+    elif tool.arg:
+      arguments = {tool.arg: _typed(call.arg, tool.parameters["properties"][tool.arg])}
+    elif call.arg:
+      raise InvalidAction(f"tool {call.name!r} takes no argument, got {call.arg!r}")
+    else:
+      arguments = {}
+    return json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,7 +581,7 @@ class Env(abc.ABC):
     return {"parser": str(self.parser.version), "verifier": "" if self.verifier is None else str(self.verifier.version)}
 
   def __init__(self, *, max_turns: int = 8, invalid_action: InvalidActionRule = InvalidActionRule(),
-               max_obs_bytes: int = 4096, action_syntax: str = "line"):
+               max_obs_bytes: int = 4096, action_syntax: str | None = None):
     if max_turns < 1:
       raise ValueError(f"max_turns={max_turns}: must be >= 1")
     if max_obs_bytes < 16:
@@ -552,9 +589,10 @@ class Env(abc.ABC):
     self.max_turns = max_turns
     self.invalid_action = invalid_action
     self.max_obs_bytes = max_obs_bytes
-    if action_syntax not in ACTION_SYNTAXES:
-      raise ValueError(f"action_syntax={action_syntax!r}: not one of {ACTION_SYNTAXES}")
-    self.parser = self.parser.with_syntax(action_syntax)  # the class's parser, in this episode's syntax
+    if action_syntax is not None:  # None: the class's parser as declared
+      if action_syntax not in ACTION_SYNTAXES:
+        raise ValueError(f"action_syntax={action_syntax!r}: not one of {ACTION_SYNTAXES}")
+      self.parser = self.parser.with_syntax(action_syntax)  # the class's parser, in this episode's syntax
     self.task: Task | None = None
     self.turn = 0
     self.done = False

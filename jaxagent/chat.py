@@ -233,8 +233,12 @@ class TemplateChat(ChatFormat):
     self.stop_sequences = tuple((i,) for i in stop_ids) + tuple(tuple(tokenizer.encode(s)) for s in self.stop)
     self.frame_length = len(self._frame_head) + max_observation_tokens + len(self._frame_tail)
     think = tokenizer.token_id("<think>"), tokenizer.token_id("</think>")
-    self._think_end = think[1] if reasoning and None not in think else None
-    self.has_reasoning = self._think_end is not None
+    self._think = think if reasoning and None not in think else None
+    self.has_reasoning = self._think is not None
+    # A generation prompt may open the think block itself (thinking templates): the action starts inside it.
+    tail = self._prompt_tail
+    self._prompt_opens_think = self.has_reasoning and think[0] in tail and (
+        think[1] not in tail or len(tail) - 1 - tail[::-1].index(think[0]) > len(tail) - 1 - tail[::-1].index(think[1]))
 
   def _render(self, messages, tools, add_generation_prompt: bool) -> str:
     return self.tokenizer.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
@@ -258,10 +262,18 @@ class TemplateChat(ChatFormat):
     return Frame(stream=stream, body=body, truncated=cut > 0)
 
   def reasoning_length(self, tokens: Sequence[int]) -> int:
-    if self._think_end is None:
+    """The think block the action opens with (or that the generation prompt opened), up to and including its
+    `</think>`; an unclosed one runs to the action's end (its stop token excepted). A `</think>` later in an
+    action that did not open with one is ordinary text."""
+    if self._think is None:
       return 0
     tokens = list(map(int, tokens))
-    return tokens.index(self._think_end) + 1 if self._think_end in tokens else 0
+    start, end = self._think
+    if not (self._prompt_opens_think or tokens[:1] == [start]):
+      return 0
+    if end in tokens:
+      return tokens.index(end) + 1
+    return len(tokens) - (1 if tokens and tokens[-1] in self.stop_ids else 0)
 
   def action_text(self, tokens: Sequence[int]) -> str:
     tokens = list(map(int, tokens))[self.reasoning_length(tokens):]

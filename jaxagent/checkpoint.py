@@ -95,7 +95,7 @@ def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None 
         run_config = mngr.restore(step, args=ocp.args.Composite(**{RUN_CONFIG: ocp.args.JsonRestore()}))[
             RUN_CONFIG] if RUN_CONFIG in items else {}
         if (run_config.get("model") or {}).get("lora_rank"):
-          params = _restore_lora_policy(mngr, step, target, run_config, config, dtype)
+          params = _restore_lora_policy(mngr, step, target, run_config, config, dtype, mesh, rules)
         else:
           params = _restore_policy(mngr, step, target)
     except (ValueError, KeyError, FileNotFoundError, TypeError) as e:
@@ -110,22 +110,27 @@ RUN_CONFIG = "config"  # the run's config, stored with each training checkpoint
 
 
 def _restore_lora_policy(mngr: ocp.CheckpointManager, step: int, target: dict[str, Any], run_config: dict[str, Any],
-                         model_config: models.ModelConfig, dtype: Any) -> dict[str, Any]:
-  """The merged policy of a LoRA run: its base (model.path, or the seeded init the run started from) plus the
-  adapters stored in the checkpoint, `W + alpha / rank · a @ b`."""
+                         model_config: models.ModelConfig, dtype: Any, mesh: Mesh | None,
+                         rules: models.Rules) -> dict[str, Any]:
+  """The merged policy of a LoRA run, in `dtype`: its base (model.path, or the seeded init the run started
+  from, rebuilt in the run's own `model.dtype`: an init in another dtype draws other weights) plus the adapters
+  stored in the checkpoint, `W + alpha / rank · a @ b`."""
   m = run_config["model"]
+  run_dtype = jnp.dtype(m.get("dtype") or "float32")
   if m.get("path"):
-    base = nnx.to_pure_dict(nnx.state(load_model(m["path"], dtype=dtype)))
+    base = nnx.to_pure_dict(nnx.state(load_model(m["path"], dtype=run_dtype, mesh=mesh, rules=rules)))
   else:  # the trainer's own init (jaxagent/train/run.py make_model): same config, dtype and seed
-    base = nnx.to_pure_dict(nnx.state(models.Transformer(model_config, dtype=dtype,
-                                                         rngs=nnx.Rngs(run_config["run"]["seed"]))))
+    seed = run_config["run"]["seed"]
+    make = lambda: nnx.to_pure_dict(nnx.state(models.Transformer(model_config, dtype=run_dtype, rngs=nnx.Rngs(seed))))
+    base = make() if mesh is None else jax.jit(make, out_shardings=jax.tree.map(lambda t: t.sharding, target))()
   rank, targets = int(m["lora_rank"]), tuple(m["lora_targets"])
   abstract = jax.eval_shape(lambda p: models.lora_init(p, rank=rank, targets=targets, key=jax.random.key(0)), target)
   item = {"params": {"lora": abstract}}
   restored = mngr.restore(step, args=ocp.args.Composite(**{TRAIN_STATE: ocp.args.PyTreeRestore(
       item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)}))
   adapters = restored[TRAIN_STATE]["params"]["lora"]
-  return models.lora_merge(base, adapters, float(m["lora_alpha"]) / rank)
+  merged = models.lora_merge(base, adapters, float(m["lora_alpha"]) / rank)
+  return jax.tree.map(lambda x: x.astype(dtype), merged)
 
 
 def _restore_policy(mngr: ocp.CheckpointManager, step: int, target: dict[str, Any]) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class ModelSection:
                                         help="weights that get adapters: q k v o (attention), gate up down (MLP)")
   attention: Literal["einsum", "dot_product"] = field(
       "einsum", help="attention kernel for prefill and training: einsum + softmax, or jax.nn.dot_product_attention "
-      "(XLA; cuDNN where supported); one-token decode is the same for both")
+      "(its default implementation, XLA in JAX 0.10); one-token decode is the same for both")
   system_prompt: str | None = field(None, help="template chats: the system message (tool schemas are added)")
   chat_template_kwargs: dict[str, Any] | None = field(
       None, help="template chats: extra template variables, e.g. {enable_thinking: false} for Qwen3")

@@ -160,8 +160,9 @@ class Attention(nnx.Module):
     q_btkgh = q_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h)
     f32 = jnp.float32
     if t > 1 and attention == "dot_product":
-      # jax.nn.dot_product_attention (XLA on CPU; its cuDNN kernel where the GPU supports the mask). The same
-      # grouping of query heads over KV heads as the einsum path: head i reads KV head i // num_groups.
+      # jax.nn.dot_product_attention with its default implementation, which JAX 0.10 resolves to XLA on every
+      # backend (its source: "defaults to XLA for now"). The same grouping of query heads over KV heads as the
+      # einsum path: head i reads KV head i // num_groups.
       out_btnh = jax.nn.dot_product_attention(
           q_btnh, keys_bkhs.transpose(0, 3, 1, 2).astype(q_btnh.dtype),
           values_bksh.transpose(0, 2, 1, 3).astype(q_btnh.dtype), mask=visible_bts[:, None], scale=h ** -0.5)

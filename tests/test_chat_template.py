@@ -80,6 +80,11 @@ def test_reasoning_span_and_the_envs_view_of_an_action(tok, chat):
   assert chat.has_reasoning and chat.reasoning_length(action) == len(think) - 1  # "\n\n" after </think>: answer
   assert chat.reasoning_length(call) == 0
   assert JSON.parse(chat.action_text(action)) == envs.Call("answer", "17", {"answer": "17"})
+  # A </think> that does not close an opening think block is text; an unclosed one runs to the action's end.
+  stray = call + tok.encode_template("</think>") + [chat.end_of_turn]
+  assert chat.reasoning_length(stray) == 0 and '"answer"' in chat.action_text(stray)
+  unclosed = tok.encode_template("<think>\nstill thinking") + [chat.end_of_turn]
+  assert chat.reasoning_length(unclosed) == len(unclosed) - 1
 
 
 def test_template_options_and_a_template_without_tools(tok, tmp_path, qwen3_tokenizer_dir):
@@ -157,6 +162,10 @@ def test_the_trainer_refuses_framings_that_cannot_work(tok, qwen3_tokenizer_dir)
   hf_dir = config_lib.load("tiny_cpu", [f"model.path={qwen3_tokenizer_dir}"])  # has tokenizer_config.json
   with pytest.raises(config_lib.ConfigError, match="has its own tokenizer .* but model.tokenizer='byte'"):
     run_lib.build_run(hf_dir, "unused", echo=False)
+  line = config_lib.load("qwen3_tiny_cpu", [f"model.tokenizer={qwen3_tokenizer_dir}", "env.action_syntax=line"])
+  with pytest.raises(config_lib.ConfigError, match="env.action_syntax='line' with model.chat_format resolving to "
+                     "TemplateChat"):
+    run_lib.build_run(line, "unused", echo=False)
   small = config_lib.load("qwen3_tiny_cpu", [f"model.tokenizer={qwen3_tokenizer_dir}", "rollout.max_context=128"])
   with pytest.raises(config_lib.ConfigError, match=r"rollout.max_context=128 cannot hold the chat's prompt framing "
                      r"\(\d+ tokens"):

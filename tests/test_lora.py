@@ -64,7 +64,7 @@ def test_a_lora_step_changes_the_adapters_only_and_the_optimizer_holds_only_them
 
 
 @pytest.mark.slow
-def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_model(tmp_path):
+def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_model(tmp_path, capsys):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
@@ -81,8 +81,22 @@ def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_mode
   assert stored and not any("'policy'" in k for k in stored), "the base policy was checkpointed"
   assert any("'lora'" in k for k in stored)
   # Resume: the base comes back from the seed, the adapters from the checkpoint, training continues.
-  resumed = loop.train(_config(tmp_path, "train.iterations=3", *lora), run_dir=tmp_path / "run")
+  resumed = loop.train(_config(tmp_path, "train.iterations=3", *lora), run_dir=tmp_path / "run", resume=True)
   assert resumed.iteration == 3 and int(resumed.state.policy_version) == int(progress.state.policy_version) + 1
+  assert "resumed from" in capsys.readouterr().out
+
+  # Resuming with other LoRA settings is refused by name (not reported as a damaged checkpoint).
+  from jaxagent.train.checkpointing import IncompatibleCheckpointError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(IncompatibleCheckpointError, match="lora is .* in the checkpoint"):
+    loop.train(_config(tmp_path, "train.iterations=4", "model.lora_rank=8", "model.lora_targets=[q,v,gate]",
+                       "train.eval_episodes=0"), run_dir=tmp_path / "run", resume=True)
+
+  # The restored merged policy is the trainer's (in the run's dtype, whatever dtype it is loaded in).
+  expect = models.lora_merge(resumed.state.params["policy"], resumed.state.params["lora"], 16.0 / 4)
+  for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+    loaded = nnx.state(checkpoint.load_model(ckpt, dtype=dtype))
+    for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(loaded)):
+      np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=tol, atol=tol)
 
   # Merged export: the trained adapters folded into the weights, loadable by transformers, same logits.
   merged = checkpoint.load_model(ckpt)

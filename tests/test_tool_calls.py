@@ -47,6 +47,8 @@ def test_json_calls_in_each_convention_parse_to_the_same_call(action):
     ('{"name": "calc", "arguments": [1]}', "invalid_action_continued", "arguments of 'calc' must be a JSON object"),
     ('{"name": "calc", "arguments": {"expression": "2**99"}}', "invalid_action_continued",
      "unsupported expression"),  # well-formed call, refused by the tool itself
+    ('{"name": "answer", "arguments": {"answer": 100000000000000000000000}}', "invalid_action_continued",
+     "does not fit in 64 bits"),  # valid JSON and schema, but the env wire (msgpack) carries int64
 ])
 def test_bad_json_calls_follow_the_invalid_action_rule_with_a_precise_error(action, outcome, message):
   result = _step(action)
@@ -75,6 +77,16 @@ def test_format_writes_a_call_that_its_parser_reads_back():
         call.name)].arg: call.arg}}
     assert json_parser.parse(text).arg == call.arg
     assert line.parse(line.format(call)) == call
+
+
+def test_format_types_arguments_by_schema_and_refuses_an_argument_nobody_takes():
+  parser = envs.ActionParser(tools=(envs.Tool.with_arg("pick", "", "n", arg_type="integer"), envs.Tool("stop")),
+                             syntax="json")
+  assert json.loads(parser.format(envs.Call("pick", "7"))) == {"name": "pick", "arguments": {"n": 7}}
+  assert parser.parse(parser.format(envs.Call("pick", "7"))).arguments == {"n": 7}
+  assert json.loads(parser.format(envs.Call("stop", ""))) == {"name": "stop", "arguments": {}}
+  with pytest.raises(envs.InvalidAction, match="takes no argument"):
+    parser.format(envs.Call("stop", "now"))
 
 
 def test_every_builtin_env_declares_tool_schemas():

@@ -282,12 +282,14 @@ class TrainCheckpointer:
       multihost_utils.sync_global_devices(f"jaxagent-checkpoint-set-aside-{'-'.join(map(str, steps))}")
     self.manager.reload()
 
-  def restore_latest(self, abstract_state: TrainState, model_config: dict[str, Any]
-                     ) -> tuple[int, TrainState, dict[str, Any]] | None:
+  def restore_latest(self, abstract_state: TrainState, model_config: dict[str, Any],
+                     require: dict[str, Any] | None = None) -> tuple[int, TrainState, dict[str, Any]] | None:
     """(iteration, state, meta) of the newest intact step, or None when there is no step at all.
 
     `abstract_state` gives the structure, dtypes and shardings to restore into: a `TrainState` of
-    `jax.ShapeDtypeStruct`s (nothing allocated before the restore) or of arrays.
+    `jax.ShapeDtypeStruct`s (nothing allocated before the restore) or of arrays. `require`: meta entries that
+    must equal these values (e.g. the LoRA settings, which shape the stored state); a mismatch is an
+    `IncompatibleCheckpointError`, not a damaged step.
 
     Each step's restored state is checked against the digests saved in its meta. A step that is unreadable
     or damaged is skipped with a RuntimeWarning naming it (and the mismatching leaves) and the previous step
@@ -319,6 +321,10 @@ class TrainCheckpointer:
         continue
       _check_compatible(stored["model_config"], model_config, self.directory / str(step))
       meta = dict(stored["meta"])
+      for key, value in (require or {}).items():
+        if meta.get(key) != value:
+          raise IncompatibleCheckpointError(f"{self.directory / str(step)}: cannot resume: {key} is "
+                                            f"{meta.get(key)!r} in the checkpoint, {value!r} in the config")
       integrity = meta.pop(INTEGRITY_KEY, None)
       target = _to_saveable(abstract_state, self.frozen)
       target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),

@@ -213,7 +213,10 @@ def _demo_action(run: Run, line: str) -> str:
   if run.action_syntax == "line":
     return line
   parser = run.demo_parser
-  return parser.with_syntax(run.action_syntax).format(parser.parse(line))
+  json_parser = parser.with_syntax(run.action_syntax)
+  text = json_parser.format(parser.parse(line))
+  json_parser.parse(text)  # a demonstration the env would refuse is an error here, not a silent BC target
+  return text
 
 
 def demonstrations(run: Run, n: int, seed: int) -> list[tr.Trajectory]:
@@ -416,7 +419,7 @@ def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWrite
           "counters": dict(progress.counters), "versions": checkpointing.versions(),
           "env": dict(run.env_versions), "policy_version": int(progress.state.policy_version),
           "trajectory_shards": {("trajectories" if jax.process_count() == 1 else f"trajectories-p{p}"): int(n)
-                                for p, n in enumerate(shards)}}
+                                for p, n in enumerate(shards)}, "lora": lora_settings(run.config)}
   if env_change:
     meta["env_change_allowed"] = dict(env_change)
   run.checkpointer.save(progress.iteration, progress.state, meta, run.model_config, config_lib.to_dict(run.config))
@@ -444,11 +447,18 @@ def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, 
   return {"from": dict(stored), "to": dict(now)}
 
 
+def lora_settings(config: Config) -> dict[str, Any] | None:
+  """The LoRA settings a checkpoint's state depends on (None: full fine-tuning), stored in its meta."""
+  m = config.model
+  return None if not m.lora_rank else {"rank": m.lora_rank, "alpha": m.lora_alpha, "targets": list(m.lora_targets)}
+
+
 def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
   """The newest intact checkpoint of the run as `LoopState`, and its metadata (the task iterator continues from
   it when the run has one). Raises `models.CheckpointError` if there is none."""
   # Restored straight into the learner layout: no train state is initialized first (one copy in memory).
-  restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config)
+  restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config,
+                                             require={"lora": lora_settings(run.config)})
   if restored is None:
     raise models.CheckpointError(f"{run.run_dir}: no complete checkpoint under {run.run_dir / 'checkpoints'}")
   iteration, state, meta = restored

@@ -151,7 +151,7 @@ def _env_info(spec: envs.EnvSpec, max_turns: int) -> _EnvInfo:
 
 def _env_versions(spec: envs.EnvSpec, pool: envs.pool.Pool, max_turns: int, syntax: str) -> dict[str, str]:
   """The versions a trained policy depends on: env code (or image), action parser, verifier."""
-  env = spec.make(max_turns=max_turns, action_syntax=syntax)
+  env = spec.make(max_turns=max_turns, **({} if syntax == "line" else {"action_syntax": syntax}))
   try:
     return {"name": spec.name, "version": pool.version or spec.version, **env.versions()}
   finally:
@@ -175,6 +175,8 @@ def _make_chat(cfg: Config, tokenizer, tools) -> ChatFormat:
         "that has a chat template") from None
   except TemplateError as e:
     raise config_lib.ConfigError(f"{where}: its chat template cannot frame agent turns: {e}") from None
+  except ValueError as e:  # e.g. rollout.stop=[] for control tokens
+    raise config_lib.ConfigError(f"rollout.stop={cfg.rollout.stop!r}: {e}") from None
 
 
 def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
@@ -193,6 +195,12 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   syntax = cfg.env.action_syntax
   if syntax == "auto":
     syntax = "json" if isinstance(chat, TemplateChat) else "line"
+  elif (syntax == "json") != isinstance(chat, TemplateChat):
+    # A template shows the tools' JSON schemas and asks for <tool_call>{json}; control tokens show none.
+    raise config_lib.ConfigError(
+        f"env.action_syntax={syntax!r} with model.chat_format resolving to {type(chat).__name__}: the prompt would "
+        "ask for one action syntax and the parser expect the other; use env.action_syntax=auto (json with a chat "
+        "template, line with control tokens)")
   framing = len(chat.prompt(""))
   if framing + cfg.rollout.max_new_tokens > cfg.rollout.max_context:
     raise config_lib.ConfigError(
