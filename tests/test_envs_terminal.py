@@ -40,12 +40,20 @@ def test_runs_sandboxed_with_full_replay():
   assert "exit 0" in traces[0][0]
 
 
-def _dead(pid: int) -> bool:
+def _dead(pid: int, wait_s: float = 5.0) -> bool:
+  """The process is gone or a zombie, within `wait_s`: SIGKILL is sent synchronously but acted on when the
+  process is next scheduled (under CI load that was not yet the case at the first look)."""
   status = Path(f"/proc/{pid}/status")
-  try:
-    return "\tZ" in next(line for line in status.read_text().splitlines() if line.startswith("State:"))
-  except FileNotFoundError:
-    return True
+  deadline = time.monotonic() + wait_s
+  while True:
+    try:
+      if "\tZ" in next(line for line in status.read_text().splitlines() if line.startswith("State:")):
+        return True
+    except FileNotFoundError:
+      return True
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.02)
 
 
 def test_command_process_group_is_killed_on_exit_and_on_timeout(tmp_path):
