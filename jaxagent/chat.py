@@ -236,9 +236,11 @@ class TemplateChat(ChatFormat):
     self._think = think if reasoning and None not in think else None
     self.has_reasoning = self._think is not None
     # A generation prompt may open the think block itself (thinking templates): the action starts inside it.
-    tail = self._prompt_tail
-    self._prompt_opens_think = self.has_reasoning and think[0] in tail and (
-        think[1] not in tail or len(tail) - 1 - tail[::-1].index(think[0]) > len(tail) - 1 - tail[::-1].index(think[1]))
+    last = lambda token: max((i for i, t in enumerate(self._prompt_tail) if t == token), default=-1)
+    self._prompt_opens_think = self.has_reasoning and last(think[0]) > last(think[1])
+    # Scripted tool calls (`action_tokens`) are cut out of a rendering between these two constant pieces.
+    self._user_turn = self._render(self._base, self.tools, False)
+    self._generation = encode(self._render(self._base, self.tools, True)[len(self._user_turn):])
 
   def _render(self, messages, tools, add_generation_prompt: bool) -> str:
     return self.tokenizer.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
@@ -300,17 +302,16 @@ class TemplateChat(ChatFormat):
     message = {"role": "assistant", "content": "",
                "tool_calls": [{"type": "function", "function": {"name": call["name"],
                                                                  "arguments": call.get("arguments", {})}}]}
-    head = self._render(self._base, self.tools, False)
     full = self._render(self._base + [message, {"role": "tool", "content": _OBSERVATION}], self.tools, False)
-    if not full.startswith(head):
+    if not full.startswith(self._user_turn):
       raise TemplateError("the chat template re-renders the user message differently once an assistant follows")
-    rest = full[len(head):]
+    rest = full[len(self._user_turn):]
     if self._frame_head_text not in rest:
       raise TemplateError("cannot find where the template ends an assistant tool call")
     rest = self.tokenizer.encode_template(rest[:rest.index(self._frame_head_text)])
     # The assistant header is the part of the generation prompt this rendering shares (Qwen3 with
     # enable_thinking=false also prompts an empty <think></think> that a rendered tool call does not repeat).
-    generation = self.tokenizer.encode_template(self._render(self._base, self.tools, True)[len(head):])
+    generation = self._generation
     common = 0
     while common < min(len(generation), len(rest)) and generation[common] == rest[common]:
       common += 1

@@ -125,10 +125,7 @@ def _restore_lora_policy(mngr: ocp.CheckpointManager, step: int, target: dict[st
     base = make() if mesh is None else jax.jit(make, out_shardings=jax.tree.map(lambda t: t.sharding, target))()
   rank, targets = int(m["lora_rank"]), tuple(m["lora_targets"])
   abstract = jax.eval_shape(lambda p: models.lora_init(p, rank=rank, targets=targets, key=jax.random.key(0)), target)
-  item = {"params": {"lora": abstract}}
-  restored = mngr.restore(step, args=ocp.args.Composite(**{TRAIN_STATE: ocp.args.PyTreeRestore(
-      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)}))
-  adapters = restored[TRAIN_STATE]["params"]["lora"]
+  adapters = _restore_params(mngr, step, "lora", abstract)
   merged = models.lora_merge(base, adapters, float(m["lora_alpha"]) / rank)
   return jax.tree.map(lambda x: x.astype(dtype), merged)
 
@@ -139,11 +136,16 @@ def _restore_policy(mngr: ocp.CheckpointManager, step: int, target: dict[str, An
   The train state stores each nnx variable as `{"value": array}`.
   """
   wrapped = jax.tree.map(lambda x: {"value": x}, target)
-  item = {"params": {"policy": wrapped}}
+  policy = _restore_params(mngr, step, "policy", wrapped)
+  return jax.tree.map(lambda v: v["value"], policy, is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
+
+
+def _restore_params(mngr: ocp.CheckpointManager, step: int, group: str, target: Any) -> Any:
+  """`state/params/<group>` of a training checkpoint into `target` (Orbax partial restore: nothing else read)."""
+  item = {"params": {group: target}}
   restored = mngr.restore(step, args=ocp.args.Composite(**{TRAIN_STATE: ocp.args.PyTreeRestore(
       item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)}))
-  policy = restored[TRAIN_STATE]["params"]["policy"]
-  return jax.tree.map(lambda v: v["value"], policy, is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
+  return restored[TRAIN_STATE]["params"][group]
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:

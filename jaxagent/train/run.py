@@ -138,22 +138,14 @@ class Run:
 @dataclasses.dataclass(frozen=True)
 class _EnvInfo:
   tools: tuple[dict, ...]         # the tools' JSON schemas, for the chat template
-  parser: envs.ActionParser       # line syntax: the scripted demonstrations are written in it
+  parser: envs.ActionParser       # as the env declares it (line syntax: demonstrations are written in it)
+  versions: dict[str, str]        # what a trained policy depends on besides the env's code (parser, verifier)
 
 
 def _env_info(spec: envs.EnvSpec, max_turns: int) -> _EnvInfo:
   env = spec.make(max_turns=max_turns)
   try:
-    return _EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser)
-  finally:
-    env.close()
-
-
-def _env_versions(spec: envs.EnvSpec, pool: envs.pool.Pool, max_turns: int, syntax: str) -> dict[str, str]:
-  """The versions a trained policy depends on: env code (or image), action parser, verifier."""
-  env = spec.make(max_turns=max_turns, **({} if syntax == "line" else {"action_syntax": syntax}))
-  try:
-    return {"name": spec.name, "version": pool.version or spec.version, **env.versions()}
+    return _EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser, versions=env.versions())
   finally:
     env.close()
 
@@ -335,7 +327,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       abstract_state=abstract_state,
       rollout_key=jax.jit(rollout_key, out_shardings=replicated), rl_step=rl_step, bc_step=bc_step,
       value_fn=value_fn, env_spec=env_spec,
-      env_versions=_env_versions(env_spec, pool, cfg.env.max_turns, syntax), pool=pool, engine=engine,
+      env_versions={"name": env_spec.name, "version": pool.version or env_spec.version, **env_info.versions,
+                    **({} if env_info.parser.syntax == syntax else
+                       {"parser": env_info.parser.with_syntax(syntax).version})},
+      pool=pool, engine=engine,
       action_syntax=syntax, demo_parser=env_info.parser,
       sampler=make_sampler(sampling),
       eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
