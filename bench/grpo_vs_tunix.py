@@ -27,6 +27,7 @@ training batch (prompt + actions + observations). Rates are per second of steady
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,7 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 MODEL = dict(model_type="qwen3", qk_norm="true", vocab_size=264, hidden_size=128, intermediate_size=384,
@@ -50,6 +50,7 @@ ENV, MAX_TURNS, OBS_TOKENS, MAX_CONTEXT, LR = "guess", 2, 16, 128, 1e-4
 
 def run_ours(args) -> dict:
   from jaxagent import config as config_lib
+  from jaxagent.rollout import engine as engine_lib
   from jaxagent.rollout.sampler import Finish
   from jaxagent.train import loop
   from jaxagent.train.run import build_run
@@ -68,14 +69,13 @@ def run_ours(args) -> dict:
   run = build_run(cfg, run_dir, echo=False)
   progress = loop.LoopState(state=run.init_state())
 
-  generate = run.sampler.generate
+  actions = engine_lib.SampledActions._actions
 
-  def generate_budget_is_stop(params, state, active=None):  # see the module docstring
-    state, out = generate(params, state, active)
-    finish = jnp.where(out.finish == int(Finish.BUDGET), int(Finish.STOP), out.finish)
-    return state, out.replace(finish=finish)
+  def actions_budget_is_stop(self, running):  # see the module docstring
+    return {i: a if a.finish != Finish.BUDGET else dataclasses.replace(a, finish=Finish.STOP)
+            for i, a in actions(self, running).items()}
 
-  run.sampler.generate = generate_budget_is_stop
+  engine_lib.SampledActions._actions = actions_budget_is_stop
   seen = []
   engine_run = run.engine.run
 

@@ -731,6 +731,24 @@ class Pool:
         raise RuntimeError(f"slot {i}: step before reset")
     return list(self._executor.map(self._step_one, slots, actions))
 
+  def reset_async(self, slot: int, task: Task, seed: int) -> concurrent.futures.Future:
+    """`reset_many([slot], ...)` without waiting: a future of the Observation, or of the exception that ended
+    the episode at reset (see `reset_many`; the future itself never raises for those)."""
+    self._check_slot(slot)
+    return self._executor.submit(self._reset_one, slot, task, seed)
+
+  def step_async(self, slot: int, action: str) -> concurrent.futures.Future:
+    """`step(slot, action)` without waiting: a future of its StepResult (every fault is a result, as in
+    `step_many`). Steps of one slot must not overlap; steps of different slots run concurrently."""
+    self._check_slot(slot)
+    if self.slots[slot].task is None:
+      raise RuntimeError(f"slot {slot}: step before reset")
+    return self._executor.submit(self._step_one, slot, action)
+
+  def _check_slot(self, i: int) -> None:
+    if not 0 <= i < len(self.slots):
+      raise IndexError(f"slot {i}: pool has slots 0..{len(self.slots) - 1}")
+
   def cancel(self, slot: int) -> None:
     """End slot's episode as `cancelled`; an in-flight step returns at once."""
     self.slots[slot].cancel.set()

@@ -219,6 +219,16 @@ class RolloutConfig:
   stop: tuple[str, ...] | None = field(
       None, help="strings that end an action (encoded with the tokenizer); null: the chat format's default "
       "(control tokens: a newline; template: none, its end-of-turn and eos ids end actions)")
+  slots: int | None = field(None, ge=1, help="decode slots (and env instances) over all processes; a slot takes "
+                            "the next episode when its own ends. null: one per episode of an iteration (B x G)")
+  schedule: Literal["continuous", "lockstep"] = field(
+      "continuous", help="continuous: an episode waiting on its env holds only its slot; lockstep: waves of "
+      "`slots` episodes whose every turn waits for the wave's slowest env (the engine before v2, for comparison)")
+  env_transport: Literal["host_loop", "callback"] = field(
+      "host_loop", help="host_loop: Python drives the jitted feed/decode calls between env replies; callback: "
+      "one jitted program per rollout reaches the envs through io_callback (single process)")
+  decode_chunk: int = field(8, ge=1, help="decode steps between looks at the envs (finished actions leave and "
+                            "fed rows join at chunk boundaries)")
 
 
 def _check_env_name(name: str) -> None:
@@ -325,6 +335,11 @@ def check_combinations(config: Config, num_processes: int) -> None:
                       ("train.bc_batch_size", train.bc_batch_size)):
     if value % num_processes:
       raise ConfigError(f"{name}={value}: must be divisible by {where}")
+  if rollout.slots is not None and rollout.slots % num_processes:
+    raise ConfigError(f"rollout.slots={rollout.slots}: must be divisible by {where} (each runs its share)")
+  if rollout.env_transport == "callback" and num_processes > 1:
+    raise ConfigError(f"rollout.env_transport='callback' runs in a single process for now, not {where}; use "
+                      "rollout.env_transport=host_loop")
   rows = train.tasks_per_iteration * train.group_size // num_processes
   if rows % train.micro_batches:
     raise ConfigError(f"train.micro_batches={train.micro_batches}: must divide the {rows} trajectories each "

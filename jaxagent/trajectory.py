@@ -29,7 +29,8 @@ import numpy as np
 
 from envs import INVALID_ACTION_RULES, Outcome, Termination  # one vocabulary from env to record
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 2 added the per-trajectory stage times of `Timing` (1 reads with zeros)
 KIND = "jaxagent.trajectory"
 
 
@@ -134,8 +135,15 @@ class VerifierRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
+  """Seconds spent on one trajectory: per stage (summed over its turns) and when it was admitted and ended
+  (since its rollout began; the engine's slots run episodes concurrently)."""
   reset_s: float = 0.0
   verify_s: float = 0.0
+  decode_s: float = 0.0   # from each action's start to its end (shared decode steps included)
+  env_s: float = 0.0      # its env steps
+  extend_s: float = 0.0   # from each observation's arrival to its frame being in the cache (queueing included)
+  admitted_s: float = 0.0
+  ended_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +210,8 @@ class Trajectory:
 
   def validate(self) -> None:
     """Checks the invariants of DESIGN.md §2.1; raises `TrajectoryFormatError`."""
-    if self.schema != SCHEMA_VERSION:
-      raise TrajectoryFormatError(f"schema version {self.schema!r}: this build reads {SCHEMA_VERSION}")
+    if self.schema not in READABLE_SCHEMAS:
+      raise TrajectoryFormatError(f"schema version {self.schema!r}: this build reads {READABLE_SCHEMAS}")
     n = len(self)
     for name in ("roles", "loss_mask", "behavior_logprobs"):
       if getattr(self, name).shape[0] != n:
@@ -300,9 +308,9 @@ class Trajectory:
     if d.get("kind") != KIND:
       raise TrajectoryFormatError(f"record kind {d.get('kind')!r}, expected {KIND!r}")
     schema = d.get("schema")
-    if schema != SCHEMA_VERSION:
+    if schema not in READABLE_SCHEMAS:
       raise TrajectoryFormatError(
-          f"unknown schema version {schema!r} (this build reads version {SCHEMA_VERSION})")
+          f"unknown schema version {schema!r} (this build reads versions {READABLE_SCHEMAS})")
     try:
       known = {f.name for f in dataclasses.fields(cls)} | {"kind"}
       extra = sorted(set(d) - known)

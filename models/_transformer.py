@@ -46,13 +46,15 @@ def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any) -> nnx.Par
 
 @flax.struct.dataclass
 class KVCache:
-  """Key/value cache shared by all rows; a slot is written for every row at once.
+  """Key/value cache; every row has its own write position (rows fill, stop and restart independently).
 
   Attributes:
     k: per layer, [B, K, H, S] keys (RoPE already applied), slots last.
     v: per layer, [B, K, S, H] values.
     segment_ids: int32[B, S]; 0 = empty or padding slot.
-    index: int32[] next slot to write. Callers keep `index + T <= S` (the sampler enforces it).
+    index: int32[B], each row's next slot to write. T new tokens of row b go to slots index[b] .. index[b]+T-1;
+      slots past S are dropped (callers decide per row whether a chunk fits: the sampler does). The index is
+      not advanced here beyond `index + T`: callers that append fewer real tokens than T set it themselves.
 
   Both layouts let a decode step read each cache in place, reducing over an axis that is not the last one
   (keys over H, values over S), which XLA's CPU backend fuses into one pass over the cache. Measured with
@@ -75,7 +77,7 @@ class KVCache:
     return cls(k=tuple(jnp.zeros((batch, k, h, size), dtype) for _ in range(layers)),
                v=tuple(jnp.zeros((batch, k, size, h), dtype) for _ in range(layers)),
                segment_ids=jnp.zeros((batch, size), jnp.int32),
-               index=jnp.zeros((), jnp.int32))
+               index=jnp.zeros((batch,), jnp.int32))
 
   @property
   def size(self) -> int:
@@ -140,21 +142,30 @@ class Attention(nnx.Module):
     k_btkh = apply_rope(k_btkh, positions_bt, inv_freq)
 
     t = x_btd.shape[1]
-    k_bkht, v_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
     if kv is None:
-      keys_bkhs, values_bksh, key_seg_bs, start = k_bkht, v_bkth, segment_ids_bt, 0
+      keys_bkhs, values_bksh = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
+      key_seg_bs, query_slot_bt = segment_ids_bt, jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape)
       new_kv = None
     else:
-      k_cache, v_cache, key_seg_bs, start = kv
-      keys_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, start))
-      values_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, start, 0))
-      new_kv = (keys_bkhs, values_bksh)
+      # Row b's T tokens go to its own slots start[b] .. start[b]+T-1 (a scatter; slots past S are dropped).
+      # Indexing [rows, :, :, slots] puts the broadcast [B, T] index dims first: the update is [B, T, K, H].
+      # With `cache_rows`, the B inputs are rows cache_rows[b] of a larger cache (index past its end: none):
+      # only their new slots are written, and their attention reads those rows.
+      k_cache, v_cache, key_seg_bs, start_b, cache_rows = kv
+      query_slot_bt = start_b[:, None] + jnp.arange(t)[None, :]
+      rows_b1 = (jnp.arange(x_btd.shape[0]) if cache_rows is None else cache_rows)[:, None]
+      k_cache = k_cache.at[rows_b1, :, :, query_slot_bt].set(k_btkh.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[rows_b1, :, query_slot_bt, :].set(v_btkh.astype(v_cache.dtype), mode="drop")
+      new_kv = (k_cache, v_cache)
+      keys_bkhs, values_bksh = k_cache, v_cache
+      if cache_rows is not None:
+        take = jnp.minimum(cache_rows, k_cache.shape[0] - 1)
+        keys_bkhs, values_bksh, key_seg_bs = k_cache[take], v_cache[take], key_seg_bs[take]
     s = keys_bkhs.shape[3]
 
-    query_slot_t = start + jnp.arange(t)
     visible_bts = ((key_seg_bs[:, None, :] == segment_ids_bt[:, :, None])
                    & (key_seg_bs[:, None, :] != 0)
-                   & (jnp.arange(s)[None, None, :] <= query_slot_t[None, :, None]))
+                   & (jnp.arange(s)[None, None, :] <= query_slot_bt[:, :, None]))
 
     b, _, n, h = q_btnh.shape
     q_btkgh = q_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h)
@@ -232,10 +243,12 @@ class Transformer(nnx.Module):
 
   Args (of `__call__`):
     tokens_bt: int32[B, T].
-    positions_bt: int32[B, T] RoPE positions; default `0..T-1` (plus `cache.index` with a cache).
+    positions_bt: int32[B, T] RoPE positions; default `0..T-1` (plus each row's `cache.index` with a cache).
       Left-padded rows pass their own positions (e.g. `cumsum(mask) - 1`).
     segment_ids_bt: int32[B, T]; 0 = padding; tokens attend only within their segment. Default all 1.
-    cache: optional `KVCache`; the T new tokens are written at `cache.index` and attend to the cache.
+    cache: optional `KVCache`; row b's T new tokens are written at `cache.index[b]` and attend to its cache.
+    cache_rows: optional int32[B]: the inputs are rows `cache_rows[b]` of a larger cache (an index past its
+      end: a padding input that writes nothing). Only those rows' new slots are written.
 
   Returns:
     logits [B, T, V] in float32, or `(logits, cache)` when a cache was given.
@@ -253,7 +266,7 @@ class Transformer(nnx.Module):
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
 
   def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None,
-               remat: str = "none", attention: str = "einsum"):
+               cache_rows=None, remat: str = "none", attention: str = "einsum"):
     """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them.
 
     `remat` (training, no cache): the layers run as one scan and each layer's activations are recomputed in the
@@ -265,14 +278,18 @@ class Transformer(nnx.Module):
     if attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={attention!r}: not one of {ATTENTION_IMPLEMENTATIONS}")
     b, t = tokens_bt.shape
-    start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+    start_b = jnp.zeros((b,), jnp.int32) if cache is None else cache.index
+    if cache_rows is not None:
+      start_b = start_b[jnp.minimum(cache_rows, start_b.shape[0] - 1)]
     if positions_bt is None:
-      positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+      positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if segment_ids_bt is None:
       segment_ids_bt = jnp.ones((b, t), jnp.int32)
     segment_ids_bt = segment_ids_bt.astype(jnp.int32)
     if cache is not None:
-      cache_seg_bs = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, start))
+      slots_bt = start_b[:, None] + jnp.arange(t)[None, :]
+      rows_b1 = (jnp.arange(b) if cache_rows is None else cache_rows)[:, None]
+      cache_seg_bs = cache.segment_ids.at[rows_b1, slots_bt].set(segment_ids_bt, mode="drop")
 
     inv_freq = inverse_frequencies(self.config)  # static: folded into the compiled program
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0)
@@ -281,7 +298,7 @@ class Transformer(nnx.Module):
       x_btd = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq, REMAT_POLICIES[remat], attention)
     for i, layer in enumerate(self.layers if remat == "none" or cache is not None else ()):
       with jax.named_scope(f"layer_{i}"):
-        kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start)
+        kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start_b, cache_rows)
         x_btd, layer_kv = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention)
       if layer_kv is not None:
         new_k.append(layer_kv[0])
@@ -289,7 +306,8 @@ class Transformer(nnx.Module):
     x_btd = self.final_norm(x_btd)
     if cache is None:
       return x_btd, None
-    return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=start + t)
+    index = start_b + t if cache_rows is None else cache.index.at[cache_rows].add(t, mode="drop")
+    return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index)
 
   def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention):
     """All layers as one `lax.scan` over their parameters stacked on the fly, each step rematerialized.
@@ -318,9 +336,9 @@ class Transformer(nnx.Module):
     return jnp.einsum("btd,dv->btv", x_btd, self.unembed_weight(), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
-               cache: KVCache | None = None, attention: str = "einsum"):
+               cache: KVCache | None = None, cache_rows=None, attention: str = "einsum"):
     x_btd, cache_out = self.features(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt,
-                                     cache=cache, attention=attention)
+                                     cache=cache, cache_rows=cache_rows, attention=attention)
     logits_btv = self.unembed(x_btd)
     if cache is None:
       return logits_btv

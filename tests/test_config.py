@@ -43,6 +43,10 @@ def test_every_shipped_yaml_loads_and_round_trips(path):
     ("model.init.num_key_value_heads=3", r"model\.init: .*multiple of num_key_value_heads \(3\)"),
     ("model.init.rope_scaling.rope_type=yarn", r"model\.init\.rope_scaling\.rope_type='yarn': not one of"),
     ("run.seed", r"expected key\.path=value"),
+    ("rollout.schedule=waves", r"rollout\.schedule='waves': not one of \['continuous', 'lockstep'\]"),
+    ("rollout.env_transport=grpc", r"rollout\.env_transport='grpc': not one of \['host_loop', 'callback'\]"),
+    ("rollout.decode_chunk=0", r"rollout\.decode_chunk=0: must be >= 1"),
+    ("rollout.slots=0", r"rollout\.slots=0: must be >= 1"),
 ])
 def test_bad_values_name_the_key_and_what_is_valid(override, pattern):
   with pytest.raises(ConfigError, match=pattern):
@@ -85,3 +89,14 @@ def test_cli_reports_config_errors(capsys):
   assert "did you mean 'generate.temperature'" in capsys.readouterr().err
   assert cli.main(["config", "tiny_cpu", "--set", "generate.max_new_tokens=5"]) == 0
   assert "max_new_tokens: 5" in capsys.readouterr().out
+
+
+def test_rollout_settings_that_span_processes():
+  config = config_lib.load("tiny_cpu", ["rollout.slots=6"])
+  with pytest.raises(ConfigError, match=r"rollout\.slots=6: must be divisible by the 4 processes"):
+    config_lib.check_combinations(config, 4)
+  config = config_lib.load("tiny_cpu", ["rollout.env_transport=callback"])
+  config_lib.check_combinations(config, 1)
+  with pytest.raises(ConfigError, match=r"rollout\.env_transport='callback' runs in a single process .* use "
+                     r"rollout\.env_transport=host_loop"):
+    config_lib.check_combinations(config, 2)

@@ -51,7 +51,7 @@ def test_prefill_then_decode_equals_full_forward_on_padded_batch(model):
     pieces.append(np.asarray(logits))
   cached = np.concatenate(pieces, axis=1)
   mask = valid.astype(bool)
-  assert int(cache.index) == prompt + steps
+  assert np.asarray(cache.index).tolist() == [prompt + steps] * batch
   assert np.abs(cached - full)[mask].max() <= TOL
   # And both equal running each row alone without any padding.
   assert np.abs(full - _compact_logits(model, tokens, valid))[mask].max() <= TOL
@@ -77,6 +77,43 @@ def test_ragged_extend_with_holes_equals_compact_sequences(model):
   cached = np.concatenate(pieces, axis=1)
   mask = valid.astype(bool)
   assert np.abs(cached - _compact_logits(model, tokens, valid))[mask].max() <= TOL
+
+
+def test_per_row_write_positions_equal_compact_sequences(model):
+  """Each row writes at its own index: prompts of different lengths packed from slot 0, a ragged chunk that
+  advances each row by its own length, then decode steps in which only some rows run (the others keep their
+  index). Every row's logits equal a forward pass over its own tokens alone."""
+  rng = np.random.default_rng(2)
+  size = 24
+  seqs = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (3, 9, 6)]
+  cache = models.KVCache.init(CONFIG, 3, size)
+  streams = [[] for _ in seqs]
+  got = [[] for _ in seqs]
+
+  def run(chunks):  # right-padded chunk; row b appends chunks[b] (possibly empty)
+    nonlocal cache
+    width = max(len(c) for c in chunks)
+    tokens = np.zeros((3, width), np.int32)
+    seg = np.zeros((3, width), np.int32)
+    for b, c in enumerate(chunks):
+      tokens[b, :len(c)], seg[b, :len(c)] = c, 1
+    index = np.asarray(cache.index)
+    positions = index[:, None] + np.arange(width)[None]
+    logits, cache = model(jnp.asarray(tokens), positions_bt=jnp.asarray(positions, jnp.int32),
+                          segment_ids_bt=jnp.asarray(seg), cache=cache)
+    cache = cache.replace(index=jnp.asarray(index + [len(c) for c in chunks], jnp.int32))
+    for b, c in enumerate(chunks):
+      streams[b] += c
+      got[b] += list(np.asarray(logits)[b, :len(c)])
+
+  run(seqs)                                                    # prompts 3, 9, 6 tokens, all from slot 0
+  run([[1, 2, 3, 4], [5], [6, 7]])                             # ragged observations
+  for step in range(4):                                        # decode: row 1 idles on even steps
+    run([[10 + step], [20 + step] if step % 2 else [], [30 + step]])
+  assert np.asarray(cache.index).tolist() == [len(s) for s in streams] == [11, 12, 12]
+  for b, stream in enumerate(streams):
+    alone = np.asarray(model(jnp.asarray([stream], jnp.int32)))[0]
+    assert np.abs(np.stack(got[b]) - alone).max() <= TOL, b
 
 
 def test_cache_output_is_finite_at_padding_slots(model):
@@ -112,7 +149,7 @@ def test_dot_product_attention_equals_the_einsum_path_for_forward_prefill_and_ex
     state, first = sampler.generate(params, state)
     state, ok = sampler.extend(params, state, [[9, 8, 7, 6], [3]])
     state, second = sampler.generate(params, state)
-    out[kind] = (np.asarray(state.next_logits), first.tokens, second.tokens, bool(ok))
+    out[kind] = (np.asarray(state.next_logits), first.tokens, second.tokens, np.asarray(ok).all())
   np.testing.assert_allclose(out["dot_product"][0], out["einsum"][0], rtol=1e-5, atol=1e-5)
   assert all(np.array_equal(a, b) for a, b in zip(out["dot_product"][1:3], out["einsum"][1:3]))
   with pytest.raises(ValueError, match="attention='flash': not one of"):

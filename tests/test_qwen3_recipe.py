@@ -25,17 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # Trains in a child process with one CPU device (the test process has 8 fake ones, over which a 152k-vocabulary
-# batch would be replicated), recording every action the sampler returned, in order.
+# batch would be replicated), recording every action the sampler finished, in order.
 DRIVER = """
 import json, sys
 from jaxagent import cli
 from jaxagent.rollout import engine
-act, sampled = engine.SampledActions.act, []
-def recording_act(self, active):
-  out = act(self, active)
+actions, sampled = engine.SampledActions._actions, []
+def recording_actions(self, running):
+  out = actions(self, running)
   sampled.extend(list(a.tokens) for a in out.values())
   return out
-engine.SampledActions.act = recording_act
+engine.SampledActions._actions = recording_actions
 code = cli.main(sys.argv[2:])
 open(sys.argv[1], "w").write(json.dumps(sampled))
 sys.exit(code)

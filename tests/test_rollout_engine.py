@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import envs
@@ -13,6 +14,7 @@ from jaxagent import algos
 from jaxagent import assembly
 from jaxagent import trajectory as tr
 from jaxagent.chat import ControlTokenChat
+from jaxagent.rollout import engine as engine_lib
 from jaxagent.rollout.engine import RolloutEngine, SampledActions
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 
@@ -49,3 +51,103 @@ def test_failed_reset_ends_the_episode_before_any_turn_and_is_never_trained():
   assert not mask[2:].any()
   adv = algos.get_advantage("grpo")(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups))
   np.testing.assert_array_equal(np.asarray(adv.advantages)[2:], 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout engine v2: per-row context, continuous batching, transports, per-trajectory timing.
+
+TOKENIZER = models.ByteTokenizer()
+SMALL = models.ModelConfig(model_type="llama", vocab_size=TOKENIZER.vocab_size, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16)
+CHAT = ControlTokenChat(TOKENIZER, max_observation_tokens=24)
+# A random model rarely samples the newline that ends an action: half the byte values end it too (short actions).
+SHORT_ACTIONS = CHAT.stop_sequences + tuple((t,) for t in range(0, 256, 2))
+
+
+def _sampler(cache_size=256, max_new_tokens=8):
+  model = models.Transformer(SMALL, rngs=nnx.Rngs(0))
+  sampler = Sampler(model, cache_size=cache_size, pad_id=TOKENIZER.pad_id, extend_buckets=(CHAT.frame_length,),
+                    config=SamplingConfig(max_new_tokens=max_new_tokens, stop_sequences=SHORT_ACTIONS))
+  return sampler, nnx.split(model)[1]
+
+
+def _run(sampler, params, tasks, *, slots, group_size=1, max_turns=3, schedule="continuous",
+         transport="host_loop", seeds=None):
+  seeds = list(range(len(tasks) * group_size)) if seeds is None else seeds
+  with envs.pool.make_pool(slots, env="faults", kind="inprocess") as pool:
+    engine = RolloutEngine(pool, FAULTS, CHAT, max_turns=max_turns, schedule=schedule, transport=transport)
+    return engine.run(SampledActions(sampler, params, jax.random.key(3), decode_chunk=4), tasks, seeds,
+                      group_size=group_size, policy_version=0)
+
+
+def test_one_row_exhausts_its_context_while_the_others_finish_with_their_own_terminations():
+  sampler, params = _sampler(cache_size=160)
+  tasks = FAULTS.tasks("train", 4, 0)
+  tasks[1] = dataclasses.replace(tasks[1], id="long-" + "x" * 100)  # its prompt alone takes ~120 of 160 slots
+  trajs, _ = _run(sampler, params, tasks, slots=4, max_turns=3)
+  long_row, others = trajs[1], trajs[:1] + trajs[2:]
+  assert long_row.termination == envs.Termination.CONTEXT_EXHAUSTED
+  assert len(long_row.tokens) <= 160 and len(long_row.turns) >= 1
+  for t in others:  # the long row ended alone: the others ran every turn their env allowed
+    assert t.termination == envs.Termination.MAX_TURNS, t.termination
+    assert len(t.turns) == 3
+
+
+def test_same_trajectories_under_every_transport_schedule_and_slot_count():
+  """Episode keys: what an episode samples does not depend on its slot, on which rows share its steps, on
+  when its env answers, or on which transport carries its actions."""
+  sampler, params = _sampler()
+  tasks = FAULTS.tasks("train", 6, 0)
+  runs = {(transport, schedule, slots): _run(sampler, params, tasks, slots=slots, group_size=2,
+                                             schedule=schedule, transport=transport)[0]
+          for transport in engine_lib.TRANSPORTS for schedule, slots in (("continuous", 5), ("lockstep", 12))}
+  reference = runs["host_loop", "continuous", 5]
+  assert len({tuple(t.tokens) for t in reference}) > 6  # the G samples of a task differ
+  for key, trajs in runs.items():
+    assert len(trajs) == 12
+    for a, b in zip(reference, trajs):
+      np.testing.assert_array_equal(a.tokens, b.tokens, err_msg=str(key))
+      np.testing.assert_array_equal(a.roles, b.roles, err_msg=str(key))
+      # Log-probs to float32 rounding: another batch shape (slots, a compacted feed) may change XLA's reduction
+      # blocking by an ulp; the sampled tokens above are exact.
+      np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, rtol=0, atol=1e-5, err_msg=str(key))
+      assert (a.group_id, a.env.seed, a.termination) == (b.group_id, b.env.seed, b.termination), key
+      assert [u.outcome for u in a.turns] == [u.outcome for u in b.turns], key
+
+
+def test_a_slow_env_holds_only_its_own_episode_and_timings_are_per_trajectory():
+  sampler, params = _sampler()
+  tasks = FAULTS.tasks("train", 8, 0)
+  _run(sampler, params, tasks, slots=3, max_turns=3)  # compiles what the measured run needs
+  slow = FAULTS.tasks("train", 1, 0, latency_median_s=0.4)[0]
+  tasks[0] = dataclasses.replace(slow, id="slow")
+  trajs, stats = _run(sampler, params, tasks, slots=3, max_turns=3)
+  slow, fast = trajs[0], trajs[1:]
+  assert slow.termination == envs.Termination.MAX_TURNS and len(slow.turns) == 3
+  assert slow.timing.env_s >= 3 * 0.4 * 0.9 and all(t.timing.env_s < 0.4 for t in fast)
+  # The two other slots ran all seven fast episodes while the slow one waited on its env.
+  assert max(t.timing.ended_s for t in fast) < slow.timing.ended_s
+  assert {t.metadata["slot"] for t in fast} == {1, 2} and slow.metadata["slot"] == 0
+  for t in trajs:
+    timing = t.timing
+    assert 0 <= timing.admitted_s <= timing.ended_s <= stats.wall_s
+    assert timing.decode_s > 0 and timing.reset_s > 0
+    assert timing.env_s == pytest.approx(sum(u.t_env_s for u in t.turns))
+  assert stats.wall_s > 0 and 0 <= stats.idle_s <= stats.wall_s
+  assert stats.env_steps == sum(len(t.turns) for t in trajs)
+
+
+def test_lockstep_waits_for_the_slowest_env_of_its_wave():
+  sampler, params = _sampler()
+  tasks = FAULTS.tasks("train", 3, 0)
+  _run(sampler, params, tasks, slots=3, max_turns=2, schedule="lockstep")  # compiles
+  tasks[0] = dataclasses.replace(FAULTS.tasks("train", 1, 0, latency_median_s=0.2)[0], id="slow")
+  trajs, _ = _run(sampler, params, tasks, slots=3, max_turns=2, schedule="lockstep")
+  # Every episode of the wave ends after the slow one's two steps: the barrier is per turn.
+  assert min(t.timing.ended_s for t in trajs) >= 2 * 0.2 * 0.9
+
+
+def test_fault_env_latency_is_validated():
+  with pytest.raises(ValueError, match="latency_median_s=-1"):
+    FAULTS.tasks("train", 1, 0, latency_median_s=-1)

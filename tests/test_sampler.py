@@ -84,7 +84,7 @@ def test_extend_then_continue_equals_prefilling_the_concatenation(model):
   state, turn1 = s.generate(p, state)
   observations = [[30, 31, 32], [], [40, 41, 42, 43, 44, 45, 46]]  # row 1 gets no observation
   state, ok = s.extend(p, state, observations)
-  assert bool(ok)
+  assert np.asarray(ok).all()
   state, turn2 = s.generate(p, state, active=[True, False, True])
   assert np.asarray(turn2.lengths).tolist() == [5, 0, 5]
   assert np.asarray(turn2.finish).tolist() == [Finish.BUDGET, Finish.NONE, Finish.BUDGET]
@@ -180,15 +180,25 @@ def test_stop_tokens_and_sequences(model):
   assert lengths[0] <= 4 and lengths[2] <= 6
 
 
-def test_context_full(model):
+def test_context_is_exhausted_per_row(model):
+  """Each row has its own cache length: a long row fills its slots and stops (CONTEXT_FULL) while a short one
+  decodes its whole budget; a chunk that does not fit is refused for that row only."""
   p = _params(model)
-  s = Sampler(model, cache_size=20, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD,
-              buckets=(16,))
-  state, turn = s.generate(p, s.prefill(p, PROMPTS, jax.random.key(0)))
-  assert np.asarray(turn.lengths).tolist() == [4, 4, 4]
-  assert (np.asarray(turn.finish) == Finish.CONTEXT_FULL).all()
-  state, ok = s.extend(p, state, [[1], [1], [1]])
-  assert not bool(ok)
+  s = Sampler(model, cache_size=12, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD,
+              buckets=(8, 12))
+  state, turn = s.generate(p, s.prefill(p, PROMPTS, jax.random.key(0)))  # prompt lengths 5, 2, 8
+  assert np.asarray(turn.lengths).tolist() == [7, 10, 4]
+  assert np.asarray(turn.finish).tolist() == [Finish.CONTEXT_FULL, Finish.BUDGET, Finish.CONTEXT_FULL]
+  assert np.asarray(state.cache.index).tolist() == [12, 12, 12]
+  free = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD)
+  _, unbounded = free.generate(p, free.prefill(p, PROMPTS, jax.random.key(0)))
+  for b, n in enumerate([7, 10, 4]):  # the cut rows produced exactly the prefix they had room for
+    assert np.asarray(turn.tokens[b, :n]).tolist() == np.asarray(unbounded.tokens[b, :n]).tolist()
+
+  short = s.prefill(p, [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11]], jax.random.key(0))
+  short, ok = s.extend(p, short, [[1, 2, 3], [1, 2, 3, 4]])  # row 1: 9 + 4 > 12
+  assert np.asarray(ok).tolist() == [True, False]
+  assert np.asarray(short.cache.index).tolist() == [5, 9] and np.asarray(short.next_position).tolist() == [5, 9]
 
 
 def test_finished_rows_cost_nothing_observable(model):

@@ -4,12 +4,19 @@
 inside the worker). A task whose
 payload has `"reset": "raise" | "crash" | "hang"` fails that way in reset.
 
+Tool latency: a task whose payload has `"latency": {"median_s": m, "sigma": s, "cap_s": c}` makes every step
+(valid or not) take a lognormal time with median m and shape s, capped at c, drawn from the episode's seed and
+turn (the same episode waits the same times on every run). `tasks(..., latency_median_s=0.02,
+latency_sigma=1.5)` makes such tasks: real tools (test runners, compilers, search) have heavy-tailed latency.
+
 Not a task: it exists so every failure mode a real env can have is reproducible on demand.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import socket
 import time
 
@@ -28,6 +35,7 @@ class FaultEnv(Env):
 
   def _reset(self, task: Task, seed: int) -> str:
     self.count = 0
+    self.seed = seed
     fault = (task.payload or {}).get("reset")
     if fault == "raise":
       raise EnvError("injected reset fault")
@@ -36,6 +44,14 @@ class FaultEnv(Env):
     if fault == "hang":
       time.sleep(3600)
     return f"faults {task.id} seed {seed}"
+
+  def step(self, action_text: str) -> StepResult:
+    latency = (self.task.payload or {}).get("latency") if self.task is not None else None
+    if latency:
+      draw = random.Random(f"{self.seed}/{self.turn}").lognormvariate(math.log(latency["median_s"]),
+                                                                      latency.get("sigma", 0.0))
+      time.sleep(min(draw, latency.get("cap_s", 5.0)))
+    return super().step(action_text)
 
   def _step(self, call: Call) -> StepResult:
     self.count += 1
@@ -79,8 +95,15 @@ def _probe(kind: str, arg: str) -> str:
     return f"denied {type(e).__name__}: {e}"
 
 
-def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
-  return [Task(id=f"fault-{split}-{seed}-{i}", split=split, payload={}, version="0") for i in range(n)]
+def tasks(split: str, n: int, seed: int = 0, latency_median_s: float = 0.0, latency_sigma: float = 0.0,
+          latency_cap_s: float = 5.0) -> list[Task]:
+  """`n` tasks; with `latency_median_s` > 0 every step of their episodes sleeps a lognormal time (see above)."""
+  if latency_median_s < 0 or latency_sigma < 0 or latency_cap_s < 0:
+    raise ValueError(f"latency_median_s={latency_median_s}, latency_sigma={latency_sigma}, "
+                     f"latency_cap_s={latency_cap_s}: must be >= 0")
+  payload = ({"latency": {"median_s": latency_median_s, "sigma": latency_sigma, "cap_s": latency_cap_s}}
+             if latency_median_s > 0 else {})
+  return [Task(id=f"fault-{split}-{seed}-{i}", split=split, payload=dict(payload), version="0") for i in range(n)]
 
 
 def demo(task: Task, seed: int = 0) -> list[str]:

@@ -1,21 +1,39 @@
-"""Multi-turn rollout: B tasks x G samples over <= T turns with an action source and an env pool.
+"""Multi-turn rollout: a quota of episodes through a fixed set of decode slots, each paused while its env works.
 
-One host loop per turn: ask the action source for every active row's action (the policy through the jitted
-sampler, or a scripted demonstration), step all their envs concurrently (`envs.Pool.step_many`), hand the
-observation frames back to the source (`Sampler.extend` appends them to the KV cache) and continue.
+The unit of scheduling is an episode that pauses between turns (DESIGN §2.9). The engine owns `slots` rows of
+the sampler and as many env-pool slots (slot i of one is slot i of the other). An episode goes through
 
-The trajectory's token stream is built from exactly what the source produced and the frames the chat format
+    admitted (env reset, asynchronous) -> prompt fed (or copied from a resident row of the same prompt) ->
+    decoding -> its action handed to the env (asynchronous) -> observation frame fed -> decoding -> ... -> done
+
+and its slot takes the next episode of the quota. While one episode waits on its env, the device decodes the
+others: a slow tool holds only its own episode. `schedule="lockstep"` keeps today's barrier instead (admit a
+whole wave, every turn waits for every env of the wave) for comparison (`bench/rollout.py`).
+
+Two transports drive the same scheduler (`_Scheduler`):
+- `host_loop`: Python calls the jitted `Sampler.feed` and `Sampler.decode` (a chunk of `decode_chunk` steps)
+  in turn and polls the env futures between calls;
+- `callback`: one jitted program per rollout (`SampledActions.run_program`) loops decode chunk -> host
+  exchange (`io_callback`: finished actions out, frames and new episodes in) -> feed, until the quota is done.
+Sampling keys belong to episodes (`SamplerState.row_key`), so the same episode samples the same tokens under
+either transport, either schedule and any slot count; only which episodes share a step changes.
+
+The trajectory's token stream is built from exactly what the sampler produced and the frames the chat format
 built (`jaxagent.chat`): the same frame object is appended to the cache and to the record, never re-encoded.
-Scripted demonstrations run through this same path, so their records have the layout of sampled ones.
+Scripted demonstrations (`ScriptedActions`) run through this same path, so their records have the layout of
+sampled ones.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
+import concurrent.futures
 import dataclasses
+import enum
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -24,273 +42,341 @@ import envs
 from jaxagent import multihost
 from jaxagent import trajectory as tr
 from jaxagent.chat import ChatFormat, Frame
-from jaxagent.rollout.sampler import Finish, Sampler
+from jaxagent.rollout.sampler import Feed, Finish, Sampler, bucket
 
 # A step that rejected the action but let the episode go on: its reply is an error observation (Role.ERROR).
 _ERROR_REPLIES = (envs.Outcome.PARSER_REJECTED_CONTINUED, envs.Outcome.INVALID_ACTION_CONTINUED)
 _INVALID = (envs.Outcome.PARSER_REJECTED, envs.Outcome.INVALID_ACTION) + _ERROR_REPLIES
 
+SCHEDULES = ("continuous", "lockstep")
+TRANSPORTS = ("host_loop", "callback")
+# The continuous schedule holds the device back while fewer than this fraction of the live episodes are ready
+# (the others about to answer: see `_Scheduler._hold`). Measured with bench/rollout.py: holding until a
+# majority (0.5) was ready gave 0.93x lockstep with zero env latency, three quarters 1.06x (3.5x lockstep with
+# lognormal latency either way).
+HOLD_READY_FRACTION = 0.75
+
 
 @dataclasses.dataclass(frozen=True)
 class RowAction:
-  """One row's action in a turn: its tokens, their behavior log-probs and why it ended."""
+  """One row's action: its tokens, their behavior log-probs and why it ended."""
   tokens: list[int]
   logprobs: list[float]
   finish: Finish
 
 
-class ActionSource(abc.ABC):
-  """Where a rollout's actions come from. Rows are this process's rows, in order."""
+class Actor(abc.ABC):
+  """The side of a rollout that produces actions: slots that are fed tokens and decode actions.
 
-  decode_s: float = 0.0   # time spent producing actions and taking observations (device time for a policy)
-  extend_s: float = 0.0
-
-  @abc.abstractmethod
-  def start(self, prompts: Sequence[Sequence[int]], group_size: int) -> None:
-    """Begins an episode per row with its prompt tokens (rows of one task are contiguous)."""
-
-  @abc.abstractmethod
-  def act(self, active: np.ndarray) -> dict[int, RowAction | None]:
-    """The next action of every active row (None: the source has no more actions for that row)."""
-
-  @abc.abstractmethod
-  def observe(self, frames: Sequence[Sequence[int]]) -> bool:
-    """Appends one frame per row (empty: none). False when the context cannot hold them (nothing appended)."""
-
-
-class SampledActions(ActionSource):
-  """The policy's actions: prefill, then per turn one jitted decode and one jitted extend.
-
-  Args:
-    sampler: the compiled sampler (its `max_new_tokens` is the per-turn budget).
-    params: the policy's parameters in the rollout layout.
-    rng: the rollout's key (the sampler folds it per turn).
+  Rows are this process's slots. `feed` and `decode` are collective across processes (every process calls
+  them in the same order, possibly with nothing to do for its own rows).
   """
 
-  def __init__(self, sampler: Sampler, params, rng: jax.Array):
-    self.sampler, self.params, self.rng = sampler, params, rng
+  width: int = 0         # tokens per row per feed call (longer chunks are cut into pieces)
+  decode_s: float = 0.0  # time in decode calls (device time for a policy)
+  extend_s: float = 0.0  # time in feed calls
+
+  @abc.abstractmethod
+  def begin(self, slots: int, first_episode: int = 0) -> None:
+    """Empties `slots` rows for a new rollout. Feeds name this process's episodes 0, 1, ...; globally they are
+    `first_episode` + those (sampling keys derive from the global index)."""
+
+  @abc.abstractmethod
+  def feed(self, f: Feed) -> np.ndarray:
+    """Applies a host `Feed` to this process's rows; returns ok bool[slots] (False: the chunk did not fit)."""
+
+  @abc.abstractmethod
+  def decode(self, running: np.ndarray, lockstep: bool) -> dict[int, RowAction | None]:
+    """Decodes the running rows for a chunk (lockstep: until each has finished its action); returns the
+    actions finished in it (None: the source has no more actions for that row)."""
+
+  def width_for(self, longest: int) -> int:
+    """The feed width for a call whose longest piece has `longest` tokens."""
+    return self.width
+
+  def feed_decode(self, f: Feed, lockstep: bool) -> tuple[np.ndarray, Callable[[np.ndarray], dict]]:
+    """`feed` then `decode` (a policy does both in one device call). Returns (ok, actions), where
+    `actions(running)` gives `decode`'s answer for the rows running after the feed."""
+    ok = self.feed(f)
+    return ok, lambda running: self.decode(running, lockstep)
+
+
+class SampledActions(Actor):
+  """The policy's actions through the jitted sampler.
+
+  Args:
+    sampler: the compiled sampler (its `max_new_tokens` is the per-turn budget; its largest extend bucket is
+      the feed width: prompts longer than that are fed in pieces).
+    params: the policy's parameters in the rollout layout.
+    rng: the rollout's key; episode e samples with `fold_in(rng, e)`.
+    decode_chunk: decode steps per `decode` call in the continuous schedule (finished rows are handed to their
+      envs, and newly fed rows join, at chunk boundaries).
+  """
+
+  def __init__(self, sampler: Sampler, params, rng: jax.Array, decode_chunk: int = 8):
+    if decode_chunk < 1:
+      raise ValueError(f"decode_chunk={decode_chunk}: must be >= 1")
+    self.sampler, self.params, self.rng, self.chunk = sampler, params, rng, decode_chunk
+    self.width = max(sampler.extend_buckets)
     self.state = None
+    self.decode_s = self.extend_s = 0.0
 
-  def start(self, prompts, group_size):
-    n = len(prompts)
-    # Prefix reuse (each distinct prompt prefilled once) only if every process can: prefill's row count is part
-    # of the global shape.
-    same = all(prompts[i] == prompts[i - i % group_size] for i in range(n))
-    t0 = time.perf_counter()
-    if group_size > 1 and not multihost.any_process(not same):
-      self.state = self.sampler.repeat(self.sampler.prefill(self.params, prompts[::group_size], self.rng),
-                                       group_size)
-    else:
-      self.state = self.sampler.prefill(self.params, prompts, self.rng)
-    self.extend_s += time.perf_counter() - t0
+  def width_for(self, longest: int) -> int:
+    if jax.process_count() > 1:  # feeds are collective: one width everywhere, with no agreement needed
+      return self.width
+    return bucket(min(max(longest, 1), self.width), self.sampler.extend_buckets)
 
-  def act(self, active):
-    t0 = time.perf_counter()
-    self.state, out = self.sampler.generate(self.params, self.state, active)
-    out = self.sampler.to_host(out.replace(raw_logprobs=None))  # the record needs no untempered log-probs
-    self.decode_s += time.perf_counter() - t0
-    return {int(i): RowAction(out.tokens[i, :out.lengths[i]].tolist(), out.logprobs[i, :out.lengths[i]].tolist(),
-                              Finish(int(out.finish[i]))) for i in np.flatnonzero(active)}
+  def begin(self, slots, first_episode=0):
+    self.slots, self.first_episode = slots, first_episode
+    self.state = self.sampler.warm(self.params, self.sampler.init(slots * jax.process_count(), self.rng))
 
-  def observe(self, frames):
+  def _global_ids(self, f: Feed) -> Feed:
+    """Forks and episodes name this process's rows and episodes: make them global."""
+    offset = jax.process_index() * self.slots
+    return f.replace(fork=np.where(f.fork >= 0, f.fork + offset, -1).astype(np.int32),
+                     episode=(f.episode + self.first_episode).astype(np.int32))
+
+  def feed(self, f):
     t0 = time.perf_counter()
-    self.state, ok = self.sampler.extend(self.params, self.state, frames)
-    ok = bool(np.asarray(ok.addressable_data(0)))  # replicated scalar: every process has it
+    self.state, ok = self.sampler.feed(self.params, self.state, self._global_ids(f))
+    ok = multihost.local_rows(ok)
     self.extend_s += time.perf_counter() - t0
     return ok
 
+  def decode(self, running, lockstep):
+    t0 = time.perf_counter()
+    self.state = self.sampler.decode(self.params, self.state, self._steps(lockstep))
+    actions = self._actions(running)
+    self.decode_s += time.perf_counter() - t0
+    return actions
 
-class ScriptedActions(ActionSource):
-  """Scripted actions (behavior-cloning demonstrations): row i takes `scripts[i]` in order.
+  def feed_decode(self, f, lockstep):
+    t0 = time.perf_counter()
+    self.state, ok = self.sampler.step(self.params, self.state, self._global_ids(f), self._steps(lockstep))
+    ok = multihost.local_rows(ok)
+    self.decode_s += time.perf_counter() - t0
+    return ok, self._actions
 
-  The script puts probability 1 on its action: behavior log-prob 0. A row whose script ends before its episode
-  does is cancelled. `max_context` bounds the stream as the sampler's cache would.
+  def _steps(self, lockstep: bool) -> int:
+    return self.sampler.config.max_new_tokens if lockstep else self.chunk
+
+  def _actions(self, running):
+    st = self.state
+    finish, n, tokens, logprobs = self.sampler.to_host((st.finish, st.n, st.tokens, st.logprobs))
+    return {int(i): RowAction(tokens[i, :n[i]].tolist(), logprobs[i, :n[i]].tolist(), Finish(int(finish[i])))
+            for i in np.flatnonzero(running) if finish[i] != Finish.NONE}
+
+  # -- the callback transport
+
+  def run_program(self, exchange: Callable) -> None:
+    """Runs the rollout as one jitted program (`Sampler.run_callback_program`) whose io_callback is `exchange`."""
+    if jax.process_count() > 1:
+      raise ValueError("rollout.env_transport=callback runs in a single process for now (its io_callback sees "
+                       "every row); use env_transport=host_loop with several processes")
+    # The exchange adds the device's share (time between exchanges) to decode_s.
+    self.state = self.sampler.run_callback_program(self.params, self.state, exchange, self.width, self.chunk)
+
+
+class ScriptedActions(Actor):
+  """Scripted actions (behavior-cloning demonstrations): episode e takes `scripts[e]` in order.
+
+  The script puts probability 1 on its action: behavior log-prob 0. An episode whose script ends before it
+  does is cancelled. `max_context` bounds each row's stream as the sampler's cache would.
   """
 
   def __init__(self, scripts: Sequence[Sequence[Sequence[int]]], max_context: int):
     self.scripts = [list(map(list, s)) for s in scripts]
     self.max_context = max_context
-    self.lengths: list[int] = []
+    self.width = max_context  # a prompt or frame is taken whole
+    self.decode_s = self.extend_s = 0.0
 
-  def start(self, prompts, group_size):
-    if len(prompts) != len(self.scripts):
-      raise ValueError(f"{len(self.scripts)} scripts for {len(prompts)} rows")
-    self.lengths = [len(p) for p in prompts]
-    self.turn = 0
+  def width_for(self, longest):
+    return max(longest, 1)
 
-  def act(self, active):
+  def begin(self, slots, first_episode=0):
+    self.length = [0] * slots
+    self.prompt_length = [0] * slots
+    self.episode = [-1] * slots
+    self.turn = [0] * slots
+
+  def feed(self, f):
+    ok = np.ones(len(self.length), bool)
+    for i in range(len(self.length)):
+      if f.reset[i]:
+        self.length[i], self.prompt_length[i], self.episode[i], self.turn[i] = 0, 0, int(f.episode[i]), 0
+      n = int(f.lengths[i])
+      if self.length[i] + n > self.max_context:
+        ok[i] = False
+        continue
+      self.length[i] += n
+      if f.prompt_done[i]:
+        self.prompt_length[i] = self.length[i]
+    for i in np.flatnonzero(f.fork >= 0):
+      src = f.fork[i]
+      if not ok[src] or not self.prompt_length[src]:  # the source's prompt did not fit: nothing to copy
+        ok[i] = False
+        continue
+      self.length[i] = self.prompt_length[i] = self.prompt_length[src]
+    return ok
+
+  def decode(self, running, lockstep):
     out = {}
-    for i in np.flatnonzero(active):
-      script = self.scripts[i]
-      if self.turn >= len(script):
+    for i in np.flatnonzero(running):
+      script = self.scripts[self.episode[i]]
+      if self.turn[i] >= len(script):
         out[int(i)] = None
         continue
-      tokens = script[self.turn]
-      room = self.max_context - self.lengths[i]
+      tokens = script[self.turn[i]]
+      room = self.max_context - self.length[i]
       finish = Finish.STOP if len(tokens) <= room else Finish.CONTEXT_FULL
       tokens = tokens[:max(room, 0)]
-      self.lengths[i] += len(tokens)
+      self.length[i] += len(tokens)
+      self.turn[i] += 1
       out[int(i)] = RowAction(tokens, [0.0] * len(tokens), finish)
-    self.turn += 1
     return out
 
-  def observe(self, frames):
-    if any(n + len(f) > self.max_context for n, f in zip(self.lengths, frames) if f):
-      return False
-    self.lengths = [n + len(f) for n, f in zip(self.lengths, frames)]
-    return True
+
+class _State(enum.Enum):
+  QUEUED = "queued"        # not admitted yet
+  RESETTING = "resetting"  # its env's reset is running
+  FEEDING = "feeding"      # tokens (prompt pieces, an observation frame) or a prompt copy wait for a feed
+  DECODING = "decoding"    # the device is decoding its action
+  STEPPING = "stepping"    # its env is running its action
+  DONE = "done"
 
 
 @dataclasses.dataclass
-class _Row:
-  """Host-side state of one trajectory during a rollout."""
+class _Episode:
+  """Host-side state of one episode during a rollout."""
 
+  index: int                    # in this process's quota
   task: envs.Task
   seed: int
-  stream: tr.TokenStream
+  group_id: str
+  state: _State = _State.QUEUED
+  slot: int | None = None
+  stream: tr.TokenStream | None = None
+  prompt: tuple[int, ...] = ()
+  pending: list[int] = dataclasses.field(default_factory=list)  # tokens still to feed
+  fed_prompt: bool = False      # the prompt is in the cache
+  frame: Frame | None = None    # the observation frame being fed
+  future: concurrent.futures.Future | None = None
+  action: tuple | None = None   # (span, text, tokens) of the action its env is running
   turns: list[tr.Turn] = dataclasses.field(default_factory=list)
-  done: bool = False
   termination: envs.Termination | None = None
   verifier: tr.VerifierRecord = tr.VerifierRecord()
   verify_s: float = 0.0
   components: dict[str, float] = dataclasses.field(default_factory=dict)
-  frame: Frame | None = None  # the observation frame waiting to be appended
-  provenance: dict[str, Any] = dataclasses.field(default_factory=dict)  # process / env worker that ran it
+  provenance: dict[str, Any] = dataclasses.field(default_factory=dict)  # process / slot / env worker that ran it
+  # Timing: seconds since the rollout began (admitted, ended), per-stage sums, and when the current stage began.
+  admitted_s: float = 0.0
+  ended_s: float = 0.0
+  reset_s: float = 0.0
+  decode_s: float = 0.0
+  env_s: float = 0.0
+  extend_s: float = 0.0
+  since: float = 0.0
+  answered: float = 0.0        # when its env's last reply arrived
+  last_decode_s: float = 0.0    # the current action's decode time
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutStats:
+  """Batch-level stage times of a rollout (seconds).
+
+  Attributes:
+    reset_s, env_s: env time summed over episodes (resets; steps): what the envs spent, not wall time.
+    decode_s, extend_s: wall time in decode and feed calls (the device's work; a fused feed + decode call,
+      and with the callback transport the program's time between host exchanges, count as decode).
+    idle_s: wall time the engine spent waiting on envs with no device call running: every live episode
+      waited on its env, or the continuous schedule held a few ready rows back for the many about to arrive
+      (`HOLD_READY_FRACTION`), or (several processes) it polled for the others.
+    wall_s: the rollout's wall time.
+    env_steps, action_tokens: counts.
+  """
   reset_s: float
   decode_s: float
   env_s: float
   extend_s: float
   env_steps: int
   action_tokens: int
+  idle_s: float = 0.0
+  wall_s: float = 0.0
 
   def __add__(self, other: "RolloutStats") -> "RolloutStats":
     return RolloutStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
+  @property
+  def device_idle_fraction(self) -> float:
+    return self.idle_s / self.wall_s if self.wall_s > 0 else 0.0
+
 
 class RolloutEngine:
-  """Runs groups of multi-turn episodes.
+  """Runs quotas of multi-turn episodes through the env pool's slots.
 
   Args:
-    pool: env pool with at least as many slots as rows.
+    pool: env pool; its slots are the decode slots (one env instance per slot, reused by later episodes).
     env_spec: the environment's registry entry (name, version).
     chat: frames prompts and observations, ends and decodes actions.
     max_turns: hard bound on turns per episode.
     gamma: discount for the recorded return.
     invalid_action_rule: as configured on the pool (recorded on every trajectory).
     train_reasoning: a sampled action's reasoning span (`chat.reasoning_length`) carries loss.
+    schedule: "continuous" (a slot takes the next episode as soon as its own ends; no turn barrier) or
+      "lockstep" (waves of `slots` episodes, every turn waits for the whole wave).
+    transport: "host_loop" or "callback" (see the module docstring); scripted actors always use host_loop.
   """
 
   def __init__(self, pool: envs.pool.Pool, env_spec: envs.EnvSpec, chat: ChatFormat, *, max_turns: int,
-               gamma: float = 1.0, invalid_action_rule: str = "error_observation", train_reasoning: bool = True):
+               gamma: float = 1.0, invalid_action_rule: str = "error_observation", train_reasoning: bool = True,
+               schedule: str = "continuous", transport: str = "host_loop"):
     if invalid_action_rule not in envs.INVALID_ACTION_RULES:
       raise ValueError(f"invalid_action_rule={invalid_action_rule!r}: not one of {envs.INVALID_ACTION_RULES}")
+    if schedule not in SCHEDULES:
+      raise ValueError(f"schedule={schedule!r}: not one of {SCHEDULES}")
+    if transport not in TRANSPORTS:
+      raise ValueError(f"transport={transport!r}: not one of {TRANSPORTS}")
     self.pool = pool
     self.env_spec = env_spec
     self.chat = chat
     self.max_turns = max_turns
     self.gamma = gamma
     self.rule = invalid_action_rule
+    self.schedule = schedule
+    self.transport = transport
     self.reasoning = tr.Reasoning(kept=chat.has_reasoning, trained=chat.has_reasoning and train_reasoning)
     self.env_version = pool.version or env_spec.version
+    self.env_times: collections.deque[float] = collections.deque(maxlen=256)  # recent env replies (seconds)
 
-  def run(self, source: ActionSource, tasks: Sequence[envs.Task], seeds: Sequence[int], *, group_size: int,
+  def typical_env_s(self) -> float:
+    """The median time of the recent env replies (resets and steps); 0 before 8 have been seen."""
+    return float(np.median(self.env_times)) if len(self.env_times) >= 8 else 0.0
+
+  @property
+  def slots(self) -> int:
+    return len(self.pool.slots)
+
+  def run(self, actor: Actor, tasks: Sequence[envs.Task], seeds: Sequence[int], *, group_size: int,
           policy_version: int) -> tuple[list[tr.Trajectory], RolloutStats]:
-    """Rolls out `group_size` episodes of each task; row `i` is task `i // group_size` with seed `seeds[i]`."""
+    """Rolls out `group_size` episodes of each task; episode `i` is task `i // group_size` with seed `seeds[i]`.
+
+    Returns the trajectories in episode order (whatever order they finished in) and the stage times.
+    """
     n = len(tasks) * group_size
     if len(seeds) != n:
       raise ValueError(f"{len(seeds)} seeds for {n} episodes")
-    row_tasks = [t for t in tasks for _ in range(group_size)]
-    start = time.perf_counter()
-    first = self.pool.reset_many(list(range(n)), row_tasks, list(seeds), return_exceptions=True)
-    reset_s = time.perf_counter() - start
-    rows = []
-    pids = self.pool.worker_pids()
-    for slot, (task, seed, obs) in enumerate(zip(row_tasks, seeds, first)):
-      worker = self.pool.slots[slot].worker
-      provenance = {"process": jax.process_index(), "env_worker": worker, "env_worker_pid": pids[worker]}
-      if isinstance(obs, Exception):
-        # The env never produced a first observation: the episode ends before any turn, recorded with the
-        # fault (no action token, so no loss, no advantage-group member). Its row still takes its slot in the
-        # batch (static shapes), holding an empty prompt that is never decoded.
-        row = _Row(task=task, seed=int(seed), stream=self.chat.prompt(""), provenance=provenance, done=True,
-                   termination=envs.Termination(self.pool.slots[slot].termination))
-        row.provenance["reset_error"] = str(obs)
-      else:
-        row = _Row(task=task, seed=int(seed), stream=self.chat.prompt(obs.text), provenance=provenance)
-      rows.append(row)
-
-    source.start([r.stream.tokens(0, len(r.stream)) for r in rows], group_size)
-    env_s = 0.0
-    env_steps = action_tokens = 0
-    # Every turn starts with some row running on some process: turn 0 has all rows, and a later turn is
-    # reached only when the collective check after the env step found one.
-    for _ in range(self.max_turns):
-      active = np.asarray([not r.done for r in rows])
-      decode0 = source.decode_s
-      actions = source.act(active)
-      t_decode = source.decode_s - decode0
-
-      stepping, texts, spans = [], [], {}
-      for i, action in actions.items():
-        row = rows[i]
-        if action is None:  # a script ran out before its episode ended
-          row.done, row.termination = True, envs.Termination.CANCELLED
-          continue
-        span = self._append_action(row.stream, action)
-        action_tokens += len(action.tokens)
-        text = self.chat.action_text(action.tokens)
-        if action.finish == Finish.STOP:
-          stepping.append(i)
-          texts.append(text)
-          spans[i] = (span, text)
-          continue
-        row.done = True
-        row.termination = (envs.Termination.TURN_BUDGET_EXHAUSTED if action.finish == Finish.BUDGET
-                           else envs.Termination.CONTEXT_EXHAUSTED)
-        # The cut action never reached the env: its outcome is the termination (not "ok").
-        row.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=False),
-                                 policy_version=policy_version, t_decode_s=t_decode, outcome=row.termination.value))
-
-      if stepping:
-        t0 = time.perf_counter()
-        results = self.pool.step_many(stepping, texts)
-        t_env = time.perf_counter() - t0
-        env_s += t_env
-        env_steps += len(stepping)
-        for i, result in zip(stepping, results):
-          self._record_step(rows[i], result, *spans[i], actions[i].tokens, policy_version, t_decode, t_env)
-
-      needs = [i for i, r in enumerate(rows) if not r.done]
-      if not multihost.any_process(bool(needs)):
-        break
-      ok = source.observe([rows[i].frame.tokens if not rows[i].done else [] for i in range(n)])
-      for i in needs:
-        row = rows[i]
-        if ok:
-          row.stream.extend(row.frame.stream)
-        else:  # the observation never reached the policy: it is not part of the trajectory
-          row.turns[-1] = dataclasses.replace(row.turns[-1], observation=None)
-          row.done = True
-          row.termination = envs.Termination.CONTEXT_EXHAUSTED
-        row.frame = None
-      if not ok:
-        break
-
-    for row in rows:
-      if not row.done:  # only reachable if the env allows more turns than the engine's bound
-        row.done = True
-        row.termination = envs.Termination.MAX_TURNS
-    # One advantage group per task slot (its G samples), named by the task and the slot's first env seed:
-    # two slots that drew the same question stay two groups, in every batch, round and topology.
-    trajectories = [self._trajectory(r, policy_version, reset_s / max(n, 1),
-                                     group_id=f"{r.task.id}/{seeds[i - i % group_size]}")
-                    for i, r in enumerate(rows)]
-    return trajectories, RolloutStats(reset_s=reset_s, decode_s=source.decode_s, env_s=env_s,
-                                      extend_s=source.extend_s, env_steps=env_steps, action_tokens=action_tokens)
+    # One advantage group per task slot (its G samples), named by the task and the slot's first env seed: two
+    # slots that drew the same question stay two groups, in every batch, round and topology.
+    episodes = [_Episode(index=i, task=tasks[i // group_size], seed=int(seeds[i]),
+                         group_id=f"{tasks[i // group_size].id}/{seeds[i - i % group_size]}") for i in range(n)]
+    actor.begin(self.slots, first_episode=jax.process_index() * n)
+    sched = _Scheduler(self, actor, episodes, policy_version)
+    if self.transport == "callback" and isinstance(actor, SampledActions):
+      actor.run_program(sched.exchange)
+    else:
+      sched.host_loop()
+    trajectories = [self._trajectory(e, policy_version) for e in episodes]
+    return trajectories, sched.stats()
 
   def _append_action(self, stream: tr.TokenStream, action: RowAction) -> tuple[int, int]:
     """Appends an action as sampled: its reasoning span (role REASONING) first, then the rest (POLICY)."""
@@ -301,44 +387,394 @@ class RolloutEngine:
     stream.sampled(action.tokens[n:], action.logprobs[n:])
     return start, len(stream)
 
-  def _record_step(self, row: _Row, result: envs.StepResult, span, text: str, tokens: Sequence[int],
+  def _record_step(self, ep: _Episode, result: envs.StepResult, span, text: str, tokens: Sequence[int],
                    policy_version: int, t_decode: float, t_env: float) -> None:
     for key, value in result.reward_components.items():
-      row.components[key] = row.components.get(key, 0.0) + float(value) * self.gamma ** len(row.turns)
+      ep.components[key] = ep.components.get(key, 0.0) + float(value) * self.gamma ** len(ep.turns)
     call = None if result.call is None else result.call.to_wire()
     obs = None
     if not result.done:
       role = tr.Role.ERROR if result.outcome in _ERROR_REPLIES else tr.Role.TOOL
-      row.frame = self.chat.observation(result.observation.text, role, after=tokens)
-      start = len(row.stream)
-      obs = tr.ObservationRecord(span=(start + row.frame.body[0], start + row.frame.body[1]),
+      ep.frame = self.chat.observation(result.observation.text, role, after=tokens)
+      start = len(ep.stream)
+      obs = tr.ObservationRecord(span=(start + ep.frame.body[0], start + ep.frame.body[1]),
                                  text=result.observation.text,
-                                 truncated=result.observation.truncated or row.frame.truncated,
+                                 truncated=result.observation.truncated or ep.frame.truncated,
                                  original_bytes=result.observation.original_size)
-    row.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=result.outcome not in _INVALID,
-                                              parsed=call),
-                             observation=obs, reward=result.reward, reward_components=dict(result.reward_components),
-                             policy_version=policy_version, t_decode_s=t_decode, t_env_s=t_env,
-                             outcome=result.outcome.value))
+    ep.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=result.outcome not in _INVALID,
+                                             parsed=call),
+                            observation=obs, reward=result.reward, reward_components=dict(result.reward_components),
+                            policy_version=policy_version, t_decode_s=t_decode, t_env_s=t_env,
+                            outcome=result.outcome.value))
     if result.verdict is not None:
       v = result.verdict
-      row.verifier = tr.VerifierRecord(name=self.env_spec.name, version=str(v.version), passed=bool(v.passed),
-                                       evidence=dict(v.evidence))
-      row.verify_s = float(v.seconds)
+      ep.verifier = tr.VerifierRecord(name=self.env_spec.name, version=str(v.version), passed=bool(v.passed),
+                                      evidence=dict(v.evidence))
+      ep.verify_s = float(v.seconds)
     if result.done:
-      row.done = True
-      row.termination = envs.Termination(result.termination)
+      ep.termination = envs.Termination(result.termination)
 
-  def _trajectory(self, row: _Row, policy_version: int, reset_s: float, group_id: str) -> tr.Trajectory:
-    total = sum(t.reward * self.gamma ** k for k, t in enumerate(row.turns))
+  def _trajectory(self, ep: _Episode, policy_version: int) -> tr.Trajectory:
+    total = sum(t.reward * self.gamma ** k for k, t in enumerate(ep.turns))
     return tr.Trajectory(
-        task=tr.TaskRecord(id=row.task.id, split=row.task.split, version=row.task.version),
-        env=tr.EnvInfo(name=self.env_spec.name, version=self.env_version, seed=row.seed,
+        task=tr.TaskRecord(id=ep.task.id, split=ep.task.split, version=ep.task.version),
+        env=tr.EnvInfo(name=self.env_spec.name, version=self.env_version, seed=ep.seed,
                        network="none" if self.pool.sandboxed else "host",  # cut only inside a sandbox
                        invalid_action_rule=self.rule),
-        policy_version=policy_version, termination=row.termination,
-        reward=tr.Reward(total=float(total), gamma=self.gamma, components=dict(row.components)),
-        turns=tuple(row.turns), id=uuid.uuid4().hex, group_id=group_id,
-        timing=tr.Timing(reset_s=reset_s, verify_s=row.verify_s), verifier=row.verifier, reasoning=self.reasoning,
-        metadata=row.provenance,
-        **row.stream.arrays())
+        policy_version=policy_version, termination=ep.termination,
+        reward=tr.Reward(total=float(total), gamma=self.gamma, components=dict(ep.components)),
+        turns=tuple(ep.turns), id=uuid.uuid4().hex, group_id=ep.group_id,
+        timing=tr.Timing(reset_s=ep.reset_s, verify_s=ep.verify_s, decode_s=ep.decode_s, env_s=ep.env_s,
+                         extend_s=ep.extend_s, admitted_s=ep.admitted_s, ended_s=ep.ended_s),
+        verifier=ep.verifier, reasoning=self.reasoning, metadata=ep.provenance,
+        **ep.stream.arrays())
+
+
+class _Scheduler:
+  """One rollout's episodes, slots and env futures; both transports drive it (see the module docstring)."""
+
+  def __init__(self, engine: RolloutEngine, actor: Actor, episodes: list[_Episode], policy_version: int):
+    self.engine, self.actor, self.episodes = engine, actor, episodes
+    self.pool, self.chat = engine.pool, engine.chat
+    self.lockstep = engine.schedule == "lockstep"
+    self.policy_version = policy_version
+    self.queue = list(episodes)
+    self.queue.reverse()  # pop() takes the next episode in order
+    self.slot_episode: list[_Episode | None] = [None] * engine.slots
+    self.resident: dict[tuple[int, ...], int] = {}      # prompt -> a slot whose cache holds it (fork source)
+    self.prefilling: dict[tuple[int, ...], _Episode] = {}  # prompt -> the episode feeding it now
+    self.live = 0  # admitted, not done
+    self.remaining = len(episodes)
+    self.env_steps = self.action_tokens = 0
+    self.idle_s = 0.0
+    self.start = time.perf_counter()
+    self.pids = self.pool.worker_pids()
+    self.last_feed: list[tuple[_Episode, str, int]] | None = None
+    self.device_mark: float | None = None  # callback transport: when the program last left the host
+
+  # -- bookkeeping
+
+  def now(self) -> float:
+    return time.perf_counter() - self.start
+
+  def _end(self, ep: _Episode, termination: envs.Termination | None = None) -> None:
+    if termination is not None:
+      ep.termination = termination
+    ep.state, ep.ended_s = _State.DONE, self.now()
+    if ep.slot is not None:
+      self.slot_episode[ep.slot] = None
+      if self.resident.get(ep.prompt) == ep.slot:  # another live row holding the prompt serves forks now
+        del self.resident[ep.prompt]
+        for other in self.slot_episode:
+          if other is not None and other.fed_prompt and other.prompt == ep.prompt:
+            self.resident[ep.prompt] = other.slot
+            break
+    if self.prefilling.get(ep.prompt) is ep:
+      del self.prefilling[ep.prompt]
+    ep.frame = ep.future = ep.action = None
+    self.live -= 1
+    self.remaining -= 1
+
+  def _admit(self) -> None:
+    """Free slots take the next episodes (lockstep: only when the whole previous wave is done)."""
+    if self.lockstep and self.live:
+      return
+    for slot, held in enumerate(self.slot_episode):
+      if held is not None or not self.queue:
+        continue
+      ep = self.queue.pop()
+      worker = self.pool.slots[slot].worker
+      ep.slot, ep.state, ep.admitted_s, ep.since = slot, _State.RESETTING, self.now(), time.perf_counter()
+      ep.provenance = {"process": jax.process_index(), "slot": slot, "env_worker": worker,
+                       "env_worker_pid": self.pids[worker]}
+      self.slot_episode[slot] = ep
+      self.live += 1
+      ep.future = self._answered(ep, self.pool.reset_async(slot, ep.task, ep.seed))
+
+  @staticmethod
+  def _answered(ep: _Episode, future: concurrent.futures.Future) -> concurrent.futures.Future:
+    """Stamps when the env answered (not when the loop got to it): env times exclude waiting to be collected."""
+    future.add_done_callback(lambda _: setattr(ep, "answered", time.perf_counter()))
+    return future
+
+  def _collect(self) -> None:
+    """Takes every finished env future (resets and steps)."""
+    barrier = self.lockstep and any(e.future is not None and not e.future.done()
+                                    for e in self.slot_episode if e is not None)
+    if barrier:  # lockstep: nothing moves on until the whole wave's envs have answered
+      return
+    for ep in list(self.slot_episode):
+      if ep is None or ep.future is None or not ep.future.done():
+        continue
+      result, ep.future = ep.future.result(), None
+      if ep.answered < ep.since:  # done, but its done-callback has not run yet
+        ep.answered = time.perf_counter()
+      if ep.state == _State.RESETTING:
+        self._on_reset(ep, result)
+      else:
+        self._on_step(ep, result)
+
+  def _on_reset(self, ep: _Episode, obs) -> None:
+    ep.reset_s = ep.answered - ep.since
+    self.engine.env_times.append(ep.reset_s)
+    if isinstance(obs, Exception):
+      # The env never produced a first observation: the episode ends before any turn, recorded with the fault
+      # (no action token, so no loss, no advantage-group member).
+      ep.stream = self.chat.prompt("")
+      ep.provenance["reset_error"] = str(obs)
+      self._end(ep, envs.Termination(self.pool.slots[ep.slot].termination))
+      return
+    ep.stream = self.chat.prompt(obs.text)
+    ep.prompt = tuple(ep.stream.tokens(0, len(ep.stream)))
+    ep.state, ep.since = _State.FEEDING, ep.answered
+    if ep.prompt not in self.resident and ep.prompt not in self.prefilling:
+      self.prefilling[ep.prompt] = ep
+      ep.pending = list(ep.prompt)
+
+  def _on_step(self, ep: _Episode, result: envs.StepResult) -> None:
+    span, text, tokens = ep.action
+    t_env = ep.answered - ep.since
+    self.engine.env_times.append(t_env)
+    ep.env_s += t_env
+    self.env_steps += 1
+    self.engine._record_step(ep, result, span, text, tokens, self.policy_version, ep.last_decode_s, t_env)
+    ep.action = None
+    if ep.termination is not None:
+      self._end(ep)
+      return
+    if len(ep.turns) >= self.engine.max_turns:  # only reachable if the env allows more turns than our bound
+      ep.turns[-1] = dataclasses.replace(ep.turns[-1], observation=None)
+      self._end(ep, envs.Termination.MAX_TURNS)
+      return
+    ep.state, ep.since = _State.FEEDING, ep.answered
+    ep.pending = list(ep.frame.tokens)
+
+  # -- planning a feed
+
+  def _plan(self) -> tuple[Feed | None, list[tuple[_Episode, str, int]]]:
+    """The next feed: prompt pieces, frames, prompt copies and action starts. Lockstep holds back until every
+    episode of the wave is ready to be fed (the turn barrier)."""
+    feeding = [e for e in self.slot_episode if e is not None and e.state == _State.FEEDING]
+    if not feeding or (self.lockstep and any(e.state in (_State.RESETTING, _State.STEPPING)
+                                             for e in self.slot_episode if e is not None)):
+      return None, []
+    pieces = {id(e): e.pending[:self.actor.width] for e in feeding if e.pending}
+    width = self.actor.width_for(max((len(p) for p in pieces.values()), default=1))
+    f = Feed.empty(self.engine.slots, width, self.chat.tokenizer.pad_id)
+    plan = []
+    completes = {}  # prompt -> slot of the episode that completes it in this call
+    for ep in feeding:
+      if ep.pending:
+        piece = ep.pending[:width]
+        f.tokens[ep.slot, :len(piece)] = piece
+        f.lengths[ep.slot] = len(piece)
+        last = len(piece) == len(ep.pending)
+        if not ep.fed_prompt:
+          first = len(ep.pending) == len(ep.prompt)
+          f.reset[ep.slot] = first
+          f.episode[ep.slot] = ep.index
+          f.prompt_done[ep.slot] = last
+          if last:
+            completes[ep.prompt] = ep.slot
+        f.start[ep.slot] = last
+        plan.append((ep, "prompt" if not ep.fed_prompt else "frame", len(piece)))
+    for ep in feeding:
+      if ep.pending or ep.fed_prompt:
+        continue
+      src = self.resident.get(ep.prompt, completes.get(ep.prompt))
+      if src is None:
+        if ep.prompt not in self.prefilling:  # its prefiller ended (prompt too long): try it itself
+          self.prefilling[ep.prompt] = ep
+          ep.pending = list(ep.prompt)
+        continue
+      f.reset[ep.slot] = True
+      f.episode[ep.slot] = ep.index
+      f.fork[ep.slot] = src
+      f.start[ep.slot] = True
+      plan.append((ep, "fork", 0))
+    return (f if plan else None), plan
+
+  def _after_feed(self, plan, ok: np.ndarray, fed: float) -> None:
+    """`fed`: when the feed call began (a row it starts decodes from then on, in the same device call when
+    fused)."""
+    now = fed
+    for ep, kind, n in plan:
+      if ep.state != _State.FEEDING:
+        continue
+      if not ok[ep.slot]:
+        if kind == "frame":  # the observation never reached the policy: it is not part of the trajectory
+          ep.turns[-1] = dataclasses.replace(ep.turns[-1], observation=None)
+        else:  # the prompt does not fit: nothing of it is the policy's context
+          ep.provenance["prompt_tokens"] = len(ep.prompt)
+          ep.stream = self.chat.prompt("")
+        self._end(ep, envs.Termination.CONTEXT_EXHAUSTED)
+        continue
+      del ep.pending[:n]
+      if ep.pending:
+        continue
+      if kind == "frame":
+        ep.stream.extend(ep.frame.stream)
+        ep.frame = None
+      else:
+        ep.fed_prompt = True
+        self.resident[ep.prompt] = ep.slot
+        if self.prefilling.get(ep.prompt) is ep:
+          del self.prefilling[ep.prompt]
+      ep.extend_s += now - ep.since
+      ep.state, ep.since = _State.DECODING, now
+
+  # -- decoding
+
+  def _after_decode(self, actions: dict[int, RowAction | None]) -> None:
+    now = time.perf_counter()
+    for slot, action in actions.items():
+      ep = self.slot_episode[slot]
+      t_decode = now - ep.since
+      ep.decode_s += t_decode
+      ep.last_decode_s = t_decode
+      if action is None:  # a script ran out before its episode ended
+        self._end(ep, envs.Termination.CANCELLED)
+        continue
+      span = self.engine._append_action(ep.stream, action)
+      self.action_tokens += len(action.tokens)
+      text = self.chat.action_text(action.tokens)
+      if action.finish == Finish.STOP:
+        ep.action = (span, text, action.tokens)
+        ep.state, ep.since = _State.STEPPING, now
+        ep.future = self._answered(ep, self.pool.step_async(slot, text))
+        continue
+      termination = (envs.Termination.TURN_BUDGET_EXHAUSTED if action.finish == Finish.BUDGET
+                     else envs.Termination.CONTEXT_EXHAUSTED)
+      # The cut action never reached the env: its outcome is the termination (not "ok").
+      ep.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=False), policy_version=self.policy_version,
+                              t_decode_s=t_decode, outcome=termination.value))
+      self._end(ep, termination)
+
+  def _running(self) -> np.ndarray:
+    return np.asarray([e is not None and e.state == _State.DECODING for e in self.slot_episode], bool)
+
+  def _wait(self, timeout: float) -> None:
+    """Blocks until some env future of this process completes (or `timeout`)."""
+    inflight = [e.future for e in self.slot_episode if e is not None and e.future is not None]
+    futures = [f for f in inflight if not f.done()]
+    t0 = time.perf_counter()
+    if futures:
+      concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+    elif inflight:  # answered since the last look: collect them
+      return
+    elif timeout is None:  # nothing in flight, nothing to feed or decode: no event can ever come
+      states = [(e.index, e.state.value, len(e.pending)) for e in self.slot_episode if e is not None]
+      raise RuntimeError(f"rollout stalled with {self.remaining} episodes left: (episode, state, pending) {states}")
+    else:
+      time.sleep(timeout)
+    self.idle_s += time.perf_counter() - t0
+
+  # -- transports
+
+  def _decodable(self) -> bool:
+    """Some row can decode (lockstep: and no row of the wave still waits for a feed)."""
+    live = [e for e in self.slot_episode if e is not None]
+    if self.lockstep and any(e.state == _State.FEEDING for e in live):
+      return False
+    return any(e.state == _State.DECODING for e in live)
+
+  def _hold(self) -> float | None:
+    """Continuous schedule: how long to hold the device back for env replies that are about to arrive (None:
+    go on). While fewer than `HOLD_READY_FRACTION` of the live rows are ready to feed or decode and the rest
+    wait on envs that usually answer within the typical step time tau (the median env time seen so far), a
+    feed or decode chunk now would run mostly empty and the rows arriving during it would wait for its end:
+    wait up to tau for them instead. Rows waiting longer than tau (heavy-tailed stragglers) hold no one."""
+    tau = self.engine.typical_env_s()
+    if self.lockstep or not tau:
+      return None
+    now = time.perf_counter()
+    live = [e for e in self.slot_episode if e is not None]
+    ready = sum(e.state in (_State.FEEDING, _State.DECODING) for e in live)
+    soon = [now - e.since for e in live if e.state in (_State.RESETTING, _State.STEPPING) and now - e.since < tau]
+    if not ready or ready >= HOLD_READY_FRACTION * (ready + len(soon)):
+      return None
+    return tau - max(soon)
+
+  def host_loop(self) -> None:
+    agree = (lambda flags: flags) if jax.process_count() == 1 else multihost.host_max
+    while True:
+      self._admit()
+      self._collect()
+      hold = self._hold()
+      if hold is not None:
+        self._wait(hold)
+        continue
+      f, plan = self._plan()
+      # Feed and decode are collective: every process calls them together, with or without rows of its own.
+      has_feed, live = agree(np.asarray([f is not None, self.remaining > 0], np.int32))
+      if not live:
+        break
+      if has_feed:
+        if f is None:
+          f = Feed.empty(self.engine.slots, self.actor.width_for(1), self.chat.tokenizer.pad_id)
+        # Rows this feed starts decode in the same device call, except in lockstep while some row of the wave
+        # still has prompt pieces to come (the whole wave starts together).
+        fed = {id(e): n for e, _, n in plan}
+        rest = self.lockstep and any(e is not None and e.state == _State.FEEDING
+                                     and (id(e) not in fed or len(e.pending) > fed[id(e)])
+                                     for e in self.slot_episode)
+        fed = time.perf_counter()
+        if not agree(np.asarray([rest], np.int32))[0]:
+          ok, actions = self.actor.feed_decode(f, self.lockstep)
+          self._after_feed(plan, ok, fed)
+          self._after_decode(actions(self._running()))
+          continue
+        ok = self.actor.feed(f)
+        self._after_feed(plan, ok, time.perf_counter())
+      if agree(np.asarray([self._decodable()], np.int32))[0]:
+        self._after_decode(self.actor.decode(self._running() if self._decodable() else
+                                             np.zeros(self.engine.slots, bool), self.lockstep))
+      elif not has_feed:
+        # Nothing for the device anywhere: wait for an env. Alone, until one answers; with other processes,
+        # briefly, then agree again (another process's env may have answered).
+        self._wait(None if jax.process_count() == 1 else 0.005)
+
+  def exchange(self, finish, n, tokens, logprobs, ok):
+    """The callback transport's host side: takes the program's finished actions and last feed's result,
+    returns the next feed (numpy arrays, all rows) and whether the rollout is complete."""
+    entered = time.perf_counter()
+    if self.device_mark is not None:
+      self.actor.decode_s += entered - self.device_mark
+    ok = np.asarray(ok)
+    if self.last_feed:  # fed (and decoding from) when the program resumed after the last exchange
+      self._after_feed(self.last_feed, ok, self.device_mark)
+    running = self._running()
+    finish = np.asarray(finish)
+    done = [i for i in np.flatnonzero(running) if finish[i] != Finish.NONE]
+    if done:
+      n, tokens, logprobs = np.asarray(n), np.asarray(tokens), np.asarray(logprobs)
+      self._after_decode({int(i): RowAction(tokens[i, :n[i]].tolist(), logprobs[i, :n[i]].tolist(),
+                                            Finish(int(finish[i]))) for i in done})
+    while True:
+      self._admit()
+      self._collect()
+      hold = self._hold()
+      if hold is not None:
+        self._wait(hold)
+        continue
+      f, plan = self._plan()
+      if f is not None or self._running().any() or self.remaining == 0:
+        break
+      self._wait(None)
+    self.last_feed = plan
+    if f is None:
+      f = Feed.empty(self.engine.slots, self.actor.width, self.chat.tokenizer.pad_id)
+    elif f.tokens.shape[1] != self.actor.width:  # the program's feed has one width
+      tokens = np.full((self.engine.slots, self.actor.width), self.chat.tokenizer.pad_id, np.int32)
+      tokens[:, :f.tokens.shape[1]] = f.tokens
+      f = f.replace(tokens=tokens)
+    self.device_mark = time.perf_counter()
+    return (f.tokens, f.lengths, f.reset, f.episode, f.prompt_done, f.fork, f.start,
+            np.asarray(self.remaining == 0))
+
+  def stats(self) -> RolloutStats:
+    eps = self.episodes
+    return RolloutStats(reset_s=sum(e.reset_s for e in eps), decode_s=self.actor.decode_s,
+                        env_s=sum(e.env_s for e in eps), extend_s=self.actor.extend_s, env_steps=self.env_steps,
+                        action_tokens=self.action_tokens, idle_s=self.idle_s,
+                        wall_s=time.perf_counter() - self.start)

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.experimental import io_callback
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
 from jaxagent import multihost
@@ -81,19 +82,82 @@ class SamplingConfig:
 
 @flax.struct.dataclass
 class SamplerState:
-  """What carries over between turns.
+  """Every row's decoding state; rows are slots that start, pause and restart independently.
 
   Attributes:
-    cache: the KV cache (all rows share the write index).
+    cache: the KV cache (each row its own write index).
     next_logits: float32[B, V] logits for each row's next token.
     next_position: int32[B] RoPE position of each row's next token (= tokens in its stream so far).
-    rng: the key the next turn's samples derive from.
+    rng: the rollout's base key; row keys derive from it.
+    row_key: uint32[B, *] key data of each row's episode (`fold_in(rng, episode)`). The token at stream
+      position p of a row is drawn with `fold_in(row_key, p)`: what an episode samples does not depend on which
+      slot it runs in, which rows share its steps, or when its observations arrive.
+    prompt_logits, prompt_length: the logits and length at the end of each row's prompt, kept while the row
+      holds its episode: another row with the same prompt copies them and the prompt's slots (`Feed.fork`).
+    running: bool[B], the row is decoding an action.
+    n: int32[B] tokens of the current action; tokens / logprobs / raw_logprobs: [B, M] its tokens so far;
+      recent: int32[B, W] its last W tokens (stop-sequence matching); finish: int32[B] `Finish` (NONE while
+      running or idle).
   """
 
   cache: models.KVCache
   next_logits: jax.Array
   next_position: jax.Array
   rng: jax.Array
+  row_key: jax.Array
+  prompt_logits: jax.Array
+  prompt_length: jax.Array
+  running: jax.Array
+  n: jax.Array
+  recent: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  raw_logprobs: jax.Array
+  finish: jax.Array
+
+
+@flax.struct.dataclass
+class Feed:
+  """What the host hands the device for every row in one `feed` call (row b's entries; all leading dim B).
+
+  Applied in this order: `reset` (a new episode: the row is emptied and keyed by `episode`), then the
+  `tokens[b, :lengths[b]]` appended (a prompt piece or an observation frame; a chunk that does not fit the
+  row's remaining slots is not appended and `ok[b]` is False), then `prompt_done` (this row's prompt is
+  complete: remember it for forks), then `fork` (copy the prompt of row `fork[b]`, which may have completed
+  it in this same call; -1: none), then `start` (the row begins decoding an action).
+  """
+
+  tokens: jax.Array       # int32[B, W], right-padded (or [R, W]: the rows named by `rows`)
+  lengths: jax.Array      # int32[B] (or [R])
+  reset: jax.Array        # bool[B]
+  episode: jax.Array      # int32[B] the episode's index in the rollout (its sampling key), with reset
+  prompt_done: jax.Array  # bool[B]
+  fork: jax.Array         # int32[B]
+  start: jax.Array        # bool[B]
+  rows: jax.Array | None = None  # int32[R]: `tokens[r]` belongs to row `rows[r]` (B: none); None: row r itself
+
+  def compact(self, rows: int) -> "Feed":
+    """Host-side: the same feed with only the rows that append tokens, padded to `rows` entries (the forward
+    then costs R rows, not B: a feed of a few observations is cheap)."""
+    has = np.flatnonzero(np.asarray(self.lengths) > 0)
+    if len(has) > rows:
+      raise ValueError(f"{len(has)} rows append tokens, more than {rows}")
+    b = len(self.lengths)
+    index = np.full((rows,), b, np.int32)
+    index[:len(has)] = has
+    tokens = np.zeros((rows, self.tokens.shape[1]), np.int32)
+    tokens[:len(has)] = self.tokens[has]
+    lengths = np.zeros((rows,), np.int32)
+    lengths[:len(has)] = self.lengths[has]
+    return self.replace(tokens=tokens, lengths=lengths, rows=index)
+
+  @classmethod
+  def empty(cls, rows: int, width: int, pad_id: int) -> "Feed":
+    """Host-side (numpy) feed that does nothing; fill the rows that need something."""
+    return cls(tokens=np.full((rows, width), pad_id, np.int32), lengths=np.zeros((rows,), np.int32),
+               reset=np.zeros((rows,), bool), episode=np.zeros((rows,), np.int32),
+               prompt_done=np.zeros((rows,), bool), fork=np.full((rows,), -1, np.int32),
+               start=np.zeros((rows,), bool))
 
 
 @flax.struct.dataclass
@@ -204,9 +268,10 @@ def _stop_table(config: SamplingConfig) -> tuple[np.ndarray, int]:
   return table, longest
 
 
-def _last_valid(segment_ids_bt: jax.Array) -> jax.Array:
-  t = segment_ids_bt.shape[1]
-  return t - 1 - jnp.argmax((segment_ids_bt != 0)[:, ::-1], axis=1)
+_STATE_AXES = dict(next_logits=("batch", None), next_position=("batch",), row_key=("batch", None),
+                   prompt_logits=("batch", None), prompt_length=("batch",), running=("batch",), n=("batch",),
+                   recent=("batch", None), tokens=("batch", None), logprobs=("batch", None),
+                   raw_logprobs=("batch", None), finish=("batch",))
 
 
 def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rules) -> models.KVCache:
@@ -216,7 +281,7 @@ def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rul
       x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
   return cache.replace(k=tuple(con(k, models.KVCache.K_AXES) for k in cache.k),
                        v=tuple(con(v, models.KVCache.V_AXES) for v in cache.v),
-                       segment_ids=con(cache.segment_ids, ("batch", "length")))
+                       segment_ids=con(cache.segment_ids, ("batch", "length")), index=con(cache.index, ("batch",)))
 
 
 def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules) -> SamplerState:
@@ -226,112 +291,180 @@ def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules
   con = lambda x, axes: jax.lax.with_sharding_constraint(
       x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
   return state.replace(cache=_constrain_cache(state.cache, mesh, rules),
-                       next_logits=con(state.next_logits, ("batch", None)),
-                       next_position=con(state.next_position, ("batch",)),
-                       rng=jax.lax.with_sharding_constraint(state.rng, NamedSharding(mesh, jax.sharding.PartitionSpec())))
+                       rng=jax.lax.with_sharding_constraint(state.rng, NamedSharding(mesh, PartitionSpec())),
+                       **{name: con(getattr(state, name), axes) for name, axes in _STATE_AXES.items()})
 
 
-def prefill(model: models.Transformer, tokens_bt: jax.Array, segment_ids_bt: jax.Array, rng: jax.Array,
-            cache_size: int, *, mesh: Mesh | None = None, rules: models.Rules = (), attention: str = "einsum"
-            ) -> SamplerState:
-  """Runs left-padded prompts through the model into a fresh cache."""
-  b, _ = tokens_bt.shape
-  cache = _constrain_cache(models.KVCache.init(model.config, b, cache_size, model.dtype), mesh, rules)
-  positions_bt = jnp.maximum(jnp.cumsum(segment_ids_bt != 0, axis=1) - 1, 0).astype(jnp.int32)
-  logits_btv, cache = model(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt, cache=cache,
-                            attention=attention)
-  last_b = _last_valid(segment_ids_bt)
-  rows = jnp.arange(b)
-  return _constrain_state(SamplerState(cache=cache, next_logits=logits_btv[rows, last_b],
-                                      next_position=positions_bt[rows, last_b] + 1, rng=rng), mesh, rules)
+def init_state(model: models.Transformer, rows: int, cache_size: int, config: SamplingConfig, pad_id: int,
+               rng: jax.Array) -> SamplerState:
+  """Empty rows: nothing in the cache, nothing running."""
+  m, window = config.max_new_tokens, _stop_table(config)[1]
+  v = model.config.vocab_size
+  key_data = jax.random.key_data(rng)
+  return SamplerState(
+      cache=models.KVCache.init(model.config, rows, cache_size, model.dtype),
+      next_logits=jnp.zeros((rows, v), jnp.float32), next_position=jnp.zeros((rows,), jnp.int32), rng=rng,
+      row_key=jnp.zeros((rows,) + key_data.shape, key_data.dtype),
+      prompt_logits=jnp.zeros((rows, v), jnp.float32), prompt_length=jnp.zeros((rows,), jnp.int32),
+      running=jnp.zeros((rows,), bool), n=jnp.zeros((rows,), jnp.int32),
+      recent=jnp.full((rows, window), -2, jnp.int32), tokens=jnp.full((rows, m), pad_id, jnp.int32),
+      logprobs=jnp.zeros((rows, m), jnp.float32), raw_logprobs=jnp.zeros((rows, m), jnp.float32),
+      finish=jnp.zeros((rows,), jnp.int32))
 
 
-def extend(model: models.Transformer, state: SamplerState, tokens_bt: jax.Array, lengths_b: jax.Array,
-           *, mesh: Mesh | None = None, rules: models.Rules = (), attention: str = "einsum"
-           ) -> tuple[SamplerState, jax.Array]:
-  """Appends right-padded chunks (row b: its first `lengths_b[b]` tokens) to the cache; no recomputation.
+def _rows_where(mask_b: jax.Array, new: Any, old: Any) -> Any:
+  """Per row: `new` where mask_b, else `old` (any leading-B arrays, pytrees alike)."""
+  pick = lambda a, b: jnp.where(mask_b.reshape(mask_b.shape + (1,) * (a.ndim - 1)), a, b)
+  return jax.tree.map(pick, new, old)
 
-  Rows with length 0 are untouched. Returns (state, ok); ok is False (and the state unchanged) when the chunk
-  does not fit in the cache; the caller then ends those trajectories as context-exhausted.
+
+def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int, mesh: Mesh | None = None,
+         rules: models.Rules = (), attention: str = "einsum") -> tuple[SamplerState, jax.Array]:
+  """Applies one `Feed` (see its docstring for the order). Returns (state, ok bool[B]).
+
+  A row whose chunk does not fit its remaining cache slots gets nothing appended and is not started
+  (`ok[b]` False): the caller ends that trajectory as context-exhausted. Rows with nothing to append cost no
+  model work beyond the call's fixed shape, and when no row appends anything there is no forward at all.
   """
-  b, t = tokens_bt.shape
-  segment_ids_bt = (jnp.arange(t)[None, :] < lengths_b[:, None]).astype(jnp.int32)
-  positions_bt = state.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  ok = state.cache.index + t <= state.cache.size
+  w = f.tokens.shape[1]
+  size = state.cache.size
+  # 1. New episodes: an empty row keyed by its episode.
+  cache = state.cache
+  keys = jax.vmap(lambda e: jax.random.key_data(jax.random.fold_in(state.rng, e)))(f.episode)
+  state = state.replace(
+      cache=cache.replace(segment_ids=jnp.where(f.reset[:, None], 0, cache.segment_ids),
+                          index=jnp.where(f.reset, 0, cache.index)),
+      next_position=jnp.where(f.reset, 0, state.next_position),
+      row_key=_rows_where(f.reset, keys, state.row_key),
+      prompt_length=jnp.where(f.reset, 0, state.prompt_length),
+      running=state.running & ~f.reset, finish=jnp.where(f.reset, Finish.NONE, state.finish))
+  # 2. Append each row's chunk where it fits. Compact feeds gather the appending rows (and their caches) into
+  # R rows, run them and scatter them back (index B: a padding entry, dropped).
+  b = state.next_position.shape[0]
+  rows = jnp.arange(b) if f.rows is None else f.rows
+  take = jnp.minimum(rows, b - 1)
+  fits = state.cache.index[take] + f.lengths <= size
+  lengths = jnp.where(fits & (rows < b), f.lengths, 0)
+  ok = jnp.ones((b,), bool).at[rows].set(fits | (f.lengths == 0), mode="drop")
 
-  def run(state):
-    logits_btv, cache = model(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt,
-                              cache=state.cache, attention=attention)
-    last_logits = logits_btv[jnp.arange(b), jnp.maximum(lengths_b - 1, 0)]
-    has = lengths_b > 0
-    return state.replace(cache=_constrain_cache(cache, mesh, rules),
-                         next_logits=jnp.where(has[:, None], last_logits, state.next_logits),
-                         next_position=state.next_position + lengths_b)
+  def append(state):
+    r = rows.shape[0]
+    segment_ids_rt = (jnp.arange(w)[None, :] < lengths[:, None]).astype(jnp.int32)
+    positions_rt = state.next_position[take][:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    logits_rtv, cache = model(f.tokens, positions_bt=positions_rt, segment_ids_bt=segment_ids_rt,
+                              cache=state.cache, cache_rows=f.rows, attention=attention)
+    last = jnp.where((lengths > 0)[:, None], logits_rtv[jnp.arange(r), jnp.maximum(lengths - 1, 0)],
+                     state.next_logits[take])
+    return state.replace(cache=cache.replace(index=state.cache.index.at[rows].add(lengths, mode="drop")),
+                         next_logits=state.next_logits.at[rows].set(last, mode="drop"),
+                         next_position=state.next_position.at[rows].add(lengths, mode="drop"))
 
-  return _constrain_state(jax.lax.cond(ok, run, lambda s: s, state), mesh, rules), ok
+  state = jax.lax.cond(jnp.any(lengths > 0), append, lambda s: s, state)
+  # 3. Completed prompts are remembered for forks.
+  done = f.prompt_done & ok
+  state = state.replace(prompt_logits=jnp.where(done[:, None], state.next_logits, state.prompt_logits),
+                        prompt_length=jnp.where(done, state.cache.index, state.prompt_length))
+
+  # 4. Forks: the prompt's slots, logits and length of another row (its later slots stay invisible: segment 0).
+  # A source whose prompt did not fit (or is not complete) has nothing to give: that fork is refused (ok False).
+  src = jnp.maximum(f.fork, 0)
+  valid_fork = (f.fork >= 0) & ok[src] & (state.prompt_length[src] > 0)
+  ok = ok & ((f.fork < 0) | valid_fork)
+
+  def fork(state):
+    has = valid_fork
+    cache = state.cache
+    length = state.prompt_length[src]
+    seg = jnp.where(jnp.arange(size)[None, :] < length[:, None], cache.segment_ids[src], 0)
+    cache = cache.replace(k=tuple(_rows_where(has, k[src], k) for k in cache.k),
+                          v=tuple(_rows_where(has, v[src], v) for v in cache.v),
+                          segment_ids=jnp.where(has[:, None], seg, cache.segment_ids),
+                          index=jnp.where(has, length, cache.index))
+    return state.replace(cache=cache, next_position=jnp.where(has, length, state.next_position),
+                         next_logits=_rows_where(has, state.prompt_logits[src], state.next_logits),
+                         prompt_logits=_rows_where(has, state.prompt_logits[src], state.prompt_logits),
+                         prompt_length=jnp.where(has, length, state.prompt_length))
+
+  state = jax.lax.cond(jnp.any(valid_fork), fork, lambda s: s, state)
+  # 5. Rows that begin an action.
+  start = f.start & ok
+  state = state.replace(
+      running=state.running | start, n=jnp.where(start, 0, state.n),
+      recent=jnp.where(start[:, None], -2, state.recent),
+      tokens=jnp.where(start[:, None], pad_id, state.tokens),
+      logprobs=jnp.where(start[:, None], 0.0, state.logprobs),
+      raw_logprobs=jnp.where(start[:, None], 0.0, state.raw_logprobs),
+      finish=jnp.where(start, Finish.NONE, state.finish))
+  return _constrain_state(state, mesh, rules), ok
 
 
-def generate(model: models.Transformer, state: SamplerState, active_b: jax.Array, config: SamplingConfig,
-             pad_id: int, *, mesh: Mesh | None = None, rules: models.Rules = ()
-             ) -> tuple[SamplerState, TurnOutput]:
-  """Decodes one turn for the rows in `active_b` in a `lax.while_loop`."""
-  b = active_b.shape[0]
+def decode(model: models.Transformer, state: SamplerState, config: SamplingConfig, max_steps: int | jax.Array,
+           *, mesh: Mesh | None = None, rules: models.Rules = ()) -> SamplerState:
+  """Decodes the running rows for at most `max_steps` tokens (`lax.while_loop`; ends early once none runs).
+
+  A row stops when it samples a stop sequence (STOP), reaches `max_new_tokens` (BUDGET) or has no cache slot
+  left (CONTEXT_FULL): `running` goes False and `finish` says why; its action is `tokens[b, :n[b]]`. Every
+  sampled token is fed into the row's cache, so the cache holds exactly the row's stream. Rows that are not
+  running write only padding (segment 0) at their next slot, which nothing sees and the next write replaces.
+  """
   m = config.max_new_tokens
-  table_np, window = _stop_table(config)
+  size = state.cache.size
+  table_np, _ = _stop_table(config)
   table = jnp.asarray(table_np)
-  rng, turn_key = jax.random.split(state.rng)
-  # Every step's uniforms, drawn before the loop: the loop itself generates no random bits.
-  uniforms_mb = jax.random.uniform(turn_key, (m, b))
+  impl = jax.random.key_impl(state.rng)
 
-  init = dict(
-      state=state.replace(rng=rng), step=jnp.zeros((), jnp.int32), done=~active_b,
-      n=jnp.zeros((b,), jnp.int32), finish=jnp.zeros((b,), jnp.int32),
-      recent=jnp.full((b, window), -2, jnp.int32),
-      tokens=jnp.full((b, m), pad_id, jnp.int32), logprobs=jnp.zeros((b, m), jnp.float32),
-      raw=jnp.zeros((b, m), jnp.float32))
+  def uniforms(row_key_b, position_b):
+    return jax.vmap(lambda k, p: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(k, impl=impl), p))
+                    )(row_key_b, position_b)
 
   def cond(c):
-    return (c["step"] < m) & jnp.any(~c["done"]) & (c["state"].cache.index < c["state"].cache.size)
+    step, st = c
+    return (step < max_steps) & jnp.any(st.running)
 
   def body(c):
-    st = c["state"]
-    running = ~c["done"]
-    token, logp, raw = sample_with_uniform(st.next_logits, uniforms_mb[c["step"]], config)
-    # A running row has produced exactly `step` tokens this turn (rows start together and never restart),
-    # so every row writes column `step`: one in-place column update instead of a per-row scatter.
-    put = lambda buf, x, fill: jax.lax.dynamic_update_slice(
-        buf, jnp.where(running, x, fill).astype(buf.dtype)[:, None], (0, c["step"]))
-    tokens, logprobs = put(c["tokens"], token, pad_id), put(c["logprobs"], logp, 0.0)
-    raws = put(c["raw"], raw, 0.0)
-    n = c["n"] + running
-    recent = jnp.where(running[:, None], jnp.concatenate([c["recent"][:, 1:], token[:, None]], 1), c["recent"])
+    step, st = c
+    full = st.cache.index >= size
+    running = st.running & ~full
+    token, logp, raw = sample_with_uniform(st.next_logits, uniforms(st.row_key, st.next_position), config)
+    at = running[:, None] & (jnp.arange(m)[None, :] == st.n[:, None])
+    n = st.n + running
+    recent = jnp.where(running[:, None], jnp.concatenate([st.recent[:, 1:], token[:, None]], 1), st.recent)
     match = ((recent[:, None, :] == table[None]) | (table[None] == -1)).all(-1).any(-1)
     stopped = running & match
     budget = running & ~stopped & (n >= m)
     logits, cache = model(token[:, None], positions_bt=st.next_position[:, None],
                           segment_ids_bt=running.astype(jnp.int32)[:, None], cache=st.cache)
-    st = st.replace(cache=_constrain_cache(cache, mesh, rules),
+    finish = jnp.where(stopped, Finish.STOP, jnp.where(budget, Finish.BUDGET,
+                                                       jnp.where(st.running & full, Finish.CONTEXT_FULL, st.finish)))
+    st = st.replace(cache=_constrain_cache(cache.replace(index=st.cache.index + running), mesh, rules),
                     next_logits=jnp.where(running[:, None], logits[:, 0], st.next_logits),
-                    next_position=st.next_position + running)
-    finish = jnp.where(stopped, Finish.STOP, jnp.where(budget, Finish.BUDGET, c["finish"]))
-    return dict(state=st, step=c["step"] + 1, done=c["done"] | stopped | budget, n=n, finish=finish,
-                recent=recent, tokens=tokens, logprobs=logprobs, raw=raws)
+                    next_position=st.next_position + running,
+                    tokens=jnp.where(at, token[:, None], st.tokens),
+                    logprobs=jnp.where(at, logp[:, None], st.logprobs),
+                    raw_logprobs=jnp.where(at, raw[:, None], st.raw_logprobs),
+                    n=n, recent=recent, finish=finish.astype(jnp.int32), running=running & ~stopped & ~budget)
+    return step + 1, st
 
-  c = jax.lax.while_loop(cond, body, init)
-  finish = jnp.where(active_b & ~c["done"], Finish.CONTEXT_FULL, c["finish"]).astype(jnp.int32)
-  return _constrain_state(c["state"], mesh, rules), TurnOutput(tokens=c["tokens"], lengths=c["n"],
-                                                                logprobs=c["logprobs"],
-                                raw_logprobs=c["raw"], finish=finish)
+  _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+  return _constrain_state(state, mesh, rules)
+
+
+def turn_output(state: SamplerState, active_b: jax.Array, pad_id: int) -> TurnOutput:
+  """The action each row of `active_b` decoded (zeros / pad for the others)."""
+  keep = active_b[:, None]
+  return TurnOutput(tokens=jnp.where(keep, state.tokens, pad_id), lengths=jnp.where(active_b, state.n, 0),
+                    logprobs=jnp.where(keep, state.logprobs, 0.0),
+                    raw_logprobs=jnp.where(keep, state.raw_logprobs, 0.0),
+                    finish=jnp.where(active_b, state.finish, Finish.NONE).astype(jnp.int32))
 
 
 def repeat(state: SamplerState, times: int) -> SamplerState:
-  """Each row repeated `times` times (rows of one prompt contiguous): prefix reuse for G samples."""
-  rep = lambda x: jnp.repeat(x, times, axis=0)
-  cache = state.cache
-  return state.replace(
-      cache=cache.replace(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
-                          segment_ids=rep(cache.segment_ids)),
-      next_logits=rep(state.next_logits), next_position=rep(state.next_position))
+  """Each row repeated `times` times (rows of one prompt contiguous): prefix reuse for G samples. Row r of the
+  result is keyed as episode r, as if the repeated prompts had been prefilled one per row."""
+  state = jax.tree.map(lambda x: jnp.repeat(x, times, axis=0) if x.ndim else x, state)
+  b = state.next_position.shape[0]
+  keys = jax.vmap(lambda e: jax.random.key_data(jax.random.fold_in(state.rng, e)))(jnp.arange(b))
+  return state.replace(row_key=keys)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,7 +472,14 @@ def repeat(state: SamplerState, times: int) -> SamplerState:
 
 
 class Sampler:
-  """Compiled prefill / generate / extend for one model graph, cache size and sampling config.
+  """Compiled feed / decode (and the one-turn conveniences prefill / generate / extend) for one model graph,
+  cache size and sampling config.
+
+  Two ways to drive it:
+  - slots (the rollout engine): `init`, then any interleaving of `feed` (new episodes, prompt pieces,
+    observation frames, forks, action starts) and `decode` (a bounded chunk of steps for the running rows);
+  - turns (generation, tests, benchmarks): `prefill` prompts, `generate` one action for active rows, `extend`
+    with observations, `repeat` for G samples of one prefill.
 
   Args:
     model: the policy; its graph is fixed, its parameters are passed to each call (they change in training).
@@ -348,8 +488,8 @@ class Sampler:
     pad_id: token written to unused output slots.
     mesh, rules: generation layout; the cache is constrained to `KVCache.K_AXES` / `V_AXES` (batch over
       data, kv heads over tensor).
-    buckets: allowed prompt lengths (static shapes).
-    extend_buckets: allowed lengths of appended chunks (observations).
+    buckets: allowed prompt widths of `prefill` (static shapes).
+    extend_buckets: allowed chunk widths of `extend` and `feed`.
   """
 
   def __init__(self, model: models.Transformer, *, cache_size: int, config: SamplingConfig, pad_id: int,
@@ -357,6 +497,7 @@ class Sampler:
                buckets: Sequence[int] = DEFAULT_BUCKETS,
                extend_buckets: Sequence[int] = DEFAULT_EXTEND_BUCKETS, attention: str = "einsum"):
     self.graphdef, _ = nnx.split(model)
+    self.model_config = model.config
     self.cache_size = cache_size
     self.config = config
     self.pad_id = pad_id
@@ -366,14 +507,98 @@ class Sampler:
     self.rules = rules
     shard = dict(mesh=mesh, rules=rules)
     merge = lambda params: nnx.merge(self.graphdef, params)
-    self._prefill = jax.jit(lambda p, t, s, r: prefill(merge(p), t, s, r, cache_size, attention=attention, **shard))
-    self._generate = jax.jit(lambda p, st, a: generate(merge(p), st, a, config, pad_id, **shard),
-                             donate_argnums=1)
-    self._extend = jax.jit(lambda p, st, t, n: extend(merge(p), st, t, n, attention=attention, **shard),
-                           donate_argnums=1)
-    self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
+    self.merge, self.attention = merge, attention
+    self._programs: dict[tuple, Any] = {}  # compiled callback programs (`run_callback_program`)
+    self._warm: set[int] = set()  # batch sizes whose programs `warm` has compiled
+    self._exchange: Callable | None = None
 
-  def _put_batch(self, x: np.ndarray) -> jax.Array:
+    def new_state(rows, rng):
+      return _constrain_state(init_state(model, rows, cache_size, config, pad_id, rng), mesh, rules)
+
+    def prefill_fn(params, tokens, lengths, rng):
+      rows = tokens.shape[0]
+      f = Feed(tokens=tokens, lengths=lengths, reset=jnp.ones((rows,), bool), episode=jnp.arange(rows),
+               prompt_done=jnp.ones((rows,), bool), fork=jnp.full((rows,), -1), start=jnp.zeros((rows,), bool))
+      return feed(merge(params), new_state(rows, rng), f, pad_id=pad_id, attention=attention, **shard)[0]
+
+    def generate_fn(params, state, active):
+      rows = active.shape[0]
+      none = jnp.zeros((rows,), bool)
+      start = Feed(tokens=jnp.zeros((rows, 1), jnp.int32), lengths=jnp.zeros((rows,), jnp.int32), reset=none,
+                   episode=jnp.zeros((rows,), jnp.int32), prompt_done=none, fork=jnp.full((rows,), -1), start=active)
+      state, _ = feed(merge(params), state, start, pad_id=pad_id, attention=attention, **shard)
+      state = decode(merge(params), state, config, config.max_new_tokens, **shard)
+      return state, turn_output(state, active, pad_id)
+
+    def extend_fn(params, state, tokens, lengths):
+      rows = tokens.shape[0]
+      none = jnp.zeros((rows,), bool)
+      f = Feed(tokens=tokens, lengths=lengths, reset=none, episode=jnp.zeros((rows,), jnp.int32), prompt_done=none,
+               fork=jnp.full((rows,), -1), start=none)
+      return feed(merge(params), state, f, pad_id=pad_id, attention=attention, **shard)
+
+    self._init = jax.jit(new_state, static_argnums=0)
+    self._prefill = jax.jit(prefill_fn)
+    self._generate = jax.jit(generate_fn, donate_argnums=1)
+    self._extend = jax.jit(extend_fn, donate_argnums=1)
+    self._feed = jax.jit(lambda p, st, f: feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard),
+                         donate_argnums=1)
+    self._decode = jax.jit(lambda p, st, steps: decode(merge(p), st, config, steps, **shard), donate_argnums=1)
+
+    def step_fn(p, st, f, steps):
+      st, ok = feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard)
+      return decode(merge(p), st, config, steps, **shard), ok
+
+    self._step = jax.jit(step_fn, donate_argnums=1)
+    self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
+    self._feed_fn = lambda p, st, f: feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard)
+    self._decode_fn = lambda p, st, steps: decode(merge(p), st, config, steps, **shard)
+
+  def run_callback_program(self, params: nnx.State, state: SamplerState, exchange: Callable, width: int,
+                           chunk: int, max_exchanges: int = 1 << 30) -> SamplerState:
+    """A whole rollout as one jitted program: decode `chunk` steps -> `exchange` through io_callback ->
+    feed, until the exchange says stop.
+
+    `exchange(finish, n, tokens, logprobs, ok)` gets numpy arrays of every row (the running actions' state and
+    the last feed's `ok`) and returns the next `Feed`'s fields (tokens [B, width], lengths, reset, episode,
+    prompt_done, fork, start) and `stop`. One compiled program per (rows, width, chunk); the callback is looked
+    up at run time, so the program outlives one rollout's host scheduler. The state is donated.
+    """
+    rows = state.next_position.shape[0]
+    key = (rows, width, chunk, max_exchanges)
+    if key not in self._programs:
+      b = jax.ShapeDtypeStruct
+      shapes = (b((rows, width), jnp.int32), b((rows,), jnp.int32), b((rows,), jnp.bool_), b((rows,), jnp.int32),
+                b((rows,), jnp.bool_), b((rows,), jnp.int32), b((rows,), jnp.bool_), b((), jnp.bool_))
+      trampoline = lambda *args: self._exchange(*args)
+      shard = dict(mesh=self.mesh, rules=self.rules)
+
+      def program(params, state):
+        model = self.merge(params)
+
+        def body(c):
+          state, ok, _, i = c
+          state = decode(model, state, self.config, chunk, **shard)
+          *fields, stop = io_callback(trampoline, shapes, state.finish, state.n, state.tokens, state.logprobs, ok,
+                                      ordered=True)
+          state, ok = feed(model, state, Feed(*fields), pad_id=self.pad_id, attention=self.attention, **shard)
+          return state, ok, stop, i + 1
+
+        init = (state, jnp.ones((rows,), bool), jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+        state, _, stop, _ = jax.lax.while_loop(lambda c: ~c[2] & (c[3] < max_exchanges), body, init)
+        return state, stop
+
+      self._programs[key] = jax.jit(program, donate_argnums=1)
+    self._exchange = exchange
+    try:
+      state, stop = self._programs[key](params, state)
+    finally:
+      self._exchange = None
+    if not bool(stop):
+      raise RuntimeError(f"the rollout program ended after {max_exchanges} exchanges without finishing")
+    return state
+
+  def _put_batch(self, x: Any) -> Any:
     """This process's rows -> the global batch array (rows of process p follow those of p - 1)."""
     return multihost.to_global(x, self.mesh, self.rules)
 
@@ -390,27 +615,96 @@ class Sampler:
     """Numpy copies of this process's rows of batch-leading arrays (all rows in a single process)."""
     return jax.tree.map(multihost.local_rows, tree)
 
+  # -- slots
+
+  def init(self, rows: int, rng: jax.Array) -> SamplerState:
+    """`rows` empty rows (global count); `rng` keys every episode fed into them."""
+    return self._init(rows, rng)
+
+  def feed(self, params: nnx.State, state: SamplerState, f: Feed) -> tuple[SamplerState, jax.Array]:
+    """Applies this process's rows of a host `Feed` (numpy; see `Feed.empty`). The state is donated.
+
+    When the batch lives whole on one device and one process, only the rows that append tokens run, padded
+    to the smallest of `row_buckets` that holds them (one compiled feed per bucket, `Feed.compact`)."""
+    return self._feed(params, state, self._device_feed(f))
+
+  def step(self, params: nnx.State, state: SamplerState, f: Feed, max_steps: int
+           ) -> tuple[SamplerState, jax.Array]:
+    """`feed` then `decode` in one call (one dispatch, one wait). The state is donated."""
+    return self._step(params, state, self._device_feed(f), np.int32(max_steps))
+
+  def _device_feed(self, f: Feed) -> Feed:
+    """The device's copy of a host feed: compacted to a row bucket when only a few rows append tokens."""
+    count = int(np.count_nonzero(f.lengths))
+    fitting = [r for r in self.row_buckets(len(f.lengths)) if r >= count]
+    if f.rows is None and fitting and self._compactable(len(f.lengths)):
+      f = f.compact(fitting[0])
+      return self._put_batch(f.replace(rows=None)).replace(rows=jnp.asarray(f.rows))
+    return self._put_batch(f)
+
+  @staticmethod
+  def row_buckets(rows: int) -> list[int]:
+    """Compacted feed sizes for a batch of `rows`: B/8, B/4, B/2 (a bigger feed runs every row). Few sizes, so
+    few programs to compile; a feed of one row then costs B/8 rows."""
+    return sorted({max(1, rows >> k) for k in (1, 2, 3)} - {rows})
+
+  def warm(self, params: nnx.State, state: SamplerState) -> SamplerState:
+    """Compiles what a rollout calls, now: `step` for every row bucket and the whole batch, `feed` and `decode`
+    (feeds that append nothing, no decode step). With one extend bucket (the trainer's), a rollout then
+    compiles nothing more when its feeds first reach a new size. The state is donated."""
+    b = state.next_position.shape[0] // jax.process_count()
+    if b in self._warm:
+      return state
+    width = max(self.extend_buckets)
+    empty = Feed.empty(b, width, self.pad_id)
+    state, _ = self._step(params, state, self._put_batch(empty), np.int32(0))
+    state, _ = self._feed(params, state, self._put_batch(empty))
+    state = self._decode(params, state, np.int32(0))
+    if jax.process_count() == 1 and self._compactable(b):
+      for r in self.row_buckets(b):
+        f = empty.compact(r)
+        state, _ = self._step(params, state, self._put_batch(f.replace(rows=None)).replace(rows=jnp.asarray(f.rows)),
+                              np.int32(0))
+    self._warm.add(b)
+    return state
+
+  def _compactable(self, rows: int) -> bool:
+    if jax.process_count() > 1:
+      return False
+    if self.mesh is None:
+      return True
+    spec = models.logical_to_spec(("batch",), (rows,), self.mesh, self.rules)
+    axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+    return all(self.mesh.shape[a] == 1 for a in axes)
+
+  def decode(self, params: nnx.State, state: SamplerState, max_steps: int) -> SamplerState:
+    """At most `max_steps` decode steps of the running rows. The state is donated."""
+    return self._decode(params, state, np.int32(max_steps))
+
+  # -- turns
+
   def prefill(self, params: nnx.State, prompts: Sequence[Sequence[int]], rng: jax.Array) -> SamplerState:
-    """Prefills token lists (left-padded to a bucket)."""
+    """Fresh rows holding the prompts (row r keyed as episode r)."""
     length = self._bucket([len(p) for p in prompts], self.buckets)
     if length > self.cache_size:
       raise ValueError(f"prompts need {length} slots (bucketed), the cache has {self.cache_size}")
-    tokens, segments = pad_left(prompts, length, self.pad_id)
-    return self._prefill(params, self._put_batch(tokens), self._put_batch(segments), rng)
+    tokens, lengths = pad_right(prompts, length, self.pad_id)
+    return self._prefill(params, self._put_batch(tokens), self._put_batch(lengths), rng)
 
   def repeat(self, state: SamplerState, times: int) -> SamplerState:
     return self._repeat(state, times)
 
   def generate(self, params: nnx.State, state: SamplerState, active: np.ndarray | jax.Array | None = None
                ) -> tuple[SamplerState, TurnOutput]:
-    """Decodes one turn for `active` rows (default: all). The input state is donated."""
+    """Decodes one action for `active` rows (default: all). The input state is donated."""
     b = state.next_position.shape[0] // jax.process_count()
     active = np.ones((b,), bool) if active is None else np.asarray(active, bool)
     return self._generate(params, state, self._put_batch(active))
 
   def extend(self, params: nnx.State, state: SamplerState, chunks: Sequence[Sequence[int]]
              ) -> tuple[SamplerState, jax.Array]:
-    """Appends one token list per row (empty: untouched), right-padded to a bucket. State is donated."""
+    """Appends one token list per row (empty: untouched), right-padded to a bucket. State is donated.
+    Returns (state, ok bool[B]): a row whose chunk does not fit its remaining slots gets nothing."""
     length = self._bucket([max(1, len(c)) for c in chunks], self.extend_buckets)
     tokens, lengths = pad_right(chunks, length, self.pad_id)
     return self._extend(params, state, self._put_batch(tokens), self._put_batch(lengths))

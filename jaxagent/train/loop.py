@@ -102,7 +102,8 @@ def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], seeds: Sequ
   """Reshards the policy into the rollout layout, rolls out, reshards back (donating each time)."""
   policy = run.layout.to_rollout(state.params)
   try:
-    source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, rng)
+    source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, rng,
+                            decode_chunk=run.config.rollout.decode_chunk)
     trajs, stats = run.engine.run(source, tasks, seeds, group_size=group_size,
                                   policy_version=int(state.policy_version))
   finally:
@@ -391,7 +392,8 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
       **prepared.stats,
       "learning_rate": float(run.schedule(int(state.step) - 1)),
       "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
-      "time/extend_s": stats.extend_s, "time/iteration_s": time.perf_counter() - wall0,
+      "time/extend_s": stats.extend_s, "time/rollout_idle_s": stats.idle_s,
+      "time/iteration_s": time.perf_counter() - wall0,
       **stage, **{k: float(v) for k, v in m.items()}, **counters, **refill,
   }
   # Like reward_mean, over the first-round sample. Reward components: this process's rows (their names

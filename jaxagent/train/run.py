@@ -292,9 +292,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
 
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rows = global_rows // num_processes
+  slots = (cfg.rollout.slots or global_rows) // num_processes  # decode slots = env instances, per process
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
       cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
-      action_syntax=syntax), num_slots=rows)
+      action_syntax=syntax), num_slots=slots)
   sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=chat.stop_sequences)
   buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < cfg.rollout.max_context) + (
@@ -308,7 +309,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                                           extend_buckets=(chat.frame_length,), mesh=mesh, rules=rollout_rules,
                                           attention=cfg.model.attention)
   engine = RolloutEngine(pool, env_spec, chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
-                         invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning)
+                         invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
+                         schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
 
   # Tasks: a grain pipeline over the train split. Every process walks the same global sequence of batches and
   # keeps its contiguous slice, so the global batch (and every row's seed and sampling key) is the same for
