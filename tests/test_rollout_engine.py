@@ -151,3 +151,13 @@ def test_lockstep_waits_for_the_slowest_env_of_its_wave():
 def test_fault_env_latency_is_validated():
   with pytest.raises(ValueError, match="latency_median_s=-1"):
     FAULTS.tasks("train", 1, 0, latency_median_s=-1)
+
+
+def test_slots_must_shard_evenly_over_the_rollout_batch_axes(tmp_path):
+  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent.train.run import build_run  # pylint: disable=g-import-not-at-top
+  from tests.test_train import TINY  # pylint: disable=g-import-not-at-top
+  assert jax.device_count() == 8  # tests/conftest.py: the tiny_cpu mesh puts the batch over data=8
+  config = config_lib.load("tiny_cpu", TINY + [f"run.root={tmp_path}", "rollout.slots=6"])
+  with pytest.raises(config_lib.ConfigError, match=r"rollout.slots=6: must be divisible by the 8 devices"):
+    build_run(config, tmp_path / "run")

@@ -65,6 +65,13 @@ class RowAction:
   finish: Finish
 
 
+def finished_actions(running, finish, n, tokens, logprobs) -> dict[int, RowAction]:
+  """The actions of the `running` rows that have finished (`SamplerState` fields as numpy arrays)."""
+  finish, n, tokens, logprobs = map(np.asarray, (finish, n, tokens, logprobs))
+  return {int(i): RowAction(tokens[i, :n[i]].tolist(), logprobs[i, :n[i]].tolist(), Finish(int(finish[i])))
+          for i in np.flatnonzero(running) if finish[i] != Finish.NONE}
+
+
 class Actor(abc.ABC):
   """The side of a rollout that produces actions: slots that are fed tokens and decode actions.
 
@@ -162,9 +169,7 @@ class SampledActions(Actor):
 
   def _actions(self, running):
     st = self.state
-    finish, n, tokens, logprobs = self.sampler.to_host((st.finish, st.n, st.tokens, st.logprobs))
-    return {int(i): RowAction(tokens[i, :n[i]].tolist(), logprobs[i, :n[i]].tolist(), Finish(int(finish[i])))
-            for i in np.flatnonzero(running) if finish[i] != Finish.NONE}
+    return finished_actions(running, *self.sampler.to_host((st.finish, st.n, st.tokens, st.logprobs)))
 
   # -- the callback transport
 
@@ -660,7 +665,7 @@ class _Scheduler:
     t0 = time.perf_counter()
     if futures:
       concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-    elif inflight:  # answered since the last look: collect them
+    elif inflight or self.queue:  # answered since the last look, or slots just freed: go on
       return
     elif timeout is None:  # nothing in flight, nothing to feed or decode: no event can ever come
       states = [(e.index, e.state.value, len(e.pending)) for e in self.slot_episode if e is not None]
@@ -695,16 +700,21 @@ class _Scheduler:
       return None
     return tau - max(soon)
 
-  def host_loop(self) -> None:
-    agree = (lambda flags: flags) if jax.process_count() == 1 else multihost.host_max
+  def _poll(self):
+    """Admits episodes into free slots and takes the envs' answers (waiting while `_hold` says so); returns
+    the next feed and its plan (`_plan`)."""
     while True:
       self._admit()
       self._collect()
       hold = self._hold()
-      if hold is not None:
-        self._wait(hold)
-        continue
-      f, plan = self._plan()
+      if hold is None:
+        return self._plan()
+      self._wait(hold)
+
+  def host_loop(self) -> None:
+    agree = (lambda flags: flags) if jax.process_count() == 1 else multihost.host_max
+    while True:
+      f, plan = self._poll()
       # Feed and decode are collective: every process calls them together, with or without rows of its own.
       has_feed, live = agree(np.asarray([f is not None, self.remaining > 0], np.int32))
       if not live:
@@ -743,21 +753,9 @@ class _Scheduler:
     ok = np.asarray(ok)
     if self.last_feed:  # fed (and decoding from) when the program resumed after the last exchange
       self._after_feed(self.last_feed, ok, self.device_mark)
-    running = self._running()
-    finish = np.asarray(finish)
-    done = [i for i in np.flatnonzero(running) if finish[i] != Finish.NONE]
-    if done:
-      n, tokens, logprobs = np.asarray(n), np.asarray(tokens), np.asarray(logprobs)
-      self._after_decode({int(i): RowAction(tokens[i, :n[i]].tolist(), logprobs[i, :n[i]].tolist(),
-                                            Finish(int(finish[i]))) for i in done})
+    self._after_decode(finished_actions(self._running(), finish, n, tokens, logprobs))
     while True:
-      self._admit()
-      self._collect()
-      hold = self._hold()
-      if hold is not None:
-        self._wait(hold)
-        continue
-      f, plan = self._plan()
+      f, plan = self._poll()
       if f is not None or self._running().any() or self.remaining == 0:
         break
       self._wait(None)

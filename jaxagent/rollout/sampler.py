@@ -372,18 +372,23 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
   ok = ok & ((f.fork < 0) | valid_fork)
 
   def fork(state):
-    has = valid_fork
-    cache = state.cache
-    length = state.prompt_length[src]
-    seg = jnp.where(jnp.arange(size)[None, :] < length[:, None], cache.segment_ids[src], 0)
-    cache = cache.replace(k=tuple(_rows_where(has, k[src], k) for k in cache.k),
-                          v=tuple(_rows_where(has, v[src], v) for v in cache.v),
-                          segment_ids=jnp.where(has[:, None], seg, cache.segment_ids),
-                          index=jnp.where(has, length, cache.index))
-    return state.replace(cache=cache, next_position=jnp.where(has, length, state.next_position),
-                         next_logits=_rows_where(has, state.prompt_logits[src], state.next_logits),
-                         prompt_logits=_rows_where(has, state.prompt_logits[src], state.prompt_logits),
-                         prompt_length=jnp.where(has, length, state.prompt_length))
+    # One row at a time (a while loop over the forking rows): a copy moves one cache row, never the batch.
+    dst_list = jnp.nonzero(valid_fork, size=valid_fork.shape[0], fill_value=0)[0]
+
+    def copy(i, st):
+      d = dst_list[i]
+      s = f.fork[d]
+      cache = st.cache
+      length = st.prompt_length[s]
+      seg = jnp.where(jnp.arange(size) < length, cache.segment_ids[s], 0)
+      cache = cache.replace(k=tuple(k.at[d].set(k[s]) for k in cache.k), v=tuple(v.at[d].set(v[s]) for v in cache.v),
+                            segment_ids=cache.segment_ids.at[d].set(seg), index=cache.index.at[d].set(length))
+      return st.replace(cache=cache, next_position=st.next_position.at[d].set(length),
+                        next_logits=st.next_logits.at[d].set(st.prompt_logits[s]),
+                        prompt_logits=st.prompt_logits.at[d].set(st.prompt_logits[s]),
+                        prompt_length=st.prompt_length.at[d].set(length))
+
+    return jax.lax.fori_loop(0, jnp.sum(valid_fork), copy, state)
 
   state = jax.lax.cond(jnp.any(valid_fork), fork, lambda s: s, state)
   # 5. Rows that begin an action.

@@ -20,6 +20,7 @@ from typing import Any, Callable, Literal
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -293,6 +294,13 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rows = global_rows // num_processes
   slots = (cfg.rollout.slots or global_rows) // num_processes  # decode slots = env instances, per process
+  spec = models.logical_to_spec(("batch",), (slots * num_processes * mesh.size,), mesh, rollout_rules)[0]
+  batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+  shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+  if cfg.rollout.slots is not None and cfg.rollout.slots % shards:
+    raise config_lib.ConfigError(
+        f"rollout.slots={cfg.rollout.slots}: must be divisible by the {shards} devices the rollout batch is "
+        f"sharded over (mesh axes {batch_axes}), or every device would hold every slot's KV cache")
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
       cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
       action_syntax=syntax), num_slots=slots)
