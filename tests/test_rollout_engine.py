@@ -161,3 +161,17 @@ def test_slots_must_shard_evenly_over_the_rollout_batch_axes(tmp_path):
   config = config_lib.load("tiny_cpu", TINY + [f"run.root={tmp_path}", "rollout.slots=6"])
   with pytest.raises(config_lib.ConfigError, match=r"rollout.slots=6: must be divisible by the 8 devices"):
     build_run(config, tmp_path / "run")
+
+
+def test_a_prompt_longer_than_the_context_ends_its_whole_group_before_any_turn():
+  """The prefiller's last piece does not fit, and its group's forks (planned in the same feed) are refused on
+  the device too: no episode decodes from a context it does not have."""
+  sampler, params = _sampler(cache_size=64)
+  tasks = FAULTS.tasks("train", 2, 0)
+  tasks[0] = dataclasses.replace(tasks[0], id="long-" + "y" * 80)  # ~100 prompt tokens > 64 slots
+  trajs, _ = _run(sampler, params, tasks, slots=4, group_size=2, max_turns=2)
+  for t in trajs[:2]:
+    assert t.termination == envs.Termination.CONTEXT_EXHAUSTED and not t.turns
+    assert not (t.roles == tr.Role.POLICY).any() and len(t.tokens) <= 64
+  for t in trajs[2:]:  # the other group had its prompt and acted (64 slots hold about one turn of it)
+    assert t.turns and (t.roles == tr.Role.POLICY).any()
