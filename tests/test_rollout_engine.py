@@ -127,9 +127,8 @@ def test_a_slow_env_holds_only_its_own_episode_and_timings_are_per_trajectory():
   slow, fast = trajs[0], trajs[1:]
   assert slow.termination == envs.Termination.MAX_TURNS and len(slow.turns) == 3
   assert slow.timing.env_s >= 3 * 1.0 * 0.9 and all(t.timing.env_s < 1.0 for t in fast)
-  # The two other slots ran the fast episodes while the slow one waited on its env. (Most, not all: with 8
-  # fake devices one or two late fast episodes were seen waiting ~1 s for their feed; see the issue notes.)
-  assert sum(t.timing.ended_s < slow.timing.ended_s / 2 for t in fast) >= 5
+  # The two other slots ran all seven fast episodes while the slow one waited on its env.
+  assert max(t.timing.ended_s for t in fast) < slow.timing.ended_s / 2
   assert {t.metadata["slot"] for t in fast} == {1, 2} and slow.metadata["slot"] == 0
   for t in trajs:
     timing = t.timing

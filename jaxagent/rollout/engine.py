@@ -663,10 +663,14 @@ class _Scheduler:
     inflight = [e.future for e in self.slot_episode if e is not None and e.future is not None]
     futures = [f for f in inflight if not f.done()]
     t0 = time.perf_counter()
+    # An env answered since the last look (waiting on the others would strand it; lockstep holds answers back
+    # on purpose until its wave is complete), or a slot was just freed for the next episode: go on.
+    answered = len(futures) < len(inflight) and (not self.lockstep or not futures)
+    admittable = bool(self.queue) and None in self.slot_episode and not (self.lockstep and self.live)
+    if answered or admittable:
+      return
     if futures:
       concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-    elif inflight or self.queue:  # answered since the last look, or slots just freed: go on
-      return
     elif timeout is None:  # nothing in flight, nothing to feed or decode: no event can ever come
       states = [(e.index, e.state.value, len(e.pending)) for e in self.slot_episode if e is not None]
       raise RuntimeError(f"rollout stalled with {self.remaining} episodes left: (episode, state, pending) {states}")
