@@ -563,8 +563,7 @@ class _Scheduler:
     if not feeding or (self.lockstep and any(e.state in (_State.RESETTING, _State.STEPPING)
                                              for e in self.slot_episode if e is not None)):
       return None, []
-    pieces = {id(e): e.pending[:self.actor.width] for e in feeding if e.pending}
-    width = self.actor.width_for(max((len(p) for p in pieces.values()), default=1))
+    width = self.actor.width_for(max((min(len(e.pending), self.actor.width) for e in feeding), default=1))
     f = Feed.empty(self.engine.slots, width, self.chat.tokenizer.pad_id)
     plan = []
     completes = {}  # prompt -> slot of the episode that completes it in this call

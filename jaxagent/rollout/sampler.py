@@ -556,8 +556,6 @@ class Sampler:
 
     self._step = jax.jit(step_fn, donate_argnums=1)
     self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
-    self._feed_fn = lambda p, st, f: feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard)
-    self._decode_fn = lambda p, st, steps: decode(merge(p), st, config, steps, **shard)
 
   def run_callback_program(self, params: nnx.State, state: SamplerState, exchange: Callable, width: int,
                            chunk: int, max_exchanges: int = 1 << 30) -> SamplerState:
