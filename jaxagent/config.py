@@ -287,6 +287,33 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TasksConfig:
+  """Task supply (jaxagent/tasks): which train tasks each iteration draws, and the contamination gate."""
+  sampler: Literal["uniform", "frontier"] = field(
+      "uniform", help="uniform: the shuffled train stream; frontier: draw ∝ p(1−p) + exploration from an active "
+      "set with per-task success estimates (retire mastered / never-solved tasks, refill from the stream)")
+  active: int = field(64, ge=1, help="frontier: tasks tracked at once (at least train.tasks_per_iteration)")
+  prior: float = field(0.5, gt=0.0, lt=1.0, help="frontier: prior success rate of a new task")
+  prior_strength: float = field(2.0, gt=0.0, help="frontier: pseudo-samples behind the prior (Beta(a0, b0), "
+                                "a0 + b0 = strength)")
+  decay: float = field(0.95, gt=0.0, le=1.0, help="frontier: evidence kept per update (old outcomes fade "
+                       "toward the prior as the policy moves; 1: never)")
+  exploration: float = field(0.1, ge=0.0, le=1.0, help="frontier: share of the draw probability spread evenly "
+                             "over the active tasks")
+  mastered: float = field(0.9, gt=0.0, le=1.0, help="frontier: retire a task whose estimate reaches this")
+  min_attempts: int = field(8, ge=1, help="frontier: samples before a task may retire as mastered")
+  unsolved_attempts: int = field(32, ge=1, help="frontier: retire a task never solved in this many samples "
+                                 "(reported: too hard now, or broken)")
+  contamination: Literal["refuse", "warn", "off"] = field(
+      "refuse", help="at startup, near-duplicates of eval tasks among the train tasks the run can draw: refuse "
+      "above max_contamination, warn, or skip the check")
+  max_contamination: float = field(0.0, ge=0.0, le=1.0, help="largest tolerated fraction of eval tasks with a "
+                                   "near-duplicate in train")
+  near_duplicate: float = field(0.8, gt=0.0, le=1.0, help="estimated Jaccard similarity (MinHash of character "
+                                "5-grams of the task's payload values) at which two tasks are near-duplicates")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   run: RunConfig = field(RunConfig())
   model: ModelSection = field(ModelSection())
@@ -298,6 +325,7 @@ class Config:
   rollout: RolloutConfig = field(RolloutConfig())
   env: EnvConfig = field(EnvConfig())
   train: TrainConfig = field(TrainConfig())
+  tasks: TasksConfig = field(TasksConfig())
 
   def __post_init__(self):
     check_combinations(self, self.distributed.num_processes or 1)
@@ -340,6 +368,9 @@ def check_combinations(config: Config, num_processes: int) -> None:
   if rollout.env_transport == "callback" and num_processes > 1:
     raise ConfigError(f"rollout.env_transport='callback' runs in a single process for now, not {where}; use "
                       "rollout.env_transport=host_loop")
+  if config.tasks.sampler == "frontier" and config.tasks.active < train.tasks_per_iteration:
+    raise ConfigError(f"tasks.active={config.tasks.active}: the frontier draws train.tasks_per_iteration="
+                      f"{train.tasks_per_iteration} distinct tasks from its active set; use at least that many")
   rows = train.tasks_per_iteration * train.group_size // num_processes
   if rows % train.micro_batches:
     raise ConfigError(f"train.micro_batches={train.micro_batches}: must divide the {rows} trajectories each "

@@ -40,6 +40,7 @@ from jaxagent import trajectory_store
 from jaxagent.assembly import Batch, advantage_inputs, assemble
 from jaxagent.config import Config
 from jaxagent.rollout.engine import RolloutStats, SampledActions, ScriptedActions
+from jaxagent.tasks import supply as task_supply
 from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.run import Run, build_run, stable_seed
@@ -296,6 +297,14 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
                            {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
 
 
+def record_outcomes(run: Run, tasks: Sequence[envs.Task], trajectories: Sequence[tr.Trajectory]
+                    ) -> dict[str, float]:
+  """Tells the task supply how each task's group did (verifier passes among the trained samples)."""
+  shape = (len(tasks), run.config.train.group_size)
+  passed = np.asarray([bool(t.verifier.passed) for t in trajectories]).reshape(shape)
+  return run.tasks.record(tasks, passed, trained_rows(run, trajectories).reshape(shape))
+
+
 def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list[tr.Trajectory], stats):
   """DAPO dynamic sampling (Yu et al. 2025): a group whose rewards are all equal carries no GRPO signal.
 
@@ -318,13 +327,15 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
   flat = [not varied(group) for group in chosen]
   unused, rounds, sampled_groups = [], 0, len(chosen)
   process = jax.process_index()
+  curriculum = {}
   while rounds < cfg.train.dynamic_sampling_rounds and multihost.host_sum(np.asarray(sum(flat))) > 0:
     rounds += 1
-    tasks = next(run.tasks)
+    tasks = run.tasks.draw(iteration, rounds)
     seeds = [stable_seed(cfg.run.seed, "env", iteration, "refill", rounds, process * run.rows + i)
              for i in range(run.rows)]
     state, more, more_stats = collect(run, state, tasks, seeds, group_size=g,
                                       rng=run.rollout_key(state.rng, iteration, rounds))
+    curriculum = record_outcomes(run, tasks, more)
     stats = stats + more_stats
     for slot, group in enumerate(chunks(more)):
       sampled_groups += 1
@@ -335,7 +346,8 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
         unused += group
   metrics = {"dynamic_sampling/rounds": rounds,
              "dynamic_sampling/groups_sampled": int(multihost.host_sum(sampled_groups)),
-             "dynamic_sampling/zero_variance_groups_trained": int(multihost.host_sum(sum(flat)))}
+             "dynamic_sampling/zero_variance_groups_trained": int(multihost.host_sum(sum(flat))),
+             **{k: v for k, v in curriculum.items() if k in task_supply.COUNTER_METRICS}}
   return state, [t for group in chosen for t in group], unused, stats, metrics
 
 
@@ -346,12 +358,13 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   it, state = progress.iteration, progress.state
   timer = metrics_lib.StageTimer()
   wall0 = time.perf_counter()
-  tasks = next(run.tasks)  # this process's slice of the global batch of tasks
+  tasks = run.tasks.draw(it, 0)  # this process's slice of the global batch of tasks
   process = jax.process_index()
   seeds = [stable_seed(cfg.run.seed, "env", it, process * run.rows + i) for i in range(run.rows)]
   rng = run.rollout_key(state.rng, it, 0)
   with timer("rollout"):
     state, sampled, stats = collect(run, state, tasks, seeds, group_size=cfg.train.group_size, rng=rng)
+    curriculum = record_outcomes(run, tasks, sampled)
     trajs, extra, refill = sampled, [], {}
     if cfg.train.dynamic_sampling:
       state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats)
@@ -394,7 +407,7 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
       "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
       "time/extend_s": stats.extend_s, "time/rollout_idle_s": stats.idle_s,
       "time/iteration_s": time.perf_counter() - wall0,
-      **stage, **{k: float(v) for k, v in m.items()}, **counters, **refill,
+      **stage, **{k: float(v) for k, v in m.items()}, **counters, **curriculum, **refill,
   }
   # Like reward_mean, over the first-round sample. Reward components: this process's rows (their names
   # come from the env and may differ between processes, so they are not gathered).

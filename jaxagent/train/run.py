@@ -17,7 +17,6 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +35,7 @@ from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateEr
 from jaxagent.config import Config
 from jaxagent.rollout.engine import RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
+from jaxagent.tasks import supply as task_supply
 from jaxagent.train import checkpointing
 from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
 from jaxagent.train.step import cast_floating, make_train_step, make_value_fn, policy_params
@@ -120,7 +120,7 @@ class Run:
   engine: RolloutEngine
   sampler: Sampler                     # rollout sampling (rollout.temperature)
   eval_sampler: Sampler                # evaluation sampling (train.eval_temperature)
-  tasks: Any                           # grain iterator over this process's task batches (None for eval)
+  tasks: task_supply.TaskSupply | None # the train tasks each round draws (None for eval)
   checkpointer: checkpointing.TrainCheckpointer
   model_config: dict[str, Any]         # HF-style, stored with checkpoints
   rows: int
@@ -320,16 +320,14 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                          invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
                          schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
 
-  # Tasks: a grain pipeline over the train split. Every process walks the same global sequence of batches and
-  # keeps its contiguous slice, so the global batch (and every row's seed and sampling key) is the same for
-  # any number of processes.
+  # Tasks: the uniform stream or the frontier curriculum over the train split (jaxagent/tasks). Every process
+  # draws the same global batch and keeps its contiguous slice, so the global batch (and every row's seed and
+  # sampling key) is the same for any number of processes.
   tasks = None
   if purpose == "train":
     task_list = env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(cfg.env.options or {}))
-    local = cfg.train.tasks_per_iteration // num_processes
-    tasks = iter(grain.MapDataset.source(task_list).shuffle(seed=cfg.run.seed).repeat()
-                 .batch(cfg.train.tasks_per_iteration, batch_fn=list)
-                 .map(lambda batch: batch[process * local:(process + 1) * local]))
+    tasks = task_supply.make_supply(task_list, cfg.tasks, seed=cfg.run.seed, batch=cfg.train.tasks_per_iteration,
+                                    process=process, num_processes=num_processes)
 
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,

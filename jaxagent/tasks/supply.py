@@ -1,0 +1,212 @@
+"""Which train tasks each rollout round draws: the shuffled stream (`UniformTasks`) or a frontier curriculum
+(`FrontierTasks`). Both are deterministic functions of (config, state): the state goes into every checkpoint and
+a resumed run draws the same task sequence as an uninterrupted one.
+
+The source of tasks is one grain pipeline over the train split's task indices, shuffled and repeated: the uniform
+supply batches it, the frontier refills its active set from it (one index at a time).
+
+Frontier (DESIGN §2.7: tasks always or never solved give GRPO no signal). Each active task i keeps a Beta
+posterior of its success rate under the current policy:
+
+    a_i = a0 + Σ decayed successes,  b_i = b0 + Σ decayed failures,  p_i = a_i / (a_i + b_i)
+
+with the prior a0 = prior · strength, b0 = (1 − prior) · strength. After every rollout round all evidence decays
+(a ← a0 + decay · (a − a0), the same for b), so estimates follow the moving policy, and the round's outcomes are
+added. A round draws B distinct active tasks with probability
+
+    q_i = (1 − ε) · p_i (1 − p_i) / Σ_j p_j (1 − p_j)  +  ε / N
+
+(p(1−p) is the variance of a task's reward, the GRPO signal; ε explores). A task retires when mastered (p_i ≥
+`mastered` after `min_attempts` samples) or when never solved in `unsolved_attempts` samples; the stream refills
+the set. Only trained outcomes count (an infrastructure failure says nothing about the task).
+
+Multi-process: every process holds the same state, draws the same global batch and keeps its contiguous slice;
+`record` gathers every process's outcomes first, so the state stays identical everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Protocol, Sequence
+
+import grain
+import numpy as np
+
+import envs
+from jaxagent import multihost
+from jaxagent.config import ConfigError, TasksConfig
+
+
+# Cumulative frontier counters among `record`'s metrics (a later round's values replace an earlier round's).
+COUNTER_METRICS = ("curriculum/added", "curriculum/retired_mastered", "curriculum/retired_unsolved")
+
+
+def stream(num_tasks: int, seed: int):
+  """The train stream: task indices, shuffled once per epoch (grain), repeated forever."""
+  return grain.MapDataset.range(num_tasks).shuffle(seed=seed).repeat()
+
+
+class TaskSupply(Protocol):
+  """What the loop asks of a task supply."""
+
+  def draw(self, iteration: int, round_: int) -> list[envs.Task]:
+    """This process's slice of the round's global batch of train tasks."""
+
+  def record(self, tasks: Sequence[envs.Task], passed: np.ndarray, counted: np.ndarray) -> dict[str, float]:
+    """The round's outcomes: `passed`/`counted` are [local tasks, G] (counted: a trained sample). Returns
+    metrics."""
+
+  def get_state(self) -> dict[str, Any]: ...
+
+  def set_state(self, state: Mapping[str, Any]) -> None: ...
+
+  def horizon(self, iterations: int, rounds: int) -> list[int]:
+    """Indices (into the task list) of every train task a run of `iterations` can draw (contamination check)."""
+
+
+class UniformTasks:
+  """The shuffled train stream in batches of B (the data order of every run before the frontier existed)."""
+
+  kind = "uniform"
+
+  def __init__(self, task_list: Sequence[envs.Task], *, seed: int, batch: int, process: int, num_processes: int):
+    self.task_list, self.seed = task_list, seed
+    self._iter = iter(stream(len(task_list), seed).batch(batch, batch_fn=list))
+    self._batch, self._local, self._process = batch, batch // num_processes, process
+
+  def draw(self, iteration: int, round_: int) -> list[envs.Task]:
+    del iteration, round_  # the stream's position is the state
+    batch = next(self._iter)
+    return [self.task_list[i] for i in batch[self._process * self._local:(self._process + 1) * self._local]]
+
+  def record(self, tasks, passed, counted) -> dict[str, float]:
+    return {}
+
+  def get_state(self) -> dict[str, Any]:
+    return self._iter.get_state()
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    if isinstance(state, Mapping) and state.get("kind", self.kind) != self.kind:
+      raise ConfigError(f"the checkpoint's task supply is tasks.sampler={state.get('kind')!r}, this run's is "
+                        f"{self.kind!r}: resume with --set tasks.sampler={state.get('kind')}")
+    self._iter.set_state(dict(state))
+
+  def horizon(self, iterations: int, rounds: int) -> list[int]:
+    ds = stream(len(self.task_list), self.seed)
+    return sorted({int(ds[i]) for i in range(min(len(self.task_list), iterations * rounds * self._batch))})
+
+
+@dataclasses.dataclass
+class _Entry:
+  """One active task: its index in the task list, Beta pseudo-counts and raw sample counts."""
+  index: int
+  a: float
+  b: float
+  attempts: int = 0
+  successes: int = 0
+
+  @property
+  def p(self) -> float:
+    return self.a / (self.a + self.b)
+
+
+class FrontierTasks:
+  """The frontier curriculum (see the module docstring)."""
+
+  kind = "frontier"
+
+  def __init__(self, task_list: Sequence[envs.Task], config: TasksConfig, *, seed: int, batch: int, process: int,
+               num_processes: int):
+    self.task_list, self.config, self.seed = task_list, config, seed
+    self._batch, self._local, self._process = batch, batch // num_processes, process
+    self._a0, self._b0 = config.prior * config.prior_strength, (1 - config.prior) * config.prior_strength
+    self._source = iter(stream(len(task_list), seed))
+    self.active: list[_Entry] = []
+    self.counters = dict(added=0, retired_mastered=0, retired_unsolved=0, rounds=0)
+    self._refill()
+    self._last: list[int] = []  # positions in `active` of the last draw (global batch order)
+
+  def _refill(self) -> None:
+    held = {e.index for e in self.active}
+    while len(self.active) < self.config.active:
+      index = int(next(self._source))
+      if index in held:  # the stream came round to a task still active (more active tasks than the list)
+        if len(held) >= len(self.task_list):
+          break
+        continue
+      held.add(index)
+      self.active.append(_Entry(index, self._a0, self._b0))
+      self.counters["added"] += 1
+
+  def probabilities(self) -> np.ndarray:
+    p = np.asarray([e.p for e in self.active], np.float64)
+    w = p * (1 - p)
+    eps = self.config.exploration
+    return (1 - eps) * w / w.sum() + eps / len(w)
+
+  def draw(self, iteration: int, round_: int) -> list[envs.Task]:
+    from jaxagent.train.run import stable_seed  # pylint: disable=g-import-not-at-top  (no cycle at import time)
+    rng = np.random.default_rng(stable_seed(self.seed, "frontier", iteration, round_))
+    picks = rng.choice(len(self.active), size=self._batch, replace=False, p=self.probabilities())
+    self._last = [int(i) for i in picks]
+    mine = self._last[self._process * self._local:(self._process + 1) * self._local]
+    return [self.task_list[self.active[i].index] for i in mine]
+
+  def record(self, tasks, passed, counted) -> dict[str, float]:
+    passed = multihost.host_gather(np.asarray(passed, np.int64) * np.asarray(counted, np.int64))
+    counted = multihost.host_gather(np.asarray(counted, np.int64))
+    if len(passed) != len(self._last):
+      raise AssertionError(f"record: {len(passed)} task outcomes for a draw of {len(self._last)}")
+    cfg, a0, b0 = self.config, self._a0, self._b0
+    drawn_p = [self.active[i].p for i in self._last]
+    for e in self.active:
+      e.a, e.b = a0 + cfg.decay * (e.a - a0), b0 + cfg.decay * (e.b - b0)
+    for i, k, n in zip(self._last, passed.sum(axis=1), counted.sum(axis=1)):
+      e = self.active[i]
+      e.a, e.b = e.a + float(k), e.b + float(n - k)
+      e.attempts, e.successes = e.attempts + int(n), e.successes + int(k)
+    keep = []
+    for e in self.active:
+      if e.attempts >= cfg.min_attempts and e.p >= cfg.mastered:
+        self.counters["retired_mastered"] += 1
+      elif e.successes == 0 and e.attempts >= cfg.unsolved_attempts:
+        self.counters["retired_unsolved"] += 1
+      else:
+        keep.append(e)
+    self.active, self._last = keep, []
+    self.counters["rounds"] += 1
+    self._refill()
+    p = np.asarray([e.p for e in self.active])
+    return {"curriculum/drawn_p_mean": float(np.mean(drawn_p)),
+            "curriculum/drawn_signal": float(np.mean([q * (1 - q) for q in drawn_p])),
+            "curriculum/active_p_mean": float(p.mean()),
+            **{f"curriculum/{k}": float(v) for k, v in self.counters.items() if k != "rounds"}}
+
+  def get_state(self) -> dict[str, Any]:
+    if self._last:
+      raise AssertionError("a frontier state is taken between rounds (a draw is waiting for its record)")
+    return {"kind": self.kind, "source": self._source.get_state(), "counters": dict(self.counters),
+            "active": [[e.index, e.a, e.b, e.attempts, e.successes] for e in self.active]}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    if not isinstance(state, Mapping) or state.get("kind") != self.kind:
+      kind = state.get("kind", "uniform") if isinstance(state, Mapping) else type(state).__name__
+      raise ConfigError(f"the checkpoint's task supply is tasks.sampler={kind!r}, this run's is 'frontier': "
+                        f"resume with --set tasks.sampler={kind}")
+    self._source.set_state(dict(state["source"]))
+    self.counters = {k: int(v) for k, v in state["counters"].items()}
+    self.active = [_Entry(int(i), float(a), float(b), int(n), int(k)) for i, a, b, n, k in state["active"]]
+    self._last = []
+
+  def horizon(self, iterations: int, rounds: int) -> list[int]:
+    # Every draw retires at most its B tasks, so the stream gives at most `active` + B per round.
+    ds = stream(len(self.task_list), self.seed)
+    n = min(len(self.task_list), self.config.active + iterations * rounds * self._batch)
+    return sorted({int(ds[i]) for i in range(n)})
+
+
+def make_supply(task_list: Sequence[envs.Task], config: TasksConfig, *, seed: int, batch: int, process: int,
+                num_processes: int) -> TaskSupply:
+  if config.sampler == "frontier":
+    return FrontierTasks(task_list, config, seed=seed, batch=batch, process=process, num_processes=num_processes)
+  return UniformTasks(task_list, seed=seed, batch=batch, process=process, num_processes=num_processes)
