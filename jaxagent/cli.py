@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(func=_cmd_generate)
   __import__("jaxagent.inspect_cli", fromlist=["register"]).register(sub)
   __import__("envs.cli", fromlist=["register"]).register(sub)
+  __import__("jaxagent.tasks.cli", fromlist=["register"]).register(sub)
   return parser
 
 

@@ -304,6 +304,8 @@ class TasksConfig:
   min_attempts: int = field(8, ge=1, help="frontier: samples before a task may retire as mastered")
   unsolved_attempts: int = field(32, ge=1, help="frontier: retire a task never solved in this many samples "
                                  "(reported: too hard now, or broken)")
+  train_file: str | None = field(None, help="train on the tasks of this JSONL file (`jaxagent tasks filter` "
+                                 "output) instead of the env's generator")
   contamination: Literal["refuse", "warn", "off"] = field(
       "refuse", help="at startup, near-duplicates of eval tasks among the train tasks the run can draw: refuse "
       "above max_contamination, warn, or skip the check")

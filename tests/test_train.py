@@ -133,12 +133,18 @@ def _train_cmd(run_root: Path, *extra):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("sampler", ["uniform", "frontier"])
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sampler):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(ROOT))
-  subprocess.run(_train_cmd(tmp_path / "a"), check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+  # frontier: a small active set, so tasks are drawn again and retire within 5 iterations.
+  extra = ["--set", f"tasks.sampler={sampler}"] + (["--set", "tasks.active=3", "--set", "tasks.min_attempts=4",
+                                                    "--set", "tasks.unsolved_attempts=8"]
+                                                   if sampler == "frontier" else [])
+  subprocess.run(_train_cmd(tmp_path / "a", *extra), check=True, env=env, cwd=ROOT, capture_output=True,
+                 timeout=600)
   (run_a,) = (tmp_path / "a").iterdir()
 
-  proc = subprocess.Popen(_train_cmd(tmp_path / "b"), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(_train_cmd(tmp_path / "b", *extra), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   deadline = time.monotonic() + 600
   killed_after = None
@@ -168,6 +174,13 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
                        for t in trajectory_store.read(run / "trajectories")]
   assert order(run_a) == order(run_b)
   assert sum(trained for *_, trained in order(run_a)) == 5 * 2 * 4
+  if sampler == "frontier":  # the curriculum's state and metrics continue too
+    last = lambda run: [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                        if r.get("iteration") == 5][-1]
+    a, b = last(run_a), last(run_b)
+    curriculum = {k: v for k, v in a.items() if k.startswith("curriculum/")}
+    assert curriculum and curriculum == {k: v for k, v in b.items() if k.startswith("curriculum/")}
+    assert len({t.task.id for t in trajectory_store.read(run_a / "trajectories")}) < 5 * 2 * 3  # drawn again
 
 
 def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
@@ -274,14 +287,15 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
     rewards = rounds[len(calls)]
     calls.append([t.id for t in tasks])
     trajs = [SimpleNamespace(name=f"r{len(calls) - 1}g{i // 2}", reward=SimpleNamespace(total=float(r or 0)),
-                             turns=() if r is None else ("turn",), termination=tr.Termination.COMPLETED)
+                             turns=() if r is None else ("turn",), termination=tr.Termination.COMPLETED,
+                             verifier=SimpleNamespace(passed=bool(r)))
              for i, r in enumerate(rewards)]
     return state, trajs, RolloutStats(1.0, 1.0, 1.0, 1.0, 6, 10)
 
   real_collect = loop.collect
   try:
     loop.collect = fake_collect
-    state, first, stats = fake_collect(run, progress.state, next(run.tasks), None, group_size=2, rng=None)
+    state, first, stats = fake_collect(run, progress.state, run.tasks.draw(0, 0), None, group_size=2, rng=None)
     state, trained, unused, stats, metrics = loop._dynamic_sampling(run, state, 0, first, stats)
     loop.collect = real_collect  # and one real iteration end to end: every sampled trajectory is stored
     with trajectory_store.TrajectoryWriter(tmp_path / "run" / "trajectories") as writer:
@@ -364,3 +378,50 @@ def test_mixed_precision_run_rolls_out_and_trains_in_bf16_on_float32_master_weig
         if "reward_mean" in r]
   assert len(rl) == 2 and all(np.isfinite(r["loss"]) for r in rl)
   assert abs(rl[0]["ratio_mean"] - 1.0) < 0.02, rl[0]["ratio_mean"]
+
+
+def test_frontier_run_records_outcomes_and_checkpoints_its_state(tmp_path):
+  config = _config(tmp_path, "train.iterations=2", "train.eval_episodes=8", "train.plots=false",
+                   "tasks.sampler=frontier", "tasks.active=4", "train.dynamic_sampling=true")
+  loop.train(config, run_dir=tmp_path / "run")
+  rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+          if "reward_mean" in r]
+  assert len(rows) == 2 and all(0 < r["curriculum/drawn_signal"] <= 0.25 for r in rows)
+  with ocp.CheckpointManager((tmp_path / "run" / "checkpoints").resolve(),
+                             options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
+    meta = mngr.restore(2, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  state = meta["data_iterator"]
+  assert state["kind"] == "frontier" and len(state["active"]) == 4
+  # Every sample of the run is in the active tasks' counts or in a retired one's (counted, not kept).
+  attempts = sum(n for _, _, _, n, _ in state["active"])
+  retired = state["counters"]["retired_mastered"] + state["counters"]["retired_unsolved"]
+  stored = list(trajectory_store.read(tmp_path / "run" / "trajectories"))
+  assert attempts <= len(stored) and (attempts == len(stored) or retired > 0)
+
+
+def test_training_refuses_eval_tasks_leaked_into_its_train_tasks(tmp_path):
+  from jaxagent.tasks import pipeline  # pylint: disable=g-import-not-at-top
+  from jaxagent.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  config = _config(tmp_path, "train.iterations=20", "train.eval_episodes=8")  # it can draw all 32 train tasks
+  held = run_lib.held_out_tasks(config, run_lib.envs.get("calculator"))
+  train = run_lib.envs.get("calculator").tasks("train", 30, 0)
+  leaked = [dataclasses.replace(t, id=f"leak-{t.id}", split="train") for t in held[:2]]
+  pipeline.write_jsonl(tmp_path / "train.jsonl", "calculator", train + leaked)
+  pipeline.write_jsonl(tmp_path / "clean.jsonl", "calculator", train)
+  leaky = dataclasses.replace(config, tasks=dataclasses.replace(config.tasks, train_file=str(tmp_path / "train.jsonl")))
+  with pytest.raises(run_lib.ContaminationError, match=r"2/8 held-out tasks .* tasks.contamination=warn"):
+    build_run(leaky, tmp_path / "run")
+  warned = dataclasses.replace(leaky, tasks=dataclasses.replace(leaky.tasks, contamination="warn"))
+  with pytest.warns(RuntimeWarning, match="contamination"):
+    build_run(warned, tmp_path / "run2").close()
+  clean = dataclasses.replace(config, tasks=dataclasses.replace(config.tasks, train_file=str(tmp_path / "clean.jsonl")))
+  run = build_run(clean, tmp_path / "run3")
+  try:
+    drawn = {t.id for it in range(20) for t in run.tasks.draw(it, 0)}
+    assert drawn == {t.id for t in train}  # the file's tasks, and only them
+  finally:
+    run.close()
+  pipeline.write_jsonl(tmp_path / "eval.jsonl", "calculator", held)
+  bad = dataclasses.replace(config, tasks=dataclasses.replace(config.tasks, train_file=str(tmp_path / "eval.jsonl")))
+  with pytest.raises(config_lib.ConfigError, match="holds held-out tasks"):
+    build_run(bad, tmp_path / "run4")

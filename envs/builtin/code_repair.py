@@ -208,12 +208,14 @@ def pristine(module: str) -> str:
   return (PKG_DIR / module).read_text()
 
 
-def write_package(root: Path, mutation: Mapping[str, Any] | None = None) -> None:
-  """The editable modules (mutated if given) in `root`; the tests stay in PKG_DIR."""
+def write_package(root: Path, mutation: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> None:
+  """The editable modules (with the mutation or mutations applied) in `root`; the tests stay in PKG_DIR."""
+  mutations = [] if mutation is None else [mutation] if isinstance(mutation, Mapping) else list(mutation)
   for module in MODULES:
     text = pristine(module)
-    if mutation is not None and mutation["module"] == module:
-      text = apply_mutation(text, mutation)
+    for m in mutations:
+      if m["module"] == module:
+        text = apply_mutation(text, m)
     (root / module).write_text(text)
 
 
@@ -256,15 +258,25 @@ def mutation_id(m: Mapping[str, Any]) -> str:
 TASK_VERSION = source_version(candidate_mutations, data=DATA_FILES)
 
 
-def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
-  """`n` tasks of `split`, drawn without replacement from its modules' mutations (cycling when n exceeds them)."""
+def tasks(split: str, n: int, seed: int = 0, mutations: int = 1) -> list[Task]:
+  """`n` tasks of `split`, drawn without replacement from its modules' mutations (cycling when n exceeds them).
+
+  `mutations` > 1: each task applies that many of one module's failing mutations, on distinct lines (distinct
+  combinations while there are enough, ~1.6k pairs and ~17k triples of train mutations). The combination is not
+  run at generation time: one mutation can mask another, so the task's failing test (its first mutation's) may
+  pass. Such a task does not reproduce on reset: `jaxagent tasks filter` finds and reports it.
+  """
   if split not in SPLIT_MODULES:
     raise ValueError(f"split={split!r}: not one of {sorted(SPLIT_MODULES)}")
   if n < 0:
     raise ValueError(f"n={n}: must be >= 0")
+  if not isinstance(mutations, int) or mutations < 1:
+    raise ValueError(f"mutations={mutations!r}: must be an int >= 1")
   pool = [m for module in SPLIT_MODULES[split] for m in valid_mutations(module)]
   if not pool:
     raise RuntimeError(f"code_repair: no mutation of {SPLIT_MODULES[split]} makes a test fail")
+  if mutations > 1:
+    return _combined_tasks(split, n, seed, mutations, pool)
   rng = random.Random(f"code_repair:{split}:{seed}")
   order: list[dict[str, Any]] = []
   while len(order) < n:
@@ -280,11 +292,51 @@ def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
   return out
 
 
+def _combined_tasks(split: str, n: int, seed: int, k: int, pool: list[dict[str, Any]]) -> list[Task]:
+  by_module: dict[str, list[dict[str, Any]]] = {}
+  for m in pool:
+    by_module.setdefault(m["module"], []).append(m)
+  modules = sorted(mod for mod, ms in by_module.items() if len({m["line"] for m in ms}) >= k)
+  if not modules:
+    raise ValueError(f"mutations={k}: no module of split {split!r} has failing mutations on {k} distinct lines")
+  weights = [len(by_module[mod]) for mod in modules]
+  rng = random.Random(f"code_repair:{split}:{seed}:x{k}")
+  seen: set[tuple[str, ...]] = set()
+  out = []
+  for i in range(n):
+    for _ in range(100):  # a new combination while any is left (then repeats are allowed)
+      module = rng.choices(modules, weights)[0]
+      combo: list[dict[str, Any]] = []
+      for m in rng.sample(by_module[module], len(by_module[module])):
+        if m["line"] not in {c["line"] for c in combo}:
+          combo.append(m)
+        if len(combo) == k:
+          break
+      combo.sort(key=lambda m: (m["line"], m["col"]))
+      key = tuple(mutation_id(m) for m in combo)
+      if key not in seen:
+        break
+    seen.add(key)
+    ms = [{f: m[f] for f in ("module", "line", "col", "kind", "original", "replacement")} for m in combo]
+    failing = sorted({t for m in combo for t in m["failing_tests"]})
+    out.append(Task(id=f"cr{k}-{split}-{seed}-{i}", split=split, version=TASK_VERSION, payload=dict(
+        module=module, mutation=ms[0], mutations=ms, mutation_id="+".join(key),
+        failing_test=combo[0]["failing_tests"][0], failing_tests=failing)))
+  return out
+
+
+def task_mutations(task: Task) -> list[Mapping[str, Any]]:
+  """The mutations of a task (one, or `mutations` of a combined task)."""
+  return list(task.payload.get("mutations") or [task.payload["mutation"]])
+
+
 def demo(task: Task, seed: int = 0) -> list[str]:
-  """The inverse mutation as one `replace` of the mutated line with its pristine text, then `submit`."""
-  m = task.payload["mutation"]
-  line = pristine(m["module"]).splitlines()[int(m["line"]) - 1]
-  return [f"replace {m['module']}:{m['line']} {line}", "submit"]
+  """Each inverse mutation as one `replace` of the mutated line with its pristine text, then `submit`."""
+  out = []
+  for m in task_mutations(task):
+    line = pristine(m["module"]).splitlines()[int(m["line"]) - 1]
+    out.append(f"replace {m['module']}:{m['line']} {line}")
+  return out + ["submit"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,7 +427,7 @@ class CodeRepairEnv(Env):
     # Only the task split's modules can be shown or edited: a train episode never reads the pristine source
     # of a held-out module (the answer to its mutations). The others still exist so the package imports.
     self.files = tuple(sorted(SPLIT_MODULES[task.split] + (TESTS_FILE,)))
-    write_package(self.root, p["mutation"])
+    write_package(self.root, task_mutations(task))
     try:
       report = run_tests(self.root, [p["failing_test"]])
     except RunnerTimeout as e:

@@ -96,7 +96,7 @@ class UniformTasks:
     return sorted({int(ds[i]) for i in range(min(len(self.task_list), iterations * rounds * self._batch))})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: two tasks may hold equal counts
 class _Entry:
   """One active task: its index in the task list, Beta pseudo-counts and raw sample counts."""
   index: int

@@ -43,7 +43,7 @@ from jaxagent.rollout.engine import RolloutStats, SampledActions, ScriptedAction
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train.run import Run, build_run, stable_seed
+from jaxagent.train.run import Run, build_run, held_out_tasks, stable_seed
 from jaxagent.train.state import TrainState
 from jaxagent.train.value import ValueTargets
 
@@ -276,7 +276,7 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
   cfg = run.config
   split = split or cfg.train.eval_split
   episodes = cfg.train.eval_episodes if episodes is None else episodes
-  tasks = run.env_spec.tasks(split, episodes, stable_seed(cfg.run.seed, "eval", split), **dict(cfg.env.options or {}))
+  tasks = held_out_tasks(cfg, run.env_spec, split, episodes)
   names = [t.value for t in envs.Termination]
   passed, rewards, terms = 0, 0.0, np.zeros(len(names), np.int64)
   process = jax.process_index()

@@ -12,8 +12,10 @@ writer, nothing written into the run directory.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -35,6 +37,7 @@ from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateEr
 from jaxagent.config import Config
 from jaxagent.rollout.engine import RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
+from jaxagent.tasks import contamination, pipeline
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import checkpointing
 from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
@@ -170,6 +173,58 @@ def _make_chat(cfg: Config, tokenizer, tools) -> ChatFormat:
     raise config_lib.ConfigError(f"{where}: its chat template cannot frame agent turns: {e}") from None
   except ValueError as e:  # e.g. rollout.stop=[] for control tokens
     raise config_lib.ConfigError(f"rollout.stop={cfg.rollout.stop!r}: {e}") from None
+
+
+class ContaminationError(config_lib.ConfigError):
+  """Held-out tasks have near-duplicates among the train tasks a run would draw."""
+
+
+def train_tasks(cfg: Config, env_spec: envs.EnvSpec) -> list[envs.Task]:
+  """The train task list: `tasks.train_file`'s tasks, or NUM_TRAIN_TASKS from the env's generator."""
+  if cfg.tasks.train_file is None:
+    return env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(cfg.env.options or {}))
+  where = f"tasks.train_file={cfg.tasks.train_file!r}"
+  try:
+    env_name, task_list = pipeline.read_jsonl(cfg.tasks.train_file)
+  except (OSError, ValueError) as e:
+    raise config_lib.ConfigError(f"{where}: {e}") from None
+  if env_name is not None and env_name != cfg.env.name:
+    raise config_lib.ConfigError(f"{where} holds tasks of env {env_name!r}, the run trains env.name="
+                                 f"{cfg.env.name!r}")
+  held = collections.Counter(t.split for t in task_list if t.split != "train")
+  if held:
+    raise config_lib.ConfigError(f"{where} holds held-out tasks ({dict(held)}): a run trains on train-split tasks "
+                                 "only")
+  if not task_list:
+    raise config_lib.ConfigError(f"{where} holds no task")
+  return task_list
+
+
+def held_out_tasks(cfg: Config, env_spec: envs.EnvSpec, split: str | None = None,
+                   episodes: int | None = None) -> list[envs.Task]:
+  """The tasks evaluation runs on (`train.eval_split`, `train.eval_episodes` unless given)."""
+  split = split or cfg.train.eval_split
+  episodes = cfg.train.eval_episodes if episodes is None else episodes
+  return env_spec.tasks(split, episodes, stable_seed(cfg.run.seed, "eval", split), **dict(cfg.env.options or {}))
+
+
+def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply) -> contamination.Report | None:
+  """Near-duplicates of the eval tasks among every train task the run can draw; refuses (or warns) above
+  `tasks.max_contamination`. None when off or nothing is evaluated."""
+  if cfg.tasks.contamination == "off" or not cfg.train.eval_episodes:
+    return None
+  rounds = 1 + (cfg.train.dynamic_sampling_rounds if cfg.train.dynamic_sampling else 0)
+  drawable = [task_list[i] for i in supply.horizon(cfg.train.iterations, rounds)]
+  report = contamination.check(drawable, held_out_tasks(cfg, env_spec), threshold=cfg.tasks.near_duplicate)
+  if report.fraction > cfg.tasks.max_contamination:
+    shown = ", ".join(f"{m.held_out}~{m.train} ({m.similarity:.2f})" for m in report.matches[:5])
+    message = (f"contamination: {report.line()}, above tasks.max_contamination={cfg.tasks.max_contamination}: "
+               f"{shown}. Held-out success would measure memorized tasks; fix the task split, or pass --set "
+               "tasks.contamination=warn to train anyway")
+    if cfg.tasks.contamination == "refuse":
+      raise ContaminationError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+  return report
 
 
 def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
@@ -325,9 +380,12 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   # sampling key) is the same for any number of processes.
   tasks = None
   if purpose == "train":
-    task_list = env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(cfg.env.options or {}))
+    task_list = train_tasks(cfg, env_spec)
     tasks = task_supply.make_supply(task_list, cfg.tasks, seed=cfg.run.seed, batch=cfg.train.tasks_per_iteration,
                                     process=process, num_processes=num_processes)
+    report = check_contamination(cfg, env_spec, task_list, tasks)
+    if report is not None and echo and process == 0:
+      print(f"contamination check: {report.line()}", flush=True)
 
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,

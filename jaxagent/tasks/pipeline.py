@@ -1,0 +1,209 @@
+"""Generate → execute → filter (DESIGN §2.7), for any registered env; the `jaxagent tasks` verbs call these.
+
+* `generate`: the env's own task generator (`EnvSpec.tasks`), written one task per line (JSONL).
+* `execute`: the env's scripted reference solution (`EnvSpec.demo`) of every task, run through an env worker
+  pool (sandboxed like training) with a slot per in-flight episode; a slot takes the next task as soon as its
+  episode ends. A task the reference does not solve is *broken* (it does not reproduce, its verifier rejects the
+  reference, or the env fails) and is reported with the reason, never trained on.
+* `policy_outcomes`: k samples per task from a trained run's latest checkpoint (the rollout engine, the run's
+  own sampling temperature); the filter drops tasks the policy always or never solves (p = 0 or 1: no GRPO
+  signal).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+import envs
+from envs import pool as pool_lib
+
+SOLVED = "solved"
+BROKEN_REASONS = ("reset_error", "reference_failed", "unfinished") + tuple(
+    t for t in envs.TERMINATIONS if t != "completed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Executed:
+  """The reference solution's run on one task."""
+  task: envs.Task
+  reason: str               # "solved" or why the task is broken (one of BROKEN_REASONS)
+  seconds: float
+  detail: str = ""          # the env's error or the verifier's evidence, cut short
+
+  @property
+  def solved(self) -> bool:
+    return self.reason == SOLVED
+
+
+# ----------------------------------------------------------------------------------------------
+# Task files.
+
+
+def write_jsonl(path: Path | str, env: str, tasks: Iterable[envs.Task]) -> int:
+  """Writes tasks one per line (`Task.to_wire()` plus the env name); returns how many."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  n = 0
+  tmp = path.with_name(path.name + ".tmp")
+  with tmp.open("w") as f:
+    for t in tasks:
+      f.write(json.dumps({"env": env, **t.to_wire()}, sort_keys=True) + "\n")
+      n += 1
+  tmp.replace(path)  # a crash mid-write leaves the old file, never half a new one
+  return n
+
+
+def read_jsonl(path: Path | str) -> tuple[str | None, list[envs.Task]]:
+  """(the env named in the file or None, its tasks). Errors name the file and line."""
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"{path}: no such task file (write one with `jaxagent tasks generate`)")
+  env_names, tasks = set(), []
+  for n, line in enumerate(path.read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      tasks.append(envs.Task.from_wire(record))
+    except (ValueError, TypeError, KeyError) as e:
+      raise ValueError(f"{path}:{n}: not a task record ({type(e).__name__}: {e})") from None
+    if record.get("env") is not None:
+      env_names.add(record["env"])
+  if len(env_names) > 1:
+    raise ValueError(f"{path}: tasks of several envs {sorted(env_names)}; one env per file")
+  return (env_names.pop() if env_names else None), tasks
+
+
+# ----------------------------------------------------------------------------------------------
+# Generate and execute.
+
+
+def generate(env: str, split: str, n: int, seed: int = 0, **options: Any) -> list[envs.Task]:
+  if n < 0:
+    raise ValueError(f"n={n}: must be >= 0")
+  return envs.get(env).tasks(split, n, seed, **options)
+
+
+def execute(env: str, tasks: Sequence[envs.Task], *, kind: str = "local", workers: int = 2,
+            slots: int | None = None, seed: int = 0, demo_options: Mapping[str, Any] | None = None,
+            progress: bool = False) -> list[Executed]:
+  """Runs the reference solution of every task (see the module docstring); results in task order.
+
+  `kind` is the worker pool (`inprocess`, `local`, `docker`); an env whose actions run programs is never run
+  in process. Episode k is reset with seed `seed + k`, like the demonstrations of training.
+  """
+  spec = envs.get(env)
+  if spec.needs_sandbox and kind == "inprocess":
+    raise ValueError(f"env {env!r} runs real programs: execute it in a sandboxed pool (kind 'local' or "
+                     "'docker'), not 'inprocess'")
+  scripts = [spec.demo(t, seed + k, **dict(demo_options or {})) for k, t in enumerate(tasks)]
+  if not tasks:
+    return []
+  slots = slots or 2 * workers
+  max_turns = max(len(s) for s in scripts) + 1
+  out: list[Executed | None] = [None] * len(tasks)
+  started: dict[int, float] = {}
+  bar = None
+  if progress:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm(total=len(tasks), desc=f"execute {env}", unit="task")
+
+  def finish(k: int, reason: str, detail: str = "") -> None:
+    out[k] = Executed(tasks[k], reason, time.perf_counter() - started[k], detail[:500])
+    if bar is not None:
+      bar.update(1)
+
+  with pool_lib.make_pool(slots, env=env, kind=kind, num_workers=workers, max_turns=max_turns) as pool:
+    pending = collections.deque(range(len(tasks)))
+    free = list(range(slots))[::-1]
+    inflight: dict[concurrent.futures.Future, tuple[int, int, int]] = {}  # -> (slot, task, turn)
+    while pending or inflight:
+      while free and pending:
+        slot, k = free.pop(), pending.popleft()
+        started[k] = time.perf_counter()
+        inflight[pool.reset_async(slot, tasks[k], seed + k)] = (slot, k, -1)
+      done, _ = concurrent.futures.wait(inflight, return_when=concurrent.futures.FIRST_COMPLETED)
+      for fut in done:
+        slot, k, turn = inflight.pop(fut)
+        result = fut.result()
+        if isinstance(result, Exception):
+          finish(k, "reset_error", f"{type(result).__name__}: {result}")
+        elif turn >= 0 and result.done:
+          verdict = result.verdict
+          if verdict is not None and verdict.passed:
+            finish(k, SOLVED)
+          elif result.termination == envs.COMPLETED:
+            finish(k, "reference_failed", json.dumps(dict(verdict.evidence) if verdict else {}, default=str))
+          else:
+            finish(k, result.termination.value, result.observation.text)
+        elif turn + 1 >= len(scripts[k]):
+          finish(k, "unfinished", "the reference solution ended without ending the episode")
+        else:
+          inflight[pool.step_async(slot, scripts[k][turn + 1])] = (slot, k, turn + 1)
+          continue
+        free.append(slot)
+  if bar is not None:
+    bar.close()
+  return out  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------
+# The current policy's outcomes.
+
+
+def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: int, *, seed: int = 0,
+                    overrides: Sequence[str] = ()) -> np.ndarray:
+  """Successes of `samples` policy samples on each task ([len(tasks)] ints), from the latest checkpoint of the
+  run in `run_dir`, with the run's rollout sampling (its temperature) and env settings."""
+  import jax  # pylint: disable=g-import-not-at-top  (the generate/execute/check verbs need no JAX)
+
+  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent.rollout.engine import SampledActions  # pylint: disable=g-import-not-at-top
+  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
+  from jaxagent.train.run import build_run, stable_seed  # pylint: disable=g-import-not-at-top
+
+  run_dir = Path(run_dir)
+  if run_dir.name == "checkpoints":
+    run_dir = run_dir.parent
+  saved = run_dir / "config.yaml"
+  if not saved.is_file():
+    raise config_lib.ConfigError(f"--policy {run_dir}: expected a run directory with config.yaml")
+  run = build_run(config_lib.load(saved, list(overrides)), run_dir, purpose="eval", echo=False)
+  try:
+    if samples < 1 or run.rows % samples:
+      raise config_lib.ConfigError(f"--samples {samples}: must divide the run's {run.rows} rollout rows "
+                                   "(train.tasks_per_iteration x train.group_size)")
+    progress, _ = loop.restore(run)
+    state, per_call = progress.state, run.rows // samples
+    wins = np.zeros(len(tasks), np.int64)
+    for start in range(0, len(tasks), per_call):
+      chunk = list(tasks[start:start + per_call])
+      real = len(chunk)
+      chunk += chunk[:1] * (per_call - real)  # pad the last call; padding is not counted
+      seeds = [stable_seed(seed, "policy-filter", start + i) for i in range(run.rows)]
+      policy = run.layout.to_rollout(state.params)
+      try:
+        trajs, _ = run.engine.run(
+            SampledActions(run.sampler, policy, jax.random.key(stable_seed(seed, "policy-filter-rng", start)),
+                           decode_chunk=run.config.rollout.decode_chunk),
+            chunk, seeds, group_size=samples, policy_version=int(state.policy_version))
+      finally:
+        state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy,
+                                                                                      state.params["policy"])})
+      passed = np.asarray([bool(t.verifier.passed) for t in trajs]).reshape(per_call, samples).sum(axis=1)
+      wins[start:start + real] = passed[:real]
+    return wins
+  finally:
+    run.close()
+
+
+def throughput_line(what: str, n: int, seconds: float) -> str:
+  return f"{what}: {n} tasks in {seconds:.1f} s = {n / max(seconds, 1e-9):.1f} tasks/s"
