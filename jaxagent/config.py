@@ -302,8 +302,10 @@ class TasksConfig:
                              "over the active tasks")
   mastered: float = field(0.9, gt=0.0, le=1.0, help="frontier: retire a task whose estimate reaches this")
   min_attempts: int = field(8, ge=1, help="frontier: samples before a task may retire as mastered")
-  unsolved_attempts: int = field(32, ge=1, help="frontier: retire a task never solved in this many samples "
+  unsolved_attempts: int = field(8, ge=1, help="frontier: retire a task never solved in this many samples "
                                  "(reported: too hard now, or broken)")
+  max_draws: int = field(3, ge=1, help="frontier: retire a task after this many draws (a policy that sees the "
+                         "same few tasks again and again memorizes them instead of learning the skill)")
   train_file: str | None = field(None, help="train on the tasks of this JSONL file (`jaxagent tasks filter` "
                                  "output) instead of the env's generator")
   contamination: Literal["refuse", "warn", "off"] = field(

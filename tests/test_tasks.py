@@ -253,3 +253,29 @@ def test_generate_filter_cli_writes_the_solvable_tasks(tmp_path, capsys):
   with pytest.raises(ValueError, match=r"t.jsonl:2: not a task record"):
     out.write_text(lines[0] + "\n{\"id\": 1}\n")
     pipeline.read_jsonl(out)
+
+
+def test_filter_with_a_policy_keeps_the_tasks_it_sometimes_solves(tmp_path, capsys):
+  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
+  tiny = ["model.init.hidden_size=32", "model.init.intermediate_size=64", "model.init.num_hidden_layers=1",
+          "model.init.num_attention_heads=2", "model.init.num_key_value_heads=1", "model.init.head_dim=16",
+          "train.tasks_per_iteration=2", "train.group_size=4", "train.bc_steps=3", "train.bc_batch_size=8",
+          "train.iterations=0", "train.eval_episodes=0", "env.pool.kind=inprocess", "train.plots=false",
+          f"run.root={tmp_path}"]
+  loop.train(config_lib.load("tiny_cpu", tiny), run_dir=tmp_path / "run")
+  tasks = calculator.tasks("train", 6, 0)
+  wins = pipeline.policy_outcomes(tmp_path / "run", tasks, 4)
+  assert wins.shape == (6,) and ((0 <= wins) & (wins <= 4)).all()
+  np.testing.assert_array_equal(pipeline.policy_outcomes(tmp_path / "run" / "checkpoints", tasks, 4), wins)
+  pipeline.write_jsonl(tmp_path / "t.jsonl", "calculator", tasks)
+  args = ["filter", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "kept.jsonl"), "--pool", "inprocess",
+          "--policy", str(tmp_path / "run"), "--samples", "4", "--report", str(tmp_path / "r.json"), "--quiet"]
+  assert tasks_cli.main(args) == 0
+  report = json.loads((tmp_path / "r.json").read_text())
+  assert report["successes"] == {t.id: int(w) for t, w in zip(tasks, wins)}
+  kept = [t.id for t in pipeline.read_jsonl(tmp_path / "kept.jsonl")[1]]
+  assert kept == [t.id for t, w in zip(tasks, wins) if 0 < w < 4]
+  assert report["always_solved"] + report["never_solved"] + len(kept) == 6
+  assert "never solved" in capsys.readouterr().out
+  with pytest.raises(config_lib.ConfigError, match="--samples 3: must divide the run's 8"):
+    pipeline.policy_outcomes(tmp_path / "run", tasks, 3)

@@ -17,8 +17,10 @@ added. A round draws B distinct active tasks with probability
     q_i = (1 − ε) · p_i (1 − p_i) / Σ_j p_j (1 − p_j)  +  ε / N
 
 (p(1−p) is the variance of a task's reward, the GRPO signal; ε explores). A task retires when mastered (p_i ≥
-`mastered` after `min_attempts` samples) or when never solved in `unsolved_attempts` samples; the stream refills
-the set. Only trained outcomes count (an infrastructure failure says nothing about the task).
+`mastered` after `min_attempts` samples), when never solved in `unsolved_attempts` samples, or after `max_draws`
+draws (measured: without that bound the default run trained on 73 distinct tasks in 125 iterations, memorized
+them, 58 % train success, and its held-out success stalled at 11 % where uniform sampling was at 20 %); the
+stream refills the set. Only trained outcomes count (an infrastructure failure says nothing about the task).
 
 Multi-process: every process holds the same state, draws the same global batch and keeps its contiguous slice;
 `record` gathers every process's outcomes first, so the state stays identical everywhere.
@@ -38,7 +40,8 @@ from jaxagent.config import ConfigError, TasksConfig
 
 
 # Cumulative frontier counters among `record`'s metrics (a later round's values replace an earlier round's).
-COUNTER_METRICS = ("curriculum/added", "curriculum/retired_mastered", "curriculum/retired_unsolved")
+COUNTER_METRICS = ("curriculum/added", "curriculum/retired_mastered", "curriculum/retired_unsolved",
+                   "curriculum/retired_used")
 
 
 def stream(num_tasks: int, seed: int):
@@ -104,6 +107,7 @@ class _Entry:
   b: float
   attempts: int = 0
   successes: int = 0
+  draws: int = 0
 
   @property
   def p(self) -> float:
@@ -122,7 +126,7 @@ class FrontierTasks:
     self._a0, self._b0 = config.prior * config.prior_strength, (1 - config.prior) * config.prior_strength
     self._source = iter(stream(len(task_list), seed))
     self.active: list[_Entry] = []
-    self.counters = dict(added=0, retired_mastered=0, retired_unsolved=0, rounds=0)
+    self.counters = dict(added=0, retired_mastered=0, retired_unsolved=0, retired_used=0, rounds=0)
     self._refill()
     self._last: list[int] = []  # positions in `active` of the last draw (global batch order)
 
@@ -164,13 +168,15 @@ class FrontierTasks:
     for i, k, n in zip(self._last, passed.sum(axis=1), counted.sum(axis=1)):
       e = self.active[i]
       e.a, e.b = e.a + float(k), e.b + float(n - k)
-      e.attempts, e.successes = e.attempts + int(n), e.successes + int(k)
+      e.attempts, e.successes, e.draws = e.attempts + int(n), e.successes + int(k), e.draws + 1
     keep = []
     for e in self.active:
       if e.attempts >= cfg.min_attempts and e.p >= cfg.mastered:
         self.counters["retired_mastered"] += 1
       elif e.successes == 0 and e.attempts >= cfg.unsolved_attempts:
         self.counters["retired_unsolved"] += 1
+      elif e.draws >= cfg.max_draws:
+        self.counters["retired_used"] += 1
       else:
         keep.append(e)
     self.active, self._last = keep, []
@@ -186,7 +192,7 @@ class FrontierTasks:
     if self._last:
       raise AssertionError("a frontier state is taken between rounds (a draw is waiting for its record)")
     return {"kind": self.kind, "source": self._source.get_state(), "counters": dict(self.counters),
-            "active": [[e.index, e.a, e.b, e.attempts, e.successes] for e in self.active]}
+            "active": [[e.index, e.a, e.b, e.attempts, e.successes, e.draws] for e in self.active]}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     if not isinstance(state, Mapping) or state.get("kind") != self.kind:
@@ -195,7 +201,7 @@ class FrontierTasks:
                         f"resume with --set tasks.sampler={kind}")
     self._source.set_state(dict(state["source"]))
     self.counters = {k: int(v) for k, v in state["counters"].items()}
-    self.active = [_Entry(int(i), float(a), float(b), int(n), int(k)) for i, a, b, n, k in state["active"]]
+    self.active = [_Entry(int(i), float(a), float(b), int(n), int(k), int(d)) for i, a, b, n, k, d in state["active"]]
     self._last = []
 
   def horizon(self, iterations: int, rounds: int) -> list[int]:
