@@ -679,6 +679,8 @@ class EnvSpec:
     version_sources: objects whose source files define the version.
     deterministic: replay with the same seed and actions gives the same observations.
     needs_sandbox: actions run real programs (terminal, code repair).
+    describe: `describe(task) -> str`, the task as a person would compare two of them (near-duplicate checks
+      between splits); None: the payload as `key=value` lines, which suits payloads of text and numbers.
   """
   name: str
   description: str
@@ -689,6 +691,7 @@ class EnvSpec:
   data_files: tuple[Path, ...] = ()
   deterministic: bool = True
   needs_sandbox: bool = False
+  describe: Callable[[Task], str] | None = None
 
   @property
   def version(self) -> str:

@@ -49,7 +49,7 @@ def test_uniform_supply_keeps_the_data_order_of_the_grain_batch_pipeline():
     old = iter(grain.MapDataset.source(TASKS).shuffle(seed=3).repeat().batch(8, batch_fn=list))
     for it in range(130):  # past one epoch (500 / 8)
       assert [t.id for t in new.draw(it, 0)] == [t.id for t in next(old)][process * 4:(process + 1) * 4]
-  assert new.get_state() == {"next_index": 130}
+  assert new.get_state()["next_index"] == 130
 
 
 def test_frontier_draw_probabilities_are_p_times_one_minus_p_plus_exploration():
@@ -122,6 +122,12 @@ def test_frontier_state_resumes_the_same_task_sequence():
     UniformTasks(TASKS, seed=0, batch=4, process=0, num_processes=1).set_state(state)
   with pytest.raises(config_lib.ConfigError, match="tasks.sampler=uniform"):
     _frontier().set_state({"next_index": 3})
+  other = FrontierTasks(TASKS[:400], _frontier().config, seed=0, batch=4, process=0, num_processes=1)
+  with pytest.raises(config_lib.ConfigError, match="another train task list .500 tasks"):
+    other.set_state(state)  # e.g. tasks.train_file rewritten between save and resume
+  with pytest.raises(config_lib.ConfigError, match="the train task list has 3"):
+    from jaxagent.tasks.supply import make_supply  # pylint: disable=g-import-not-at-top
+    make_supply(TASKS[:3], _frontier().config, seed=0, batch=4, process=0, num_processes=1)
 
 
 def test_frontier_config_is_checked():
@@ -279,3 +285,13 @@ def test_filter_with_a_policy_keeps_the_tasks_it_sometimes_solves(tmp_path, caps
   assert "never solved" in capsys.readouterr().out
   with pytest.raises(config_lib.ConfigError, match="--samples 3: must divide the run's 8"):
     pipeline.policy_outcomes(tmp_path / "run", tasks, 3)
+
+
+def test_frontier_retires_a_task_after_max_draws():
+  supply = _frontier(max_draws=2, active=4, unsolved_attempts=1000, mastered=1.0)
+  first = list(supply.active)
+  for it in range(2):  # every active task drawn twice: all four retire as used, four fresh ones replace them
+    tasks = supply.draw(it, 0)
+    supply.record(tasks, np.asarray([[1, 0] * 4] * 4), np.ones((4, 8), int))
+  assert supply.counters["retired_used"] == 4 and supply.counters["added"] == 8
+  assert not any(e in first for e in supply.active) and all(e.draws == 0 for e in supply.active)

@@ -255,7 +255,7 @@ def mutation_id(m: Mapping[str, Any]) -> str:
   return f"{m['module']}:{m['line']}:{m['col']}:{m['kind']}:{m['replacement']}"
 
 
-TASK_VERSION = source_version(candidate_mutations, data=DATA_FILES)
+TASK_VERSION = source_version(candidate_mutations, data=DATA_FILES)  # this whole file: operators, how applied
 
 
 def tasks(split: str, n: int, seed: int = 0, mutations: int = 1) -> list[Task]:

@@ -99,6 +99,15 @@ class GridEnv(Env):
     self.turn, self.done, self.pos = int(state["turn"]), bool(state["done"]), list(state["pos"])
 
 
+def describe(task: Task) -> str:
+  """The grid with the start `A` and goal `G`: what the agent first sees (a payload of three small numbers
+  says little about how alike two tasks are)."""
+  rows = [list(r) for r in LAYOUTS[task.payload["layout"]]]
+  (gr, gc), (sr, sc) = task.payload["goal"], task.payload["start"]
+  rows[gr][gc], rows[sr][sc] = "G", "A"
+  return "\n".join("".join(r) for r in rows)
+
+
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
   if split not in SPLIT_LAYOUTS:
     raise ValueError(f"split={split!r}: not one of {sorted(SPLIT_LAYOUTS)}")
@@ -119,4 +128,4 @@ def demo(task: Task, seed: int = 0) -> list[str]:
 
 
 SPEC = EnvSpec(name="gridworld", description=GridEnv.description, make=GridEnv, tasks=tasks, demo=demo,
-               version_sources=(GridEnv,))
+               version_sources=(GridEnv,), describe=describe)

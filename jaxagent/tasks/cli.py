@@ -54,8 +54,15 @@ def _cmd_generate(args) -> int:
   return 0
 
 
+def _read(path: str):
+  try:
+    return pipeline.read_jsonl(path)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"tasks: error: {e}") from None
+
+
 def _cmd_filter(args) -> int:
-  env_in_file, tasks = pipeline.read_jsonl(args.file)
+  env_in_file, tasks = _read(args.file)
   env = _env(args.env or env_in_file or "")
   if env_in_file and args.env and env_in_file != args.env:
     raise SystemExit(f"tasks: error: --env {args.env!r} but {args.file} holds {env_in_file!r} tasks")
@@ -67,10 +74,17 @@ def _cmd_filter(args) -> int:
   print(pipeline.throughput_line(f"executed the reference solutions ({args.pool} pool, {args.workers} workers)",
                                  len(runs), seconds))
   print(f"  solvable {reasons[pipeline.SOLVED]}/{len(runs)}; broken: "
-        + (", ".join(f"{k}={v}" for k, v in sorted(reasons.items()) if k != pipeline.SOLVED) or "none"))
+        + (", ".join(f"{k}={v}" for k, v in sorted(reasons.items())
+                     if k != pipeline.SOLVED and k not in pipeline.INFRASTRUCTURE) or "none"))
   kept = [r.task for r in runs if r.solved]
+  unknown = [r for r in runs if r.infrastructure]
+  if unknown:
+    print(f"  {len(unknown)} task(s) failed twice for infrastructure reasons (neither kept nor broken: rerun the "
+          "filter on them): " + ", ".join(r.task.id for r in unknown[:5]))
   report = {"env": env, "tasks": len(runs), "seconds": seconds, "reasons": dict(reasons),
-            "broken": [{"id": r.task.id, "reason": r.reason, "detail": r.detail} for r in runs if not r.solved]}
+            "broken": [{"id": r.task.id, "reason": r.reason, "detail": r.detail} for r in runs
+                       if not r.solved and not r.infrastructure],
+            "infrastructure": [{"id": r.task.id, "reason": r.reason, "detail": r.detail} for r in unknown]}
   if args.policy:
     t0 = time.perf_counter()
     wins = pipeline.policy_outcomes(args.policy, kept, args.samples, seed=args.seed)
@@ -88,15 +102,21 @@ def _cmd_filter(args) -> int:
   return 0
 
 
+def _eval_seed(seed: int, split: str) -> int:
+  from jaxagent.train.run import stable_seed  # pylint: disable=g-import-not-at-top  (imports JAX: only here)
+  return stable_seed(seed, "eval", split)
+
+
 def _cmd_check(args) -> int:
   env = _env(args.env)
   spec = envs.get(env)
-  train = (pipeline.read_jsonl(args.train)[1] if args.train
+  train = (_read(args.train)[1] if args.train
            else spec.tasks("train", args.n, args.seed, **_options(args.option)))
-  held = (pipeline.read_jsonl(args.eval)[1] if args.eval
-          else spec.tasks(args.split, args.n_eval, args.seed + 1, **_options(args.option)))
+  # The held-out tasks `jaxagent train` with run.seed=--seed evaluates on (the same seed derivation).
+  held = (_read(args.eval)[1] if args.eval
+          else spec.tasks(args.split, args.n_eval, _eval_seed(args.seed, args.split), **_options(args.option)))
   t0 = time.perf_counter()
-  report = contamination.check(train, held, threshold=args.threshold)
+  report = contamination.check(train, held, threshold=args.threshold, describe=spec.describe)
   print(f"{env}: {report.line()} [{time.perf_counter() - t0:.1f} s]")
   for m in report.matches[:args.show]:
     print(f"  {m.held_out} ~ {m.train}  similarity {m.similarity:.2f}{' (exact)' if m.exact else ''}")

@@ -1,7 +1,6 @@
 """Near-duplicate tasks between splits (DESIGN §2.7: check contamination beyond exact match).
 
-A task's text is the values of its payload (keys dropped: they are the same boilerplate in every task of an env),
-flattened in key order. Two tasks are near-duplicates when the Jaccard similarity of their character 5-gram sets
+A task's text is what its env's `EnvSpec.describe` gives, else its payload as `path=value` lines in key order. Two tasks are near-duplicates when the Jaccard similarity of their character 5-gram sets
 reaches a threshold, estimated with MinHash and found with an LSH index (`datasketch`), so checking M held-out
 tasks against N train tasks costs O(N + M), not O(N·M). Exact duplicates (same text) are reported apart.
 """
@@ -11,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import envs
 
@@ -20,20 +19,21 @@ NUM_PERM = 128
 
 
 def task_text(task: envs.Task) -> str:
-  """The payload's values in key order, one per line (nested values flattened the same way)."""
+  """The payload as `path=value` lines in key order (nested keys dotted, list items by index): values alone
+  would make different tasks look alike (gridworld's `4 1 4 1 4` vs `1 4 1 4 1`), keys alone all alike."""
   out: list[str] = []
 
-  def walk(value: Any) -> None:
+  def walk(value: Any, path: str) -> None:
     if isinstance(value, Mapping):
       for k in sorted(value):
-        walk(value[k])
+        walk(value[k], f"{path}.{k}" if path else str(k))
     elif isinstance(value, (list, tuple)):
-      for v in value:
-        walk(v)
+      for i, v in enumerate(value):
+        walk(v, f"{path}.{i}")
     else:
-      out.append(value if isinstance(value, str) else json.dumps(value))
+      out.append(f"{path}={value if isinstance(value, str) else json.dumps(value)}")
 
-  walk(task.payload)
+  walk(task.payload, "")
   return "\n".join(out)
 
 
@@ -76,17 +76,21 @@ class Report:
 
 
 def check(train: Sequence[envs.Task], held_out: Sequence[envs.Task], *, threshold: float = 0.8,
-          num_perm: int = NUM_PERM) -> Report:
-  """Every held-out task with a train task at estimated Jaccard >= `threshold` (its closest one)."""
+          num_perm: int = NUM_PERM, describe: Callable[[envs.Task], str] | None = None) -> Report:
+  """Every held-out task with a train task at estimated Jaccard >= `threshold` (its closest one).
+
+  `describe`: the env's text of a task (`EnvSpec.describe`); None: `task_text`.
+  """
+  text_of = describe or task_text
   from datasketch import MinHash, MinHashLSH  # pylint: disable=g-import-not-at-top  (only when checking)
   if not 0 < threshold <= 1:
     raise ValueError(f"threshold={threshold}: must be in (0, 1]")
   digest = lambda text: hashlib.blake2b(text.encode(), digest_size=16).digest()
-  train_texts = [task_text(t) for t in train]
+  train_texts = [text_of(t) for t in train]
   exact: dict[bytes, int] = {}
   for i, text in enumerate(train_texts):
     exact.setdefault(digest(text), i)
-  held_texts = [task_text(t) for t in held_out]
+  held_texts = [text_of(t) for t in held_out]
   matches: list[Match] = []
   near: list[int] = []
   for j, text in enumerate(held_texts):

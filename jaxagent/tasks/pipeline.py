@@ -26,8 +26,11 @@ import envs
 from envs import pool as pool_lib
 
 SOLVED = "solved"
-BROKEN_REASONS = ("reset_error", "reference_failed", "unfinished") + tuple(
-    t for t in envs.TERMINATIONS if t != "completed")
+# Faults of the infrastructure, not of the task (the trainer's default train.exclude_terminations): such a task
+# is run once more, and if it fails so again it is reported as unknown, neither kept nor broken.
+INFRASTRUCTURE = ("worker_failure", "env_error", "env_timeout", "retries_exhausted", "cancelled")
+BROKEN_REASONS = ("demo_error", "reset_error", "reference_failed", "unfinished") + tuple(
+    t for t in envs.TERMINATIONS if t != "completed" and t not in INFRASTRUCTURE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,10 @@ class Executed:
   @property
   def solved(self) -> bool:
     return self.reason == SOLVED
+
+  @property
+  def infrastructure(self) -> bool:
+    return self.reason in INFRASTRUCTURE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,10 +80,13 @@ def read_jsonl(path: Path | str) -> tuple[str | None, list[envs.Task]]:
     try:
       record = json.loads(line)
       tasks.append(envs.Task.from_wire(record))
-    except (ValueError, TypeError, KeyError) as e:
+      env = record.get("env")
+      if env is not None and not isinstance(env, str):
+        raise TypeError(f"env={env!r} is not a name")
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
       raise ValueError(f"{path}:{n}: not a task record ({type(e).__name__}: {e})") from None
-    if record.get("env") is not None:
-      env_names.add(record["env"])
+    if env is not None:
+      env_names.add(env)
   if len(env_names) > 1:
     raise ValueError(f"{path}: tasks of several envs {sorted(env_names)}; one env per file")
   return (env_names.pop() if env_names else None), tasks
@@ -98,31 +108,44 @@ def execute(env: str, tasks: Sequence[envs.Task], *, kind: str = "local", worker
   """Runs the reference solution of every task (see the module docstring); results in task order.
 
   `kind` is the worker pool (`inprocess`, `local`, `docker`); an env whose actions run programs is never run
-  in process. Episode k is reset with seed `seed + k`, like the demonstrations of training.
+  in process. Episode k is reset with seed `seed + k`, like the demonstrations of training. A task whose run
+  failed for an infrastructure reason (`INFRASTRUCTURE`) is run once more at the end.
   """
   spec = envs.get(env)
   if spec.needs_sandbox and kind == "inprocess":
     raise ValueError(f"env {env!r} runs real programs: execute it in a sandboxed pool (kind 'local' or "
                      "'docker'), not 'inprocess'")
-  scripts = [spec.demo(t, seed + k, **dict(demo_options or {})) for k, t in enumerate(tasks)]
-  if not tasks:
-    return []
-  slots = slots or 2 * workers
-  max_turns = max(len(s) for s in scripts) + 1
   out: list[Executed | None] = [None] * len(tasks)
+  scripts: list[list[str]] = []
+  for k, t in enumerate(tasks):
+    try:
+      scripts.append(list(spec.demo(t, seed + k, **dict(demo_options or {}))))
+    except Exception as e:  # pylint: disable=broad-except  (a stale or malformed task: report it, go on)
+      scripts.append([])
+      out[k] = Executed(t, "demo_error", 0.0, f"{type(e).__name__}: {e}"[:500])
+  todo = [k for k in range(len(tasks)) if out[k] is None]
+  if not todo:
+    return out  # type: ignore[return-value]
+  slots = slots or 2 * workers
+  max_turns = max(len(scripts[k]) for k in todo) + 1
   started: dict[int, float] = {}
   bar = None
   if progress:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    bar = tqdm(total=len(tasks), desc=f"execute {env}", unit="task")
+    bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc=f"execute {env}", unit="task")
+  retried: set[int] = set()
 
   def finish(k: int, reason: str, detail: str = "") -> None:
+    if reason in INFRASTRUCTURE and k not in retried:
+      retried.add(k)
+      pending.append(k)  # once more, after the others
+      return
     out[k] = Executed(tasks[k], reason, time.perf_counter() - started[k], detail[:500])
     if bar is not None:
       bar.update(1)
 
   with pool_lib.make_pool(slots, env=env, kind=kind, num_workers=workers, max_turns=max_turns) as pool:
-    pending = collections.deque(range(len(tasks)))
+    pending = collections.deque(todo)
     free = list(range(slots))[::-1]
     inflight: dict[concurrent.futures.Future, tuple[int, int, int]] = {}  # -> (slot, task, turn)
     while pending or inflight:
@@ -134,8 +157,9 @@ def execute(env: str, tasks: Sequence[envs.Task], *, kind: str = "local", worker
       for fut in done:
         slot, k, turn = inflight.pop(fut)
         result = fut.result()
-        if isinstance(result, Exception):
-          finish(k, "reset_error", f"{type(result).__name__}: {result}")
+        if isinstance(result, Exception):  # the env refused the task, or its worker died / hung
+          infra = isinstance(result, (pool_lib.WorkerCrashed, pool_lib.WorkerTimeout))
+          finish(k, "worker_failure" if infra else "reset_error", f"{type(result).__name__}: {result}")
         elif turn >= 0 and result.done:
           verdict = result.verdict
           if verdict is not None and verdict.passed:

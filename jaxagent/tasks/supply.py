@@ -29,6 +29,7 @@ Multi-process: every process holds the same state, draws the same global batch a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Mapping, Protocol, Sequence
 
 import grain
@@ -42,6 +43,26 @@ from jaxagent.config import ConfigError, TasksConfig
 # Cumulative frontier counters among `record`'s metrics (a later round's values replace an earlier round's).
 COUNTER_METRICS = ("curriculum/added", "curriculum/retired_mastered", "curriculum/retired_unsolved",
                    "curriculum/retired_used")
+
+
+def list_identity(task_list: Sequence[envs.Task]) -> dict[str, Any]:
+  """What a supply state's indices refer to: the list's length and a digest of its (id, version) pairs."""
+  h = hashlib.blake2b(digest_size=8)
+  for t in task_list:
+    h.update(f"{t.id}\0{t.version}\n".encode())
+  return {"count": len(task_list), "digest": h.hexdigest()}
+
+
+def _check_identity(state: Mapping[str, Any], task_list: Sequence[envs.Task]) -> None:
+  stored = state.get("task_list")
+  if stored is None:  # a checkpoint from before the identity was stored
+    return
+  now = list_identity(task_list)
+  if dict(stored) != now:
+    raise ConfigError(f"the checkpoint's task supply indexes another train task list ({stored['count']} tasks, "
+                      f"digest {stored['digest']}) than this run's ({now['count']}, {now['digest']}): the "
+                      "tasks.train_file, env.options or the env's task generator changed since; resuming would "
+                      "draw other tasks than the uninterrupted run")
 
 
 def stream(num_tasks: int, seed: int):
@@ -86,13 +107,14 @@ class UniformTasks:
     return {}
 
   def get_state(self) -> dict[str, Any]:
-    return self._iter.get_state()
+    return {**self._iter.get_state(), "task_list": list_identity(self.task_list)}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     if isinstance(state, Mapping) and state.get("kind", self.kind) != self.kind:
       raise ConfigError(f"the checkpoint's task supply is tasks.sampler={state.get('kind')!r}, this run's is "
                         f"{self.kind!r}: resume with --set tasks.sampler={state.get('kind')}")
-    self._iter.set_state(dict(state))
+    _check_identity(state, self.task_list)
+    self._iter.set_state({k: v for k, v in state.items() if k not in ("task_list", "kind")})
 
   def horizon(self, iterations: int, rounds: int) -> list[int]:
     ds = stream(len(self.task_list), self.seed)
@@ -191,7 +213,8 @@ class FrontierTasks:
   def get_state(self) -> dict[str, Any]:
     if self._last:
       raise AssertionError("a frontier state is taken between rounds (a draw is waiting for its record)")
-    return {"kind": self.kind, "source": self._source.get_state(), "counters": dict(self.counters),
+    return {"kind": self.kind, "task_list": list_identity(self.task_list), "source": self._source.get_state(),
+            "counters": dict(self.counters),
             "active": [[e.index, e.a, e.b, e.attempts, e.successes, e.draws] for e in self.active]}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
@@ -199,6 +222,7 @@ class FrontierTasks:
       kind = state.get("kind", "uniform") if isinstance(state, Mapping) else type(state).__name__
       raise ConfigError(f"the checkpoint's task supply is tasks.sampler={kind!r}, this run's is 'frontier': "
                         f"resume with --set tasks.sampler={kind}")
+    _check_identity(state, self.task_list)
     self._source.set_state(dict(state["source"]))
     self.counters = {k: int(v) for k, v in state["counters"].items()}
     self.active = [_Entry(int(i), float(a), float(b), int(n), int(k), int(d)) for i, a, b, n, k, d in state["active"]]
@@ -213,6 +237,13 @@ class FrontierTasks:
 
 def make_supply(task_list: Sequence[envs.Task], config: TasksConfig, *, seed: int, batch: int, process: int,
                 num_processes: int) -> TaskSupply:
+  """The supply `config.sampler` names. The frontier needs at least B distinct tasks (it draws B distinct ones
+  per round); its active set holds min(`tasks.active`, len(task_list))."""
   if config.sampler == "frontier":
+    if len(task_list) < batch:
+      raise ConfigError(f"tasks.sampler='frontier' draws train.tasks_per_iteration={batch} distinct tasks per "
+                        f"round, but the train task list has {len(task_list)}; use more tasks or the uniform "
+                        "sampler")
+    config = dataclasses.replace(config, active=min(config.active, len(task_list)))
     return FrontierTasks(task_list, config, seed=seed, batch=batch, process=process, num_processes=num_processes)
   return UniformTasks(task_list, seed=seed, batch=batch, process=process, num_processes=num_processes)

@@ -210,12 +210,13 @@ def held_out_tasks(cfg: Config, env_spec: envs.EnvSpec, split: str | None = None
 
 def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply) -> contamination.Report | None:
   """Near-duplicates of the eval tasks among every train task the run can draw; refuses (or warns) above
-  `tasks.max_contamination`. None when off or nothing is evaluated."""
-  if cfg.tasks.contamination == "off" or not cfg.train.eval_episodes:
-    return None
+  `tasks.max_contamination`. None when off, nothing is evaluated, or the eval split is the train split."""
+  if cfg.tasks.contamination == "off" or not cfg.train.eval_episodes or cfg.train.eval_split == "train":
+    return None  # nothing held out to protect (evaluating on train tasks is a choice, not a leak)
   rounds = 1 + (cfg.train.dynamic_sampling_rounds if cfg.train.dynamic_sampling else 0)
   drawable = [task_list[i] for i in supply.horizon(cfg.train.iterations, rounds)]
-  report = contamination.check(drawable, held_out_tasks(cfg, env_spec), threshold=cfg.tasks.near_duplicate)
+  report = contamination.check(drawable, held_out_tasks(cfg, env_spec), threshold=cfg.tasks.near_duplicate,
+                               describe=env_spec.describe)
   if report.fraction > cfg.tasks.max_contamination:
     shown = ", ".join(f"{m.held_out}~{m.train} ({m.similarity:.2f})" for m in report.matches[:5])
     message = (f"contamination: {report.line()}, above tasks.max_contamination={cfg.tasks.max_contamination}: "
@@ -255,6 +256,19 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
         f"rollout.max_context={cfg.rollout.max_context} cannot hold the chat's prompt framing ({framing} tokens, "
         f"tool schemas included) plus one action (rollout.max_new_tokens={cfg.rollout.max_new_tokens}); "
         f"raise it to at least {framing + cfg.rollout.max_new_tokens} (more for the task and later turns)")
+  # Tasks: the uniform stream or the frontier curriculum over the train split (jaxagent/tasks), checked for
+  # held-out leaks before anything heavy is built. Every process draws the same global batch and keeps its
+  # contiguous slice, so the global batch (and every row's seed and sampling key) is the same for any number
+  # of processes.
+  tasks = None
+  if purpose == "train":
+    task_list = train_tasks(cfg, env_spec)
+    tasks = task_supply.make_supply(task_list, cfg.tasks, seed=cfg.run.seed, batch=cfg.train.tasks_per_iteration,
+                                    process=process, num_processes=num_processes)
+    report = check_contamination(cfg, env_spec, task_list, tasks)
+    if report is not None and echo and process == 0:
+      print(f"contamination check: {report.line()}", flush=True)
+
   dtype = jnp.dtype(cfg.model.dtype)
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
@@ -375,17 +389,6 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                          invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
                          schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
 
-  # Tasks: the uniform stream or the frontier curriculum over the train split (jaxagent/tasks). Every process
-  # draws the same global batch and keeps its contiguous slice, so the global batch (and every row's seed and
-  # sampling key) is the same for any number of processes.
-  tasks = None
-  if purpose == "train":
-    task_list = train_tasks(cfg, env_spec)
-    tasks = task_supply.make_supply(task_list, cfg.tasks, seed=cfg.run.seed, batch=cfg.train.tasks_per_iteration,
-                                    process=process, num_processes=num_processes)
-    report = check_contamination(cfg, env_spec, task_list, tasks)
-    if report is not None and echo and process == 0:
-      print(f"contamination check: {report.line()}", flush=True)
 
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,
