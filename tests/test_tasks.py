@@ -295,3 +295,24 @@ def test_frontier_retires_a_task_after_max_draws():
     supply.record(tasks, np.asarray([[1, 0] * 4] * 4), np.ones((4, 8), int))
   assert supply.counters["retired_used"] == 4 and supply.counters["added"] == 8
   assert not any(e in first for e in supply.active) and all(e.draws == 0 for e in supply.active)
+
+
+def test_execute_runs_an_infrastructure_failure_again_and_reports_it_apart():
+  tasks = envs.get("faults").tasks("train", 4, 0)
+  tasks[1] = dataclasses.replace(tasks[1], id="crashes", payload={"reset": "crash"})
+  runs = pipeline.execute("faults", tasks, kind="local", workers=2, slots=2)
+  crashed = runs[1]
+  assert crashed.reason == "worker_failure" and crashed.infrastructure and not crashed.solved
+  # The others ran to their end (faults has no verifier: its `done` is no verified pass), or, when the crashing
+  # reset took their worker down with it, count as infrastructure failures too: never as broken tasks.
+  others = [r for i, r in enumerate(runs) if i != 1]
+  assert all(r.reason == "reference_failed" or r.infrastructure for r in others), [r.reason for r in others]
+  assert sum(r.reason == "reference_failed" for r in others) >= 2
+
+
+def test_no_builtin_env_has_near_duplicates_between_its_train_and_held_out_splits():
+  for name in ("calculator", "guess", "gridworld", "terminal", "code_repair"):
+    spec = envs.get(name)
+    for split in ("tune", "eval"):
+      report = contamination.check(spec.tasks("train", 2000, 0), spec.tasks(split, 200, 1), describe=spec.describe)
+      assert report.contaminated == 0, (name, split, report.matches[:3])
