@@ -318,6 +318,31 @@ class TasksConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageConfig:
+  """One stage of a curriculum: a data paradigm on a task mix for at most `steps`, then the next stage."""
+  name: str = field("stage", help="shown in logs and metrics")
+  paradigm: Literal["bc", "rl"] = field("rl", help="bc: behavior cloning on the env's scripted demonstrations; "
+                                        "rl: the configured algorithm (algo.name) on sampled episodes")
+  steps: int = field(1, ge=1, help="bc: optimizer steps; rl: iterations (fewer when promoted early)")
+  env_options: dict[str, Any] | None = field(None, help="the task generator's options in this stage (e.g. "
+                                             "max_operand); null: env.options")
+  sampler: Literal["uniform", "frontier"] | None = field(None, help="rl: task sampler; null: tasks.sampler")
+  promote_at: float | None = field(None, gt=0.0, le=1.0, help="rl: end the stage early once success on "
+                                   "promote_split (this stage's tasks) reaches this")
+  promote_split: Literal["train", "tune", "eval"] = field("tune")
+  promote_every: int = field(10, ge=1, help="rl: iterations between promotion checks")
+  promote_episodes: int = field(64, ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CurriculumConfig:
+  """Curriculum stages (jaxagent/train/loop.py). Empty: one bc stage of train.bc_steps (when > 0), then one rl
+  stage of train.iterations. Given: bc stages first; their steps add up to train.bc_steps and the rl stages'
+  to train.iterations (the learning-rate schedules and checkpoint cadence are planned on those totals)."""
+  stages: tuple[StageConfig, ...] = field(())
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   run: RunConfig = field(RunConfig())
   model: ModelSection = field(ModelSection())
@@ -330,9 +355,19 @@ class Config:
   env: EnvConfig = field(EnvConfig())
   train: TrainConfig = field(TrainConfig())
   tasks: TasksConfig = field(TasksConfig())
+  curriculum: CurriculumConfig = field(CurriculumConfig())
 
   def __post_init__(self):
     check_combinations(self, self.distributed.num_processes or 1)
+
+
+def stages(config: Config) -> tuple[StageConfig, ...]:
+  """The run's stages: `curriculum.stages`, or the implicit cold start + RL of train.bc_steps, train.iterations."""
+  if config.curriculum.stages:
+    return config.curriculum.stages
+  implicit = (StageConfig(name="cold_start", paradigm="bc", steps=config.train.bc_steps),) if config.train.bc_steps \
+      else ()
+  return implicit + (StageConfig(name="rl", paradigm="rl", steps=config.train.iterations),)  # may be 0
 
 
 def check_combinations(config: Config, num_processes: int) -> None:
@@ -372,6 +407,29 @@ def check_combinations(config: Config, num_processes: int) -> None:
   if rollout.env_transport == "callback" and num_processes > 1:
     raise ConfigError(f"rollout.env_transport='callback' runs in a single process for now, not {where}; use "
                       "rollout.env_transport=host_loop")
+  stages = config.curriculum.stages
+  if stages:
+    kinds = [s.paradigm for s in stages]
+    if "bc" in kinds[kinds.index("rl") if "rl" in kinds else len(kinds):]:
+      raise ConfigError(f"curriculum.stages paradigms {kinds}: bc stages come first (a cold start); an rl stage "
+                        "followed by bc is not supported")
+    for paradigm, total, key in (("bc", train.bc_steps, "train.bc_steps"), ("rl", train.iterations,
+                                                                           "train.iterations")):
+      planned = sum(s.steps for s in stages if s.paradigm == paradigm)
+      if planned != total:
+        raise ConfigError(f"curriculum.stages: the {paradigm} stages' steps add up to {planned}, but {key}={total}; "
+                          f"set {key}={planned} (schedules and checkpoints are planned on it)")
+    for i, s in enumerate(stages):
+      if s.paradigm == "bc" and (s.promote_at is not None or s.sampler is not None):
+        raise ConfigError(f"curriculum.stages[{i}] ({s.name!r}): promote_at and sampler apply to rl stages")
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+      raise ConfigError(f"curriculum.stages names {names}: must be distinct")
+  for s in stages or ():
+    if (s.sampler or config.tasks.sampler) == "frontier" and config.tasks.active < train.tasks_per_iteration:
+      raise ConfigError(f"tasks.active={config.tasks.active}: stage {s.name!r} samples with the frontier, which "
+                        f"draws train.tasks_per_iteration={train.tasks_per_iteration} distinct tasks from its active "
+                        "set; use at least that many")
   if config.tasks.sampler == "frontier" and config.tasks.active < train.tasks_per_iteration:
     raise ConfigError(f"tasks.active={config.tasks.active}: the frontier draws train.tasks_per_iteration="
                       f"{train.tasks_per_iteration} distinct tasks from its active set; use at least that many")

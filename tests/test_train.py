@@ -425,3 +425,78 @@ def test_training_refuses_eval_tasks_leaked_into_its_train_tasks(tmp_path):
   bad = dataclasses.replace(config, tasks=dataclasses.replace(config.tasks, train_file=str(tmp_path / "eval.jsonl")))
   with pytest.raises(config_lib.ConfigError, match="holds held-out tasks"):
     build_run(bad, tmp_path / "run4")
+
+
+STAGES = ("curriculum.stages=[{name: warmup, paradigm: bc, steps: 3, env_options: {max_operand: 3}}, "
+          "{name: easy, paradigm: rl, steps: 2, env_options: {max_operand: 3}, sampler: frontier}, "
+          "{name: hard, paradigm: rl, steps: 2}]")
+
+
+def test_curriculum_stages_are_checked_when_the_config_loads(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="add up to 4, but train.iterations=2"):
+    _config(tmp_path, STAGES, "train.iterations=2")
+  with pytest.raises(config_lib.ConfigError, match="bc stages come first"):
+    _config(tmp_path, "train.iterations=1", "curriculum.stages=[{name: a, paradigm: rl, steps: 1}, "
+            "{name: b, paradigm: bc, steps: 3}]")
+  with pytest.raises(config_lib.ConfigError, match="must be distinct"):
+    _config(tmp_path, "train.iterations=2", "train.bc_steps=0", "curriculum.stages=[{name: a, steps: 1}, "
+            "{name: a, steps: 1}]")
+  implicit = config_lib.stages(_config(tmp_path, "train.iterations=7"))
+  assert [(s.paradigm, s.steps) for s in implicit] == [("bc", 3), ("rl", 7)]
+
+
+def _staged(tmp_path, name, *extra):
+  config = _config(tmp_path, STAGES, "train.iterations=4", "train.eval_episodes=0", "train.plots=false",
+                   "train.keep_checkpoints=10", "tasks.active=4", *extra)
+  loop.train(config, run_dir=tmp_path / name)
+  return config, tmp_path / name
+
+
+def test_curriculum_stages_run_in_order_on_their_own_tasks_and_resume_exactly(tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  config, run_a = _staged(tmp_path, "a")
+  rows = [r for r in map(json.loads, (run_a / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
+  assert [r["curriculum/stage"] for r in rows] == [1, 1, 2, 2]
+  assert "curriculum/drawn_signal" in rows[0] and "curriculum/drawn_signal" not in rows[2]  # frontier, then uniform
+  stored = list(trajectory_store.read(run_a / "trajectories"))
+  from envs.builtin import calculator  # pylint: disable=g-import-not-at-top
+  version = lambda **options: calculator.tasks("train", 1, 0, **options)[0].version  # the options are in it
+  easy = {t.task.version for t in stored if t.policy_version in (3, 4)}   # 3 BC updates, then one per iteration
+  hard = {t.task.version for t in stored if t.policy_version in (5, 6)}
+  assert easy == {version(max_operand=3)} and hard == {version()}
+
+  # Resume from the checkpoint after iteration 1 (inside stage "easy"): the same tasks and final weights.
+  run_b = tmp_path / "b"
+  shutil.copytree(run_a, run_b)
+  for step in (2, 3, 4):
+    shutil.rmtree(run_b / "checkpoints" / str(step))
+  loop.train(config, run_dir=run_b, resume=True)
+  order = lambda run: [(t.task.id, t.policy_version, t.env.seed) for t in trajectory_store.read(run / "trajectories")]
+  assert order(run_b) == order(run_a)
+  for x, y in zip(jax.tree.leaves(_final_params(run_a, 4)), jax.tree.leaves(_final_params(run_b, 4))):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_a_stage_is_promoted_early_when_its_success_reaches_promote_at(tmp_path, monkeypatch):
+  real = loop.evaluate
+  asked = []
+
+  def evaluate(run, state, split=None, episodes=None, options=None):
+    if split == "tune" and options is not None:  # the promotion check of stage "easy": say it is mastered
+      asked.append((split, episodes, dict(options)))
+      return state, loop.EvalResult("tune", episodes, episodes, (0.9, 1.0), {"completed": episodes}, 1.0)
+    return real(run, state, split, episodes, options)
+
+  monkeypatch.setattr(loop, "evaluate", evaluate)
+  stages = STAGES.replace("sampler: frontier}", "sampler: frontier, promote_at: 0.5, promote_every: 1, "
+                          "promote_episodes: 8}")
+  _, run = _staged(tmp_path, "p", stages)
+  rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
+  # Promoted after its first iteration: "hard" runs from iteration 1 for its 2 iterations (3 in all).
+  assert [r["curriculum/stage"] for r in rows] == [1, 2, 2]
+  assert asked == [("tune", 8, {"max_operand": 3})]
+  with ocp.CheckpointManager((run / "checkpoints").resolve(),
+                             options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
+    assert mngr.latest_step() == 3
+    meta = mngr.restore(1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  assert meta["curriculum"] == {"stage": 2, "stage_start": 1}  # the promotion's checkpoint resumes in "hard"

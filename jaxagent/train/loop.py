@@ -81,6 +81,8 @@ class LoopState:
   state: TrainState
   iteration: int = 0
   counters: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(metrics_lib.X_AXES, 0))
+  stage: int = 0           # the curriculum stage (index into config.stages) the next step belongs to
+  stage_start: int = 0     # the iteration at which that stage began (an rl stage ends steps later, or promoted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,13 +223,15 @@ def _demo_action(run: Run, line: str) -> str:
   return text
 
 
-def demonstrations(run: Run, n: int, seed: int) -> list[tr.Trajectory]:
+def demonstrations(run: Run, n: int, seed: int, options: Mapping[str, Any] | None = None) -> list[tr.Trajectory]:
   """`n` scripted demonstrations, run through the rollout engine like sampled episodes (same framing, records).
 
-  Every process builds all `n` (the behavior-cloning batches pick rows from the same global list).
+  Every process builds all `n` (the behavior-cloning batches pick rows from the same global list). `options`:
+  the task generator's (a stage's), else env.options.
   """
   cfg = run.config
-  tasks = run.env_spec.tasks("train", n, stable_seed(seed, "demo"), **dict(cfg.env.options or {}))
+  options = cfg.env.options if options is None else options
+  tasks = run.env_spec.tasks("train", n, stable_seed(seed, "demo"), **dict(options or {}))
   out = []
   for start in range(0, n, run.rows):
     chunk = tasks[start:start + run.rows]
@@ -241,18 +245,25 @@ def demonstrations(run: Run, n: int, seed: int) -> list[tr.Trajectory]:
   return out
 
 
-def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLogger) -> TrainState:
-  """The cold start: `train.bc_steps` steps of masked NLL on scripted demonstrations (resumes mid-way)."""
+def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLogger, *, begin: int = 0,
+                     end: int | None = None, stage: int = 0) -> TrainState:
+  """Masked NLL on scripted demonstrations from optimizer step `begin` to `end` (default: the cold start, 0 to
+  `train.bc_steps`); resumes mid-way. `stage`: the curriculum stage (its task options; stage 0's demos are the
+  cold start's of every run so far)."""
   cfg, train = run.config, run.config.train
+  end = train.bc_steps if end is None else end
   start_step = int(state.step)
-  if start_step >= train.bc_steps:
+  if start_step >= end:
     return state
-  demos = demonstrations(run, max(train.bc_steps * train.bc_batch_size // 4, train.bc_batch_size), cfg.run.seed)
+  spec = config_lib.stages(cfg)[stage]
+  demos = demonstrations(run, max((end - begin) * train.bc_batch_size // 4, train.bc_batch_size),
+                         cfg.run.seed if stage == 0 else stable_seed(cfg.run.seed, "stage", stage), spec.env_options)
   rng = np.random.default_rng(stable_seed(cfg.run.seed, "bc", start_step))
-  progress = metrics_lib.Progress(train.bc_steps - start_step, "cold start (BC)", run.echo)
+  label = "cold start (BC)" if not cfg.curriculum.stages else f"stage {spec.name} (BC)"
+  progress = metrics_lib.Progress(end - start_step, label, run.echo)
   local = train.bc_batch_size // jax.process_count()
   shown = start_step  # steps the bar has counted (it redraws with the logged metrics, every 10 steps)
-  for step in range(start_step, train.bc_steps):
+  for step in range(start_step, end):
     pick = rng.choice(len(demos), train.bc_batch_size, replace=False)
     mine = pick[jax.process_index() * local:(jax.process_index() + 1) * local]
     batch = assemble([demos[i] for i in mine], length=cfg.rollout.max_context, rows=local,
@@ -261,7 +272,7 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
         batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation, norm_length=cfg.algo.norm_length,
         allow_empty=True))
     state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(normalizer))
-    if step % 10 == 0 or step == train.bc_steps - 1:
+    if step % 10 == 0 or step == end - 1:
       m = jax.device_get(m)
       logger.log(int(state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"]})
       progress.update(step + 1 - shown, nll=f"{float(m['nll']):.3f}")
@@ -270,13 +281,14 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
   return state
 
 
-def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: int | None = None
-             ) -> tuple[TrainState, EvalResult]:
-  """Held-out success over `episodes` tasks of `split`, with Wilson intervals (eval sampling temperature)."""
+def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: int | None = None,
+             options: Mapping[str, Any] | None = None) -> tuple[TrainState, EvalResult]:
+  """Held-out success over `episodes` tasks of `split` (task options: env.options unless given), with Wilson
+  intervals (eval sampling temperature)."""
   cfg = run.config
   split = split or cfg.train.eval_split
   episodes = cfg.train.eval_episodes if episodes is None else episodes
-  tasks = held_out_tasks(cfg, run.env_spec, split, episodes)
+  tasks = held_out_tasks(cfg, run.env_spec, split, episodes, options)
   names = [t.value for t in envs.Termination]
   passed, rewards, terms = 0, 0.0, np.zeros(len(names), np.int64)
   process = jax.process_index()
@@ -297,15 +309,27 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
                            {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
 
 
-def record_outcomes(run: Run, tasks: Sequence[envs.Task], trajectories: Sequence[tr.Trajectory]
-                    ) -> dict[str, float]:
+def current_supply(run: Run, stage: int) -> task_supply.TaskSupply:
+  """The task supply of curriculum stage `stage` (the first rl stage's for a bc stage, the last one's once
+  every stage is done)."""
+  rl = [i for i, t in enumerate(run.stage_tasks) if t is not None]
+  if not rl:
+    return run.tasks
+  return run.stage_tasks[stage] if stage in rl else run.stage_tasks[rl[0] if stage < rl[0] else rl[-1]]
+
+
+def record_outcomes(supply: task_supply.TaskSupply, cfg: Config, tasks: Sequence[envs.Task],
+                    trajectories: Sequence[tr.Trajectory]) -> dict[str, float]:
   """Tells the task supply how each task's group did (verifier passes among the trained samples)."""
-  shape = (len(tasks), run.config.train.group_size)
+  shape = (len(tasks), cfg.train.group_size)
   passed = np.asarray([bool(t.verifier.passed) for t in trajectories]).reshape(shape)
-  return run.tasks.record(tasks, passed, trained_rows(run, trajectories).reshape(shape))
+  excluded = set(cfg.train.exclude_terminations)
+  trained = np.asarray([t.termination.value not in excluded for t in trajectories], bool)
+  return supply.record(tasks, passed, trained.reshape(shape))
 
 
-def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list[tr.Trajectory], stats):
+def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list[tr.Trajectory], stats,
+                      supply: task_supply.TaskSupply | None = None):
   """DAPO dynamic sampling (Yu et al. 2025): a group whose rewards are all equal carries no GRPO signal.
 
   The batch keeps its B task slots. While some slot (on any process) holds such a flat group, and at most
@@ -328,14 +352,15 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
   unused, rounds, sampled_groups = [], 0, len(chosen)
   process = jax.process_index()
   curriculum = {}
+  supply = run.tasks if supply is None else supply
   while rounds < cfg.train.dynamic_sampling_rounds and multihost.host_sum(np.asarray(sum(flat))) > 0:
     rounds += 1
-    tasks = run.tasks.draw(iteration, rounds)
+    tasks = supply.draw(iteration, rounds)
     seeds = [stable_seed(cfg.run.seed, "env", iteration, "refill", rounds, process * run.rows + i)
              for i in range(run.rows)]
     state, more, more_stats = collect(run, state, tasks, seeds, group_size=g,
                                       rng=run.rollout_key(state.rng, iteration, rounds))
-    curriculum = record_outcomes(run, tasks, more)
+    curriculum = record_outcomes(supply, cfg, tasks, more)
     stats = stats + more_stats
     for slot, group in enumerate(chunks(more)):
       sampled_groups += 1
@@ -353,21 +378,23 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
 
 def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
                  start_wall: float) -> tuple[LoopState, dict[str, Any]]:
-  """Rollout (with dynamic sampling), batch preparation, update(s) and trajectory storage for one iteration."""
+  """Rollout (with dynamic sampling), batch preparation, update(s) and trajectory storage for one iteration,
+  on the tasks of the current curriculum stage."""
   cfg = run.config
   it, state = progress.iteration, progress.state
+  supply = current_supply(run, progress.stage)
   timer = metrics_lib.StageTimer()
   wall0 = time.perf_counter()
-  tasks = run.tasks.draw(it, 0)  # this process's slice of the global batch of tasks
+  tasks = supply.draw(it, 0)  # this process's slice of the global batch of tasks
   process = jax.process_index()
   seeds = [stable_seed(cfg.run.seed, "env", it, process * run.rows + i) for i in range(run.rows)]
   rng = run.rollout_key(state.rng, it, 0)
   with timer("rollout"):
     state, sampled, stats = collect(run, state, tasks, seeds, group_size=cfg.train.group_size, rng=rng)
-    curriculum = record_outcomes(run, tasks, sampled)
+    curriculum = record_outcomes(supply, cfg, tasks, sampled)
     trajs, extra, refill = sampled, [], {}
     if cfg.train.dynamic_sampling:
-      state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats)
+      state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats, supply)
   with timer("advantages"):
     prepared = prepare_batch(run, state, trajs)
   with timer("update"):
@@ -415,7 +442,7 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
     out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in sampled]))
   out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
   out.update({"env/replays": int(counts[len(names)]), "env/replay_divergences": int(counts[len(names) + 1])})
-  return LoopState(state=state, iteration=it + 1, counters=counters), out
+  return dataclasses.replace(progress, state=state, iteration=it + 1, counters=counters), out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -430,7 +457,8 @@ def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWrite
          env_change: Mapping[str, Any] | None = None) -> None:
   """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously)."""
   shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
-  meta = {"iteration": progress.iteration, "data_iterator": run.tasks.get_state(),
+  meta = {"iteration": progress.iteration, "data_iterator": current_supply(run, progress.stage).get_state(),
+          "curriculum": {"stage": progress.stage, "stage_start": progress.stage_start},
           "counters": dict(progress.counters), "versions": checkpointing.versions(),
           "env": dict(run.env_versions), "policy_version": int(progress.state.policy_version),
           "trajectory_shards": {("trajectories" if jax.process_count() == 1 else f"trajectories-p{p}"): int(n)
@@ -486,13 +514,22 @@ def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
   change = check_env_versions(run, meta.get("env"))
   if change:
     meta = {**meta, "env_change_allowed": change}
+  stages = config_lib.stages(run.config)
+  where = meta.get("curriculum")
+  if where is None:  # a checkpoint from before curriculum stages: the implicit cold start + rl schedule
+    bc = int(state.step) < run.config.train.bc_steps
+    where = {"stage": 0 if bc else next(i for i, st in enumerate(stages) if st.paradigm == "rl"), "stage_start": 0}
+  if not 0 <= int(where["stage"]) <= len(stages):
+    raise config_lib.ConfigError(f"the checkpoint is in curriculum stage {where['stage']}, this config has "
+                                 f"{len(stages)} stage(s): resume with the run's own config")
   if run.tasks is not None:
-    run.tasks.set_state(meta["data_iterator"])
+    current_supply(run, int(where["stage"])).set_state(meta["data_iterator"])
   skipped = meta.get("_skipped_steps") or []
   note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""
   run.print(f"resumed from {run.run_dir / 'checkpoints' / str(iteration)} (iteration {iteration}, step "
             f"{int(state.step)}, policy version {int(state.policy_version)}{note})")
-  return LoopState(state=state, iteration=iteration, counters=meta["counters"]), meta
+  return LoopState(state=state, iteration=iteration, counters=meta["counters"], stage=int(where["stage"]),
+                   stage_start=int(where["stage_start"])), meta
 
 
 # ------------------------------------------------------------------------------------------------
@@ -540,11 +577,23 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
     writer = trajectory_store.TrajectoryWriter(run.run_dir / "trajectories", prefix=_shard_prefix())
   start_wall = time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS]
   before = after = None
+  stages = config_lib.stages(cfg)
+  explicit = bool(cfg.curriculum.stages)
+  first_rl = next((i for i, st in enumerate(stages) if st.paradigm == "rl"), len(stages))
   try:
-    if int(progress.state.step) < cfg.train.bc_steps:
-      state = behavior_cloning(run, progress.state, logger)
-      progress = dataclasses.replace(progress, state=set_reference(run, state))
-      save(run, progress, writer, env_change)
+    if int(progress.state.step) < cfg.train.bc_steps:  # the bc stages, one after the other (by optimizer steps)
+      begin = 0
+      for i, stage in enumerate(stages[:first_rl]):
+        end = begin + stage.steps
+        if int(progress.state.step) < end:
+          state = behavior_cloning(run, progress.state, logger, begin=begin, end=end, stage=i)
+          if end == cfg.train.bc_steps:
+            state = set_reference(run, state)
+            progress = dataclasses.replace(progress, state=state, stage=first_rl, stage_start=progress.iteration)
+          else:
+            progress = dataclasses.replace(progress, state=state, stage=i + 1)
+          save(run, progress, writer, env_change)
+        begin = end
     if cfg.train.eval_episodes and progress.iteration == 0:
       state, before = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
@@ -553,18 +602,41 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
                  iteration=progress.iteration)
     bar = metrics_lib.Progress(cfg.train.iterations, "GRPO" if cfg.algo.name == "grpo" else "PPO", run.echo)
     bar.update(progress.iteration)
-    while progress.iteration < cfg.train.iterations:
-      progress, m = rl_iteration(run, progress, writer, start_wall)
-      logger.log(int(progress.state.step), m, iteration=progress.iteration)
-      bar.update(1, reward=f"{m[metrics_lib.REWARD_MEAN]:.2f}", succ=f"{m[metrics_lib.SUCCESS_RATE]:.2f}")
-      every, it = cfg.train.eval_every, progress.iteration
-      if cfg.train.eval_episodes and every and it % every == 0 and it < cfg.train.iterations:
-        state, mid = evaluate(run, progress.state)
-        progress = dataclasses.replace(progress, state=state)
-        bar.write(f"iteration {it}: {mid.line()}")
-        logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate}, iteration=it)
-      if it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations:
-        save(run, progress, writer, env_change)
+    saved = progress.iteration
+    while progress.stage < len(stages):
+      i, stage = progress.stage, stages[progress.stage]
+      end = progress.stage_start + stage.steps
+      promoted = False
+      while progress.iteration < end and not promoted:
+        progress, m = rl_iteration(run, progress, writer, start_wall)
+        it = progress.iteration
+        if explicit:
+          m["curriculum/stage"] = i
+        logger.log(int(progress.state.step), m, iteration=it)
+        bar.update(1, reward=f"{m[metrics_lib.REWARD_MEAN]:.2f}", succ=f"{m[metrics_lib.SUCCESS_RATE]:.2f}")
+        every = cfg.train.eval_every
+        if cfg.train.eval_episodes and every and it % every == 0 and it < cfg.train.iterations:
+          state, mid = evaluate(run, progress.state)
+          progress = dataclasses.replace(progress, state=state)
+          bar.write(f"iteration {it}: {mid.line()}")
+          logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate}, iteration=it)
+        if stage.promote_at is not None and (it - progress.stage_start) % stage.promote_every == 0 and it < end:
+          state, check = evaluate(run, progress.state, stage.promote_split, stage.promote_episodes,
+                                  stage.env_options)
+          progress = dataclasses.replace(progress, state=state)
+          logger.log(int(state.step), {f"curriculum/{stage.name}/success_rate": check.success_rate}, iteration=it)
+          if check.success_rate >= stage.promote_at:
+            promoted = True
+            bar.write(f"iteration {it}: stage {stage.name!r} promoted ({check.line()} >= {stage.promote_at})")
+        if it == end or promoted:  # the next stage starts here (and a checkpoint taken now resumes in it)
+          progress = dataclasses.replace(progress, stage=i + 1, stage_start=it)
+        if it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations or promoted:
+          save(run, progress, writer, env_change)
+          saved = it
+      if progress.stage == i:  # the stage had no iteration left (resumed at its end, or 0 steps)
+        progress = dataclasses.replace(progress, stage=i + 1, stage_start=progress.iteration)
+    if saved != progress.iteration:
+      save(run, progress, writer, env_change)
     bar.close()
     run.checkpointer.wait()
     if cfg.train.eval_episodes:

@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +123,8 @@ class Run:
   engine: RolloutEngine
   sampler: Sampler                     # rollout sampling (rollout.temperature)
   eval_sampler: Sampler                # evaluation sampling (train.eval_temperature)
-  tasks: task_supply.TaskSupply | None # the train tasks each round draws (None for eval)
+  tasks: task_supply.TaskSupply | None # the train tasks each round draws (the first rl stage's; None for eval)
+  stage_tasks: tuple                   # per curriculum stage (config.stages): its supply, None for a bc stage
   checkpointer: checkpointing.TrainCheckpointer
   model_config: dict[str, Any]         # HF-style, stored with checkpoints
   rows: int
@@ -179,10 +180,12 @@ class ContaminationError(config_lib.ConfigError):
   """Held-out tasks have near-duplicates among the train tasks a run would draw."""
 
 
-def train_tasks(cfg: Config, env_spec: envs.EnvSpec) -> list[envs.Task]:
-  """The train task list: `tasks.train_file`'s tasks, or NUM_TRAIN_TASKS from the env's generator."""
-  if cfg.tasks.train_file is None:
-    return env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(cfg.env.options or {}))
+def train_tasks(cfg: Config, env_spec: envs.EnvSpec, options: Mapping[str, Any] | None = None) -> list[envs.Task]:
+  """The train task list: `tasks.train_file`'s tasks, or NUM_TRAIN_TASKS from the env's generator (with
+  `options`, a stage's, else env.options)."""
+  if options is not None or cfg.tasks.train_file is None:
+    options = cfg.env.options if options is None else options
+    return env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(options or {}))
   where = f"tasks.train_file={cfg.tasks.train_file!r}"
   try:
     env_name, task_list = pipeline.read_jsonl(cfg.tasks.train_file)
@@ -200,21 +203,24 @@ def train_tasks(cfg: Config, env_spec: envs.EnvSpec) -> list[envs.Task]:
   return task_list
 
 
-def held_out_tasks(cfg: Config, env_spec: envs.EnvSpec, split: str | None = None,
-                   episodes: int | None = None) -> list[envs.Task]:
-  """The tasks evaluation runs on (`train.eval_split`, `train.eval_episodes` unless given)."""
+def held_out_tasks(cfg: Config, env_spec: envs.EnvSpec, split: str | None = None, episodes: int | None = None,
+                   options: Mapping[str, Any] | None = None) -> list[envs.Task]:
+  """The tasks evaluation runs on (`train.eval_split`, `train.eval_episodes` and env.options unless given)."""
   split = split or cfg.train.eval_split
   episodes = cfg.train.eval_episodes if episodes is None else episodes
-  return env_spec.tasks(split, episodes, stable_seed(cfg.run.seed, "eval", split), **dict(cfg.env.options or {}))
+  options = cfg.env.options if options is None else options
+  return env_spec.tasks(split, episodes, stable_seed(cfg.run.seed, "eval", split), **dict(options or {}))
 
 
-def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply) -> contamination.Report | None:
+def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply, *, iterations: int | None = None
+                        ) -> contamination.Report | None:
   """Near-duplicates of the eval tasks among every train task the run can draw; refuses (or warns) above
   `tasks.max_contamination`. None when off, nothing is evaluated, or the eval split is the train split."""
   if cfg.tasks.contamination == "off" or not cfg.train.eval_episodes or cfg.train.eval_split == "train":
     return None  # nothing held out to protect (evaluating on train tasks is a choice, not a leak)
   rounds = 1 + (cfg.train.dynamic_sampling_rounds if cfg.train.dynamic_sampling else 0)
-  drawable = [task_list[i] for i in supply.horizon(cfg.train.iterations, rounds)]
+  iterations = cfg.train.iterations if iterations is None else iterations
+  drawable = [task_list[i] for i in supply.horizon(iterations, rounds)]
   report = contamination.check(drawable, held_out_tasks(cfg, env_spec), threshold=cfg.tasks.near_duplicate,
                                describe=env_spec.describe)
   if report.fraction > cfg.tasks.max_contamination:
@@ -260,14 +266,30 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   # held-out leaks before anything heavy is built. Every process draws the same global batch and keeps its
   # contiguous slice, so the global batch (and every row's seed and sampling key) is the same for any number
   # of processes.
-  tasks = None
+  # One supply per rl stage of the curriculum (its task options and sampler); the first rl stage's is `tasks`.
+  stage_tasks: list[task_supply.TaskSupply | None] = []
   if purpose == "train":
-    task_list = train_tasks(cfg, env_spec)
-    tasks = task_supply.make_supply(task_list, cfg.tasks, seed=cfg.run.seed, batch=cfg.train.tasks_per_iteration,
-                                    process=process, num_processes=num_processes)
-    report = check_contamination(cfg, env_spec, task_list, tasks)
-    if report is not None and echo and process == 0:
-      print(f"contamination check: {report.line()}", flush=True)
+    lists: dict[str, list[envs.Task]] = {}
+    stages = config_lib.stages(cfg)
+    first_rl = next((i for i, st in enumerate(stages) if st.paradigm == "rl"), None)
+    for i, stage in enumerate(stages):
+      if stage.paradigm != "rl":
+        stage_tasks.append(None)
+        continue
+      options = cfg.env.options if stage.env_options is None else stage.env_options
+      key = repr(sorted(dict(options or {}).items())) if stage.env_options is not None else ""
+      if key not in lists:
+        lists[key] = train_tasks(cfg, env_spec, None if stage.env_options is None else options)
+      sampler = dataclasses.replace(cfg.tasks, sampler=stage.sampler or cfg.tasks.sampler)
+      supply = task_supply.make_supply(lists[key], sampler, seed=cfg.run.seed if i == first_rl else
+                                       stable_seed(cfg.run.seed, "stage", i), batch=cfg.train.tasks_per_iteration,
+                                       process=process, num_processes=num_processes)
+      report = check_contamination(cfg, env_spec, lists[key], supply, iterations=stage.steps)
+      if report is not None and echo and process == 0:
+        where = f" (stage {stage.name!r})" if cfg.curriculum.stages else ""
+        print(f"contamination check{where}: {report.line()}", flush=True)
+      stage_tasks.append(supply)
+  tasks = next((t for t in stage_tasks if t is not None), None)
 
   dtype = jnp.dtype(cfg.model.dtype)
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
@@ -403,7 +425,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       action_syntax=syntax, demo_parser=env_info.parser,
       sampler=make_sampler(sampling),
       eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
-      tasks=tasks,
+      tasks=tasks, stage_tasks=tuple(stage_tasks),
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
                                                    frozen=frozen),
       model_config=models.config_to_hf(model.config), rows=rows, global_rows=global_rows,
