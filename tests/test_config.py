@@ -19,11 +19,20 @@ def test_every_shipped_yaml_loads_and_round_trips(path):
   config = config_lib.load(path)
   assert isinstance(config, config_lib.Config)
   raw = yaml.safe_load(path.read_text())
-  for section, values in raw.items():  # every key written in the file took effect
-    loaded = config_lib.to_dict(getattr(config, section))
-    for key, value in values.items():
-      if not isinstance(value, dict):
-        assert loaded[key] == value, f"{path.name}: {section}.{key}"
+
+  def took_effect(written, loaded, where):  # every key written in the file, at any depth (lists of stages too)
+    if isinstance(written, dict):
+      for key, value in written.items():
+        took_effect(value, loaded[key], f"{where}.{key}")
+    elif isinstance(written, list) and written and isinstance(written[0], dict):
+      assert len(written) == len(loaded), f"{path.name}: {where}"
+      for i, (w, l) in enumerate(zip(written, loaded)):
+        took_effect(w, l, f"{where}[{i}]")
+    else:
+      assert loaded == written, f"{path.name}: {where}"
+
+  for section, values in raw.items():
+    took_effect(values, config_lib.to_dict(getattr(config, section)), section)
   assert config_lib.from_dict(yaml.safe_load(config_lib.dump(config))) == config
 
 
