@@ -304,6 +304,11 @@ class TasksConfig:
   min_attempts: int = field(8, ge=1, help="frontier: samples before a task may retire as mastered")
   unsolved_attempts: int = field(8, ge=1, help="frontier: retire a task never solved in this many samples "
                                  "(reported: too hard now, or broken)")
+  family: str | None = field(None, help="frontier: a payload key grouping similar tasks (e.g. template): a "
+                             "task's estimate leans on its family's rate, so a fresh task from a mastered or a "
+                             "hopeless family is rarely drawn; null: no pooling")
+  family_strength: float = field(8.0, gt=0.0, help="frontier: pseudo-samples of the family rate in a task's "
+                                 "estimate")
   max_draws: int = field(3, ge=1, help="frontier: retire a task after this many draws (a policy that sees the "
                          "same few tasks again and again memorizes them instead of learning the skill)")
   train_file: str | None = field(None, help="train on the tasks of this JSONL file (`jaxagent tasks filter` "

@@ -1,5 +1,5 @@
-"""Multi-host for real: 2 processes x 4 fake CPU devices train GRPO, checkpoint, and resume as 1 process x 8
-devices on a different mesh; the result equals an uninterrupted 1-process run. Each host's env workers see only
+"""Multi-host for real: 2 processes x 4 fake CPU devices train GRPO (frontier task sampler), checkpoint, and
+resume as 1 process x 8 devices on a different mesh; the result equals an uninterrupted 1-process run. Each host's env workers see only
 that host's trajectories."""
 
 import subprocess
@@ -16,8 +16,11 @@ from tests import _processes
 from tests.test_train import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
+# The frontier sampler with a small active set: its draws span processes and its estimates gather every
+# process's outcomes, so the task sequence itself depends on the gather being right.
 COMMON = TINY + ["train.eval_episodes=0", "train.plots=false", "env.pool.kind=local", "env.pool.num_workers=2",
-                 "train.bc_steps=2", "train.checkpoint_every=1"]
+                 "train.bc_steps=2", "train.checkpoint_every=1", "tasks.sampler=frontier", "tasks.active=3",
+                 "tasks.min_attempts=4", "tasks.unsolved_attempts=4"]
 
 
 def _sets(overrides):

@@ -263,11 +263,8 @@ def test_generate_filter_cli_writes_the_solvable_tasks(tmp_path, capsys):
 
 def test_filter_with_a_policy_keeps_the_tasks_it_sometimes_solves(tmp_path, capsys):
   from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
-  tiny = ["model.init.hidden_size=32", "model.init.intermediate_size=64", "model.init.num_hidden_layers=1",
-          "model.init.num_attention_heads=2", "model.init.num_key_value_heads=1", "model.init.head_dim=16",
-          "train.tasks_per_iteration=2", "train.group_size=4", "train.bc_steps=3", "train.bc_batch_size=8",
-          "train.iterations=0", "train.eval_episodes=0", "env.pool.kind=inprocess", "train.plots=false",
-          f"run.root={tmp_path}"]
+  from tests.test_train import TINY  # pylint: disable=g-import-not-at-top
+  tiny = TINY + ["train.iterations=0", "train.eval_episodes=0", "train.plots=false", f"run.root={tmp_path}"]
   loop.train(config_lib.load("tiny_cpu", tiny), run_dir=tmp_path / "run")
   tasks = calculator.tasks("train", 6, 0)
   wins = pipeline.policy_outcomes(tmp_path / "run", tasks, 4)
@@ -316,3 +313,19 @@ def test_no_builtin_env_has_near_duplicates_between_its_train_and_held_out_split
     for split in ("tune", "eval"):
       report = contamination.check(spec.tasks("train", 2000, 0), spec.tasks(split, 200, 1), describe=spec.describe)
       assert report.contaminated == 0, (name, split, report.matches[:3])
+
+
+def test_frontier_families_steer_fresh_draws_to_templates_whose_outcomes_vary():
+  templates = calculator.SPLIT_TEMPLATES["train"]
+  rate = {t: (0.0, 1.0, 0.5)[i % 3] for i, t in enumerate(templates)}  # per template: never, always, half
+  truth = {t.id: rate[t.payload["template"]] for t in TASKS}
+  varied = lambda draws: np.mean([truth[i] == 0.5 for d in draws[20:] for i in d])
+  plain = _play(_frontier(active=32), truth, 80, np.random.default_rng(0))
+  pooled_supply = _frontier(active=32, family="template")
+  pooled = _play(pooled_supply, truth, 80, np.random.default_rng(0))
+  assert varied(pooled) > varied(plain) + 0.1, (varied(pooled), varied(plain))
+  state = json.loads(json.dumps(pooled_supply.get_state()))
+  assert set(state["families"]) == set(templates)
+  resumed = _frontier(active=32, family="template")
+  resumed.set_state(state)
+  assert [resumed.estimate(e) for e in resumed.active] == [pooled_supply.estimate(e) for e in pooled_supply.active]

@@ -41,8 +41,8 @@ from jaxagent.config import ConfigError, TasksConfig
 
 
 # Cumulative frontier counters among `record`'s metrics (a later round's values replace an earlier round's).
-COUNTER_METRICS = ("curriculum/added", "curriculum/retired_mastered", "curriculum/retired_unsolved",
-                   "curriculum/retired_used")
+COUNTER_METRICS = ("curriculum/added", "curriculum/skipped", "curriculum/retired_mastered",
+                   "curriculum/retired_unsolved", "curriculum/retired_used")
 
 
 def list_identity(task_list: Sequence[envs.Task]) -> dict[str, Any]:
@@ -148,24 +148,55 @@ class FrontierTasks:
     self._a0, self._b0 = config.prior * config.prior_strength, (1 - config.prior) * config.prior_strength
     self._source = iter(stream(len(task_list), seed))
     self.active: list[_Entry] = []
-    self.counters = dict(added=0, retired_mastered=0, retired_unsolved=0, retired_used=0, rounds=0)
+    self.families: dict[str, list[float]] = {}  # tasks.family: a Beta [a, b] per family, decayed like a task's
+    self.counters = dict(added=0, skipped=0, retired_mastered=0, retired_unsolved=0, retired_used=0, rounds=0)
     self._refill()
     self._last: list[int] = []  # positions in `active` of the last draw (global batch order)
 
   def _refill(self) -> None:
     held = {e.index for e in self.active}
+    skips = 0
     while len(self.active) < self.config.active:
       index = int(next(self._source))
       if index in held:  # the stream came round to a task still active (more active tasks than the list)
         if len(held) >= len(self.task_list):
           break
         continue
+      entry = _Entry(index, self._a0, self._b0)
+      if self._flat_family(entry) and skips < 10 * len(self.task_list):
+        skips += 1  # its family is (for now) mastered or hopeless; decay lets the family back in later
+        self.counters["skipped"] += 1
+        continue
       held.add(index)
-      self.active.append(_Entry(index, self._a0, self._b0))
+      self.active.append(entry)
       self.counters["added"] += 1
 
+  def _flat_family(self, e: _Entry) -> bool:
+    family = self._family(e)
+    if family is None or family not in self.families:
+      return False
+    fa, fb = self.families[family]
+    rate = fa / (fa + fb)
+    return rate >= self.config.mastered or rate <= 1 - self.config.mastered
+
+  def _family(self, e: _Entry) -> str | None:
+    key = self.config.family
+    return None if key is None else str(self.task_list[e.index].payload.get(key, ""))
+
+  def estimate(self, e: _Entry) -> float:
+    """The task's success estimate: its Beta mean, or with `tasks.family` its own (decayed) outcomes shrunk
+    toward its family's current rate with `tasks.family_strength` pseudo-samples (a new task starts at its
+    family's rate, not at the prior)."""
+    family = self._family(e)
+    if family is None:
+      return e.p
+    fa, fb = self.families.get(family, (self._a0, self._b0))
+    s = self.config.family_strength
+    wins, losses = e.a - self._a0, e.b - self._b0
+    return (wins + s * fa / (fa + fb)) / (wins + losses + s)
+
   def probabilities(self) -> np.ndarray:
-    p = np.asarray([e.p for e in self.active], np.float64)
+    p = np.asarray([self.estimate(e) for e in self.active], np.float64)
     w = p * (1 - p)
     eps = self.config.exploration
     return (1 - eps) * w / w.sum() + eps / len(w)
@@ -184,16 +215,22 @@ class FrontierTasks:
     if len(passed) != len(self._last):
       raise AssertionError(f"record: {len(passed)} task outcomes for a draw of {len(self._last)}")
     cfg, a0, b0 = self.config, self._a0, self._b0
-    drawn_p = [self.active[i].p for i in self._last]
+    drawn_p = [self.estimate(self.active[i]) for i in self._last]
     for e in self.active:
       e.a, e.b = a0 + cfg.decay * (e.a - a0), b0 + cfg.decay * (e.b - b0)
+    for f in self.families.values():
+      f[0], f[1] = a0 + cfg.decay * (f[0] - a0), b0 + cfg.decay * (f[1] - b0)
     for i, k, n in zip(self._last, passed.sum(axis=1), counted.sum(axis=1)):
       e = self.active[i]
       e.a, e.b = e.a + float(k), e.b + float(n - k)
+      family = self._family(e)
+      if family is not None:
+        f = self.families.setdefault(family, [a0, b0])
+        f[0], f[1] = f[0] + float(k), f[1] + float(n - k)
       e.attempts, e.successes, e.draws = e.attempts + int(n), e.successes + int(k), e.draws + 1
     keep = []
     for e in self.active:
-      if e.attempts >= cfg.min_attempts and e.p >= cfg.mastered:
+      if e.attempts >= cfg.min_attempts and self.estimate(e) >= cfg.mastered:
         self.counters["retired_mastered"] += 1
       elif e.successes == 0 and e.attempts >= cfg.unsolved_attempts:
         self.counters["retired_unsolved"] += 1
@@ -204,7 +241,7 @@ class FrontierTasks:
     self.active, self._last = keep, []
     self.counters["rounds"] += 1
     self._refill()
-    p = np.asarray([e.p for e in self.active])
+    p = np.asarray([self.estimate(e) for e in self.active])
     return {"curriculum/drawn_p_mean": float(np.mean(drawn_p)),
             "curriculum/drawn_signal": float(np.mean([q * (1 - q) for q in drawn_p])),
             "curriculum/active_p_mean": float(p.mean()),
@@ -214,7 +251,7 @@ class FrontierTasks:
     if self._last:
       raise AssertionError("a frontier state is taken between rounds (a draw is waiting for its record)")
     return {"kind": self.kind, "task_list": list_identity(self.task_list), "source": self._source.get_state(),
-            "counters": dict(self.counters),
+            "counters": dict(self.counters), "families": {k: list(v) for k, v in sorted(self.families.items())},
             "active": [[e.index, e.a, e.b, e.attempts, e.successes, e.draws] for e in self.active]}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
@@ -225,6 +262,7 @@ class FrontierTasks:
     _check_identity(state, self.task_list)
     self._source.set_state(dict(state["source"]))
     self.counters = {k: int(v) for k, v in state["counters"].items()}
+    self.families = {str(k): [float(a), float(b)] for k, (a, b) in dict(state.get("families") or {}).items()}
     self.active = [_Entry(int(i), float(a), float(b), int(n), int(k), int(d)) for i, a, b, n, k, d in state["active"]]
     self._last = []
 
