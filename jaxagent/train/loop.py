@@ -628,12 +628,16 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
           if check.success_rate >= stage.promote_at:
             promoted = True
             bar.write(f"iteration {it}: stage {stage.name!r} promoted ({check.line()} >= {stage.promote_at})")
-        if it == end or promoted:  # the next stage starts here (and a checkpoint taken now resumes in it)
+        # The next stage starts here (a checkpoint taken now resumes in it). The last stage stays current at
+        # its end: resumed with more iterations (or steps), it goes on.
+        if promoted or (it == end and i + 1 < len(stages)):
           progress = dataclasses.replace(progress, stage=i + 1, stage_start=it)
         if it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations or promoted:
           save(run, progress, writer, env_change)
           saved = it
-      if progress.stage == i:  # the stage had no iteration left (resumed at its end, or 0 steps)
+      if progress.stage == i:  # the stage has no iteration left (resumed at its end, or 0 steps)
+        if i + 1 == len(stages):
+          break
         progress = dataclasses.replace(progress, stage=i + 1, stage_start=progress.iteration)
     if saved != progress.iteration:
       save(run, progress, writer, env_change)
