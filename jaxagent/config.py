@@ -333,7 +333,8 @@ class StageConfig:
                                              "max_operand); null: env.options")
   sampler: Literal["uniform", "frontier"] | None = field(None, help="rl: task sampler; null: tasks.sampler")
   promote_at: float | None = field(None, gt=0.0, le=1.0, help="rl: end the stage early once success on "
-                                   "promote_split (this stage's tasks) reaches this")
+                                   "promote_split (this stage's tasks) reaches this (on the last stage: the run "
+                                   "ends there)")
   promote_split: Literal["train", "tune", "eval"] = field("tune")
   promote_every: int = field(10, ge=1, help="rl: iterations between promotion checks")
   promote_episodes: int = field(64, ge=1)
@@ -427,6 +428,13 @@ def check_combinations(config: Config, num_processes: int) -> None:
     for i, s in enumerate(stages):
       if s.paradigm == "bc" and (s.promote_at is not None or s.sampler is not None):
         raise ConfigError(f"curriculum.stages[{i}] ({s.name!r}): promote_at and sampler apply to rl stages")
+      if s.promote_at is not None and s.promote_every >= s.steps:
+        raise ConfigError(f"curriculum.stages[{i}] ({s.name!r}): promote_every={s.promote_every} >= steps="
+                          f"{s.steps}: the stage would end before its first promotion check")
+      if s.env_options is not None and config.tasks.train_file is not None and s.paradigm == "rl":
+        raise ConfigError(f"curriculum.stages[{i}] ({s.name!r}): env_options with tasks.train_file="
+                          f"{config.tasks.train_file!r}: the stage would draw from the generator, not the file; "
+                          "use one or the other")
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
       raise ConfigError(f"curriculum.stages names {names}: must be distinct")

@@ -329,3 +329,17 @@ def test_frontier_families_steer_fresh_draws_to_templates_whose_outcomes_vary():
   resumed = _frontier(active=32, family="template")
   resumed.set_state(state)
   assert [resumed.estimate(e) for e in resumed.active] == [pooled_supply.estimate(e) for e in pooled_supply.active]
+
+
+def test_frontier_family_skips_are_bounded_and_inside_the_checked_horizon():
+  tasks = calculator.tasks("train", 20000, 0)
+  supply = FrontierTasks(tasks, dataclasses.replace(config_lib.TasksConfig(sampler="frontier", active=16),
+                                                    family="template"), seed=0, batch=4, process=0, num_processes=1)
+  never = {t.id: 0.0 for t in tasks}  # every family turns hopeless: fresh tasks are skipped, within bounds
+  _play(supply, never, 12, np.random.default_rng(0))
+  assert 0 < supply.counters["skipped"] <= 12 * 16
+  assert supply._source.get_state()["next_index"] <= len(supply.horizon(12, 1))
+  with pytest.raises(config_lib.ConfigError, match="tasks.family='templat': not a payload key"):
+    from jaxagent.tasks.supply import make_supply  # pylint: disable=g-import-not-at-top
+    make_supply(TASKS, dataclasses.replace(_frontier().config, family="templat"), seed=0, batch=4, process=0,
+                num_processes=1)

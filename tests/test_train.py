@@ -427,7 +427,8 @@ def test_training_refuses_eval_tasks_leaked_into_its_train_tasks(tmp_path):
     build_run(bad, tmp_path / "run4")
 
 
-STAGES = ("curriculum.stages=[{name: warmup, paradigm: bc, steps: 3, env_options: {max_operand: 3}}, "
+STAGES = ("curriculum.stages=[{name: warmup, paradigm: bc, steps: 2, env_options: {max_operand: 3}}, "
+          "{name: warmup2, paradigm: bc, steps: 1}, "
           "{name: easy, paradigm: rl, steps: 2, env_options: {max_operand: 3}, sampler: frontier}, "
           "{name: hard, paradigm: rl, steps: 2}]")
 
@@ -456,7 +457,7 @@ def test_curriculum_stages_run_in_order_on_their_own_tasks_and_resume_exactly(tm
   import shutil  # pylint: disable=g-import-not-at-top
   config, run_a = _staged(tmp_path, "a")
   rows = [r for r in map(json.loads, (run_a / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
-  assert [r["curriculum/stage"] for r in rows] == [1, 1, 2, 2]
+  assert [r["curriculum/stage"] for r in rows] == [2, 2, 3, 3]
   assert "curriculum/drawn_signal" in rows[0] and "curriculum/drawn_signal" not in rows[2]  # frontier, then uniform
   stored = list(trajectory_store.read(run_a / "trajectories"))
   from envs.builtin import calculator  # pylint: disable=g-import-not-at-top
@@ -465,16 +466,18 @@ def test_curriculum_stages_run_in_order_on_their_own_tasks_and_resume_exactly(tm
   hard = {t.task.version for t in stored if t.policy_version in (5, 6)}
   assert easy == {version(max_operand=3)} and hard == {version()}
 
-  # Resume from the checkpoint after iteration 1 (inside stage "easy"): the same tasks and final weights.
-  run_b = tmp_path / "b"
-  shutil.copytree(run_a, run_b)
-  for step in (2, 3, 4):
-    shutil.rmtree(run_b / "checkpoints" / str(step))
-  loop.train(config, run_dir=run_b, resume=True)
+  # Resume from the checkpoint after iteration 1 (inside stage "easy") and after iteration 2 (the boundary to
+  # "hard"): the same tasks and final weights.
   order = lambda run: [(t.task.id, t.policy_version, t.env.seed) for t in trajectory_store.read(run / "trajectories")]
-  assert order(run_b) == order(run_a)
-  for x, y in zip(jax.tree.leaves(_final_params(run_a, 4)), jax.tree.leaves(_final_params(run_b, 4))):
-    np.testing.assert_array_equal(x, y)
+  for last in (1, 2):
+    run_b = tmp_path / f"b{last}"
+    shutil.copytree(run_a, run_b)
+    for step in range(last + 1, 5):
+      shutil.rmtree(run_b / "checkpoints" / str(step))
+    loop.train(config, run_dir=run_b, resume=True)
+    assert order(run_b) == order(run_a)
+    for x, y in zip(jax.tree.leaves(_final_params(run_a, 4)), jax.tree.leaves(_final_params(run_b, 4))):
+      np.testing.assert_array_equal(x, y)
 
 
 def test_a_stage_is_promoted_early_when_its_success_reaches_promote_at(tmp_path, monkeypatch):
@@ -490,13 +493,23 @@ def test_a_stage_is_promoted_early_when_its_success_reaches_promote_at(tmp_path,
   monkeypatch.setattr(loop, "evaluate", evaluate)
   stages = STAGES.replace("sampler: frontier}", "sampler: frontier, promote_at: 0.5, promote_every: 1, "
                           "promote_episodes: 8}")
+  assert stages != STAGES
   _, run = _staged(tmp_path, "p", stages)
   rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
   # Promoted after its first iteration: "hard" runs from iteration 1 for its 2 iterations (3 in all).
-  assert [r["curriculum/stage"] for r in rows] == [1, 2, 2]
+  assert [r["curriculum/stage"] for r in rows] == [2, 3, 3]
   assert asked == [("tune", 8, {"max_operand": 3})]
   with ocp.CheckpointManager((run / "checkpoints").resolve(),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
     assert mngr.latest_step() == 3
     meta = mngr.restore(1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  assert meta["curriculum"] == {"stage": 2, "stage_start": 1}  # the promotion's checkpoint resumes in "hard"
+  assert meta["curriculum"] == {"stage": 3, "stage_start": 1}  # the promotion's checkpoint resumes in "hard"
+
+
+def test_a_bc_only_curriculum_trains_checkpoints_and_resumes(tmp_path):
+  config = _config(tmp_path, "train.iterations=0", "train.eval_episodes=0", "train.plots=false",
+                   "curriculum.stages=[{name: sft, paradigm: bc, steps: 3}]")
+  progress = loop.train(config, run_dir=tmp_path / "run")
+  assert int(progress.state.step) == 3
+  again = loop.train(config, run_dir=tmp_path / "run", resume=True)  # nothing left to do, and no error
+  assert int(again.state.step) == 3 and again.stage == progress.stage

@@ -163,7 +163,7 @@ class FrontierTasks:
           break
         continue
       entry = _Entry(index, self._a0, self._b0)
-      if self._flat_family(entry) and skips < 10 * len(self.task_list):
+      if skips < self.config.active and self._flat_family(entry):
         skips += 1  # its family is (for now) mastered or hopeless; decay lets the family back in later
         self.counters["skipped"] += 1
         continue
@@ -176,6 +176,8 @@ class FrontierTasks:
     if family is None or family not in self.families:
       return False
     fa, fb = self.families[family]
+    if fa + fb - self._a0 - self._b0 < self.config.min_attempts:  # too little (decayed) evidence to judge
+      return False
     rate = fa / (fa + fb)
     return rate >= self.config.mastered or rate <= 1 - self.config.mastered
 
@@ -261,15 +263,17 @@ class FrontierTasks:
                         f"resume with --set tasks.sampler={kind}")
     _check_identity(state, self.task_list)
     self._source.set_state(dict(state["source"]))
-    self.counters = {k: int(v) for k, v in state["counters"].items()}
+    self.counters = {**dict.fromkeys(self.counters, 0), **{k: int(v) for k, v in state["counters"].items()}}
     self.families = {str(k): [float(a), float(b)] for k, (a, b) in dict(state.get("families") or {}).items()}
     self.active = [_Entry(int(i), float(a), float(b), int(n), int(k), int(d)) for i, a, b, n, k, d in state["active"]]
     self._last = []
 
   def horizon(self, iterations: int, rounds: int) -> list[int]:
-    # Every draw retires at most its B tasks, so the stream gives at most `active` + B per round.
+    # Every draw retires at most its B tasks, so the stream gives at most `active` + B per round, plus at most
+    # `active` skipped tasks per refill (one refill per round) with tasks.family.
     ds = stream(len(self.task_list), self.seed)
-    n = min(len(self.task_list), self.config.active + iterations * rounds * self._batch)
+    per_round = self._batch + (self.config.active if self.config.family is not None else 0)
+    n = min(len(self.task_list), self.config.active + iterations * rounds * per_round)
     return sorted({int(ds[i]) for i in range(n)})
 
 
@@ -283,5 +287,11 @@ def make_supply(task_list: Sequence[envs.Task], config: TasksConfig, *, seed: in
                         f"round, but the train task list has {len(task_list)}; use more tasks or the uniform "
                         "sampler")
     config = dataclasses.replace(config, active=min(config.active, len(task_list)))
+    if config.family is not None:
+      missing = [t.id for t in task_list[:1000] if config.family not in t.payload]
+      if missing:
+        keys = sorted(task_list[0].payload) if task_list else []
+        raise ConfigError(f"tasks.family={config.family!r}: not a payload key of task {missing[0]!r} (its keys: "
+                          f"{keys})")
     return FrontierTasks(task_list, config, seed=seed, batch=batch, process=process, num_processes=num_processes)
   return UniformTasks(task_list, seed=seed, batch=batch, process=process, num_processes=num_processes)

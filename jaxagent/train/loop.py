@@ -309,9 +309,9 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
                            {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
 
 
-def current_supply(run: Run, stage: int) -> task_supply.TaskSupply:
+def current_supply(run: Run, stage: int) -> task_supply.TaskSupply | None:
   """The task supply of curriculum stage `stage` (the first rl stage's for a bc stage, the last one's once
-  every stage is done)."""
+  every stage is done; None without an rl stage)."""
   rl = [i for i, t in enumerate(run.stage_tasks) if t is not None]
   if not rl:
     return run.tasks
@@ -457,7 +457,8 @@ def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWrite
          env_change: Mapping[str, Any] | None = None) -> None:
   """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously)."""
   shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
-  meta = {"iteration": progress.iteration, "data_iterator": current_supply(run, progress.stage).get_state(),
+  supply = current_supply(run, progress.stage)
+  meta = {"iteration": progress.iteration, "data_iterator": None if supply is None else supply.get_state(),
           "curriculum": {"stage": progress.stage, "stage_start": progress.stage_start},
           "counters": dict(progress.counters), "versions": checkpointing.versions(),
           "env": dict(run.env_versions), "policy_version": int(progress.state.policy_version),
@@ -518,11 +519,12 @@ def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
   where = meta.get("curriculum")
   if where is None:  # a checkpoint from before curriculum stages: the implicit cold start + rl schedule
     bc = int(state.step) < run.config.train.bc_steps
-    where = {"stage": 0 if bc else next(i for i, st in enumerate(stages) if st.paradigm == "rl"), "stage_start": 0}
+    where = {"stage": 0 if bc else next((i for i, st in enumerate(stages) if st.paradigm == "rl"), len(stages)),
+             "stage_start": 0}
   if not 0 <= int(where["stage"]) <= len(stages):
     raise config_lib.ConfigError(f"the checkpoint is in curriculum stage {where['stage']}, this config has "
                                  f"{len(stages)} stage(s): resume with the run's own config")
-  if run.tasks is not None:
+  if run.tasks is not None and meta.get("data_iterator") is not None:
     current_supply(run, int(where["stage"])).set_state(meta["data_iterator"])
   skipped = meta.get("_skipped_steps") or []
   note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""
@@ -587,12 +589,12 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
         end = begin + stage.steps
         if int(progress.state.step) < end:
           state = behavior_cloning(run, progress.state, logger, begin=begin, end=end, stage=i)
-          if end == cfg.train.bc_steps:
-            state = set_reference(run, state)
-            progress = dataclasses.replace(progress, state=state, stage=first_rl, stage_start=progress.iteration)
+          if end == cfg.train.bc_steps:  # one checkpoint after all bc stages (all at iteration 0: one step)
+            progress = dataclasses.replace(progress, state=set_reference(run, state), stage=first_rl,
+                                           stage_start=progress.iteration)
+            save(run, progress, writer, env_change)
           else:
             progress = dataclasses.replace(progress, state=state, stage=i + 1)
-          save(run, progress, writer, env_change)
         begin = end
     if cfg.train.eval_episodes and progress.iteration == 0:
       state, before = evaluate(run, progress.state)
