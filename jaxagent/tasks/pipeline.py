@@ -190,7 +190,6 @@ def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: in
   import jax  # pylint: disable=g-import-not-at-top  (the generate/execute/check verbs need no JAX)
 
   from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent.rollout.engine import SampledActions  # pylint: disable=g-import-not-at-top
   from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
   from jaxagent.train.run import build_run, stable_seed  # pylint: disable=g-import-not-at-top
 
@@ -213,15 +212,8 @@ def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: in
       real = len(chunk)
       chunk += chunk[:1] * (per_call - real)  # pad the last call; padding is not counted
       seeds = [stable_seed(seed, "policy-filter", start + i) for i in range(run.rows)]
-      policy = run.layout.to_rollout(state.params)
-      try:
-        trajs, _ = run.engine.run(
-            SampledActions(run.sampler, policy, jax.random.key(stable_seed(seed, "policy-filter-rng", start)),
-                           decode_chunk=run.config.rollout.decode_chunk),
-            chunk, seeds, group_size=samples, policy_version=int(state.policy_version))
-      finally:
-        state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy,
-                                                                                      state.params["policy"])})
+      state, trajs, _ = loop.collect(run, state, chunk, seeds, group_size=samples,
+                                     rng=jax.random.key(stable_seed(seed, "policy-filter-rng", start)))
       passed = np.asarray([bool(t.verifier.passed) for t in trajs]).reshape(per_call, samples).sum(axis=1)
       wins[start:start + real] = passed[:real]
     return wins

@@ -53,12 +53,11 @@ def list_identity(task_list: Sequence[envs.Task]) -> dict[str, Any]:
   return {"count": len(task_list), "digest": h.hexdigest()}
 
 
-def _check_identity(state: Mapping[str, Any], task_list: Sequence[envs.Task]) -> None:
+def _check_identity(state: Mapping[str, Any], now: Mapping[str, Any]) -> None:
   stored = state.get("task_list")
   if stored is None:  # a checkpoint from before the identity was stored
     return
-  now = list_identity(task_list)
-  if dict(stored) != now:
+  if dict(stored) != dict(now):
     raise ConfigError(f"the checkpoint's task supply indexes another train task list ({stored['count']} tasks, "
                       f"digest {stored['digest']}) than this run's ({now['count']}, {now['digest']}): the "
                       "tasks.train_file, env.options or the env's task generator changed since; resuming would "
@@ -95,6 +94,7 @@ class UniformTasks:
 
   def __init__(self, task_list: Sequence[envs.Task], *, seed: int, batch: int, process: int, num_processes: int):
     self.task_list, self.seed = task_list, seed
+    self._identity = list_identity(task_list)  # hashed once, stored with every checkpoint
     self._iter = iter(stream(len(task_list), seed).batch(batch, batch_fn=list))
     self._batch, self._local, self._process = batch, batch // num_processes, process
 
@@ -107,13 +107,13 @@ class UniformTasks:
     return {}
 
   def get_state(self) -> dict[str, Any]:
-    return {**self._iter.get_state(), "task_list": list_identity(self.task_list)}
+    return {**self._iter.get_state(), "task_list": self._identity}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     if isinstance(state, Mapping) and state.get("kind", self.kind) != self.kind:
       raise ConfigError(f"the checkpoint's task supply is tasks.sampler={state.get('kind')!r}, this run's is "
                         f"{self.kind!r}: resume with --set tasks.sampler={state.get('kind')}")
-    _check_identity(state, self.task_list)
+    _check_identity(state, self._identity)
     self._iter.set_state({k: v for k, v in state.items() if k not in ("task_list", "kind")})
 
   def horizon(self, iterations: int, rounds: int) -> list[int]:
@@ -144,6 +144,7 @@ class FrontierTasks:
   def __init__(self, task_list: Sequence[envs.Task], config: TasksConfig, *, seed: int, batch: int, process: int,
                num_processes: int):
     self.task_list, self.config, self.seed = task_list, config, seed
+    self._identity = list_identity(task_list)  # hashed once, stored with every checkpoint
     self._batch, self._local, self._process = batch, batch // num_processes, process
     self._a0, self._b0 = config.prior * config.prior_strength, (1 - config.prior) * config.prior_strength
     self._source = iter(stream(len(task_list), seed))
@@ -252,7 +253,7 @@ class FrontierTasks:
   def get_state(self) -> dict[str, Any]:
     if self._last:
       raise AssertionError("a frontier state is taken between rounds (a draw is waiting for its record)")
-    return {"kind": self.kind, "task_list": list_identity(self.task_list), "source": self._source.get_state(),
+    return {"kind": self.kind, "task_list": self._identity, "source": self._source.get_state(),
             "counters": dict(self.counters), "families": {k: list(v) for k, v in sorted(self.families.items())},
             "active": [[e.index, e.a, e.b, e.attempts, e.successes, e.draws] for e in self.active]}
 
@@ -261,7 +262,7 @@ class FrontierTasks:
       kind = state.get("kind", "uniform") if isinstance(state, Mapping) else type(state).__name__
       raise ConfigError(f"the checkpoint's task supply is tasks.sampler={kind!r}, this run's is 'frontier': "
                         f"resume with --set tasks.sampler={kind}")
-    _check_identity(state, self.task_list)
+    _check_identity(state, self._identity)
     self._source.set_state(dict(state["source"]))
     self.counters = {**dict.fromkeys(self.counters, 0), **{k: int(v) for k, v in state["counters"].items()}}
     self.families = {str(k): [float(a), float(b)] for k, (a, b) in dict(state.get("families") or {}).items()}

@@ -318,14 +318,12 @@ def current_supply(run: Run, stage: int) -> task_supply.TaskSupply | None:
   return run.stage_tasks[stage] if stage in rl else run.stage_tasks[rl[0] if stage < rl[0] else rl[-1]]
 
 
-def record_outcomes(supply: task_supply.TaskSupply, cfg: Config, tasks: Sequence[envs.Task],
+def record_outcomes(run: Run, supply: task_supply.TaskSupply, tasks: Sequence[envs.Task],
                     trajectories: Sequence[tr.Trajectory]) -> dict[str, float]:
   """Tells the task supply how each task's group did (verifier passes among the trained samples)."""
-  shape = (len(tasks), cfg.train.group_size)
+  shape = (len(tasks), run.config.train.group_size)
   passed = np.asarray([bool(t.verifier.passed) for t in trajectories]).reshape(shape)
-  excluded = set(cfg.train.exclude_terminations)
-  trained = np.asarray([t.termination.value not in excluded for t in trajectories], bool)
-  return supply.record(tasks, passed, trained.reshape(shape))
+  return supply.record(tasks, passed, trained_rows(run, trajectories).reshape(shape))
 
 
 def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list[tr.Trajectory], stats,
@@ -360,7 +358,7 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
              for i in range(run.rows)]
     state, more, more_stats = collect(run, state, tasks, seeds, group_size=g,
                                       rng=run.rollout_key(state.rng, iteration, rounds))
-    curriculum = record_outcomes(supply, cfg, tasks, more)
+    curriculum = record_outcomes(run, supply, tasks, more)
     stats = stats + more_stats
     for slot, group in enumerate(chunks(more)):
       sampled_groups += 1
@@ -391,7 +389,7 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   rng = run.rollout_key(state.rng, it, 0)
   with timer("rollout"):
     state, sampled, stats = collect(run, state, tasks, seeds, group_size=cfg.train.group_size, rng=rng)
-    curriculum = record_outcomes(supply, cfg, tasks, sampled)
+    curriculum = record_outcomes(run, supply, tasks, sampled)
     trajs, extra, refill = sampled, [], {}
     if cfg.train.dynamic_sampling:
       state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats, supply)
