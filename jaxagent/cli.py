@@ -141,6 +141,62 @@ def _cmd_train(args) -> int:
   return 0
 
 
+def _paradigm_stage(args) -> dict:
+  """The one curriculum stage a paradigm verb (sft, rft, offline) trains."""
+  stage: dict = {"name": args.command, "paradigm": args.command}
+  if args.command == "rft":
+    stage.update(steps=args.rounds, updates=args.updates, rollouts=args.rollouts)
+    return stage
+  stage.update(steps=args.steps, data=args.data)
+  data_filter = {}
+  if args.verified is not None:
+    data_filter["verified"] = args.verified
+  if args.min_reward is not None:
+    data_filter["min_reward"] = args.min_reward
+  if args.termination:
+    data_filter["terminations"] = args.termination
+  if args.split:
+    data_filter["splits"] = args.split
+  if data_filter:
+    stage["filter"] = data_filter
+  if args.command == "offline":
+    stage.update(method=args.method, max_ratio=args.max_ratio)
+  return stage
+
+
+def _cmd_paradigm(args) -> int:
+  """`jaxagent sft | rft | offline`: a run whose curriculum is the config's cold start (unless --init) and one
+  stage of the paradigm; resumed like `train`."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+  if args.resume or (args.run_dir and _has_checkpoint(Path(args.run_dir))):
+    return _cmd_train(args)  # the run directory's config.yaml already holds the stage
+  if args.command != "rft" and not args.data:
+    raise config_lib.ConfigError(f"jaxagent {args.command}: --data is required (a JSONL chat file or stored "
+                                 "trajectories, e.g. runs/NAME/trajectories)" if args.command == "sft" else
+                                 f"jaxagent {args.command}: --data is required (another run's trajectories/)")
+  name = args.config or DEFAULT_RECIPE
+  base = config_lib.load(name, args.overrides)
+  stages = [_paradigm_stage(args)]
+  extra = []
+  if args.init:
+    init = Path(args.init)
+    extra += [f"model.path={init / 'checkpoints' if (init / 'checkpoints').is_dir() else init}", "train.bc_steps=0"]
+  elif base.train.bc_steps:  # no initial policy given: the config's cold start comes first
+    stages.insert(0, {"name": "cold_start", "paradigm": "bc", "steps": base.train.bc_steps})
+  extra += [f"curriculum.stages={json.dumps(stages)}", f"train.iterations={stages[-1]['steps']}"]
+  if not any(o.startswith("run.name=") for o in args.overrides):
+    extra.append(f"run.name={base.run.name}-{args.command}")
+  args.config, args.overrides = name, list(args.overrides) + extra
+  return _cmd_train(args)
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+  from jaxagent import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint.latest_step(run_dir / "checkpoints") is not None
+
+
 def _cmd_eval(args) -> int:
   from jaxagent import config as config_lib
   from jaxagent.train import loop
@@ -181,6 +237,34 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--run-dir", metavar="DIR", help="train in DIR; continue there if it already holds checkpoints "
                                                   "(for jobs that restart after preemption)")
   p.set_defaults(func=_cmd_train)
+
+  for verb, text in (("sft", "supervised fine-tuning on a JSONL chat file or stored trajectories (--data)"),
+                     ("rft", "rejection-sampling fine-tuning: sample, keep the verified, fine-tune, per round"),
+                     ("offline", "offline RL on another policy's stored trajectories (--data)")):
+    p = sub.add_parser(verb, help=f"{text}; prints RUN_DIR, resumes with --resume RUN_DIR")
+    _add_config_args(p, required=False)
+    p.add_argument("--init", metavar="RUN_DIR", help="start from this run's latest checkpoint (or an HF / "
+                   "jaxagent checkpoint directory) instead of the config's cold start")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    p.add_argument("--run-dir", metavar="DIR", help="train in DIR; continue there if it holds checkpoints")
+    if verb == "rft":
+      p.add_argument("--rounds", type=int, default=10, help="rounds (iterations) of sample, keep, fine-tune")
+      p.add_argument("--updates", type=int, default=8, help="fine-tuning steps per round")
+      p.add_argument("--rollouts", type=int, default=1, help="rollout batches (B tasks x G samples) per round")
+    else:
+      p.add_argument("--data", help="JSONL chat file (sft) or stored trajectories: a run's trajectories/ "
+                     "directory or an .array_record shard")
+      p.add_argument("--steps", type=int, default=100, help="optimizer steps (one iteration each)")
+      p.add_argument("--verified", type=lambda v: {"true": True, "false": False}[v.lower()], default=None,
+                     metavar="true|false", help="stored trajectories: only verifier-passed (true) or failed ones")
+      p.add_argument("--min-reward", type=float, default=None, help="stored trajectories: minimum return")
+      p.add_argument("--termination", action="append", default=[], help="stored trajectories: only these "
+                     "terminations (repeatable)")
+      p.add_argument("--split", action="append", default=[], choices=("train", "tune", "eval"))
+    if verb == "offline":
+      p.add_argument("--method", default="iw_pg", choices=("iw_pg", "filtered_bc"))
+      p.add_argument("--max-ratio", type=float, default=1.0, help="iw_pg: truncate importance weights at this")
+    p.set_defaults(func=_cmd_paradigm)
 
   p = sub.add_parser("eval", help="held-out success rate of a run's latest checkpoint")
   p.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/)")

@@ -322,29 +322,65 @@ class TasksConfig:
                                 "5-grams of the task's payload values) at which two tasks are near-duplicates")
 
 
+PARADIGMS = ("bc", "sft", "rft", "offline", "rl")
+# Paradigms whose stages count iterations (train.iterations); bc stages count optimizer steps (train.bc_steps).
+ITERATION_PARADIGMS = ("sft", "rft", "offline", "rl")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFilter:
+  """Which stored trajectories a stage learns from (jaxagent/data/trajectories.py). Episodes ended by an
+  infrastructure failure (train.exclude_terminations) never are."""
+  verified: bool | None = field(None, help="true: only episodes the verifier passed; false: only failed ones; "
+                                "null: any")
+  min_reward: float | None = field(None, help="only episodes whose return is at least this")
+  terminations: tuple[str, ...] | None = field(None, choices=lambda: list(envs.TERMINATIONS),
+                                               help="only episodes that ended so; null: any")
+  splits: tuple[str, ...] | None = field(None, choices=("train", "tune", "eval"), help="only episodes of tasks "
+                                         "of these splits; null: any")
+
+
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
   """One stage of a curriculum: a data paradigm on a task mix for at most `steps`, then the next stage."""
   name: str = field("stage", help="shown in logs and metrics")
-  paradigm: Literal["bc", "rl"] = field("rl", help="bc: behavior cloning on the env's scripted demonstrations; "
-                                        "rl: the configured algorithm (algo.name) on sampled episodes")
-  steps: int = field(1, ge=1, help="bc: optimizer steps; rl: iterations (fewer when promoted early)")
+  paradigm: Literal["bc", "sft", "rft", "offline", "rl"] = field(
+      "rl", help="bc: behavior cloning on the env's scripted demonstrations; sft: supervised fine-tuning on `data` "
+      "(a JSONL file of chats, or stored trajectories); rft: rejection-sampling fine-tuning (sample, keep the "
+      "verified, fine-tune; per round); offline: learn from another policy's stored trajectories (`method`); "
+      "rl: the configured algorithm (algo.name) on sampled episodes")
+  steps: int = field(1, ge=1, help="bc: optimizer steps; rl: iterations (fewer when promoted early); sft and "
+                     "offline: optimizer steps, one iteration each; rft: rounds, one iteration each")
   env_options: dict[str, Any] | None = field(None, help="the task generator's options in this stage (e.g. "
                                              "max_operand); null: env.options")
-  sampler: Literal["uniform", "frontier"] | None = field(None, help="rl: task sampler; null: tasks.sampler")
-  promote_at: float | None = field(None, gt=0.0, le=1.0, help="rl: end the stage early once success on "
+  sampler: Literal["uniform", "frontier"] | None = field(None, help="rl, rft: task sampler; null: tasks.sampler")
+  promote_at: float | None = field(None, gt=0.0, le=1.0, help="end the stage early once success on "
                                    "promote_split (this stage's tasks) reaches this (on the last stage: the run "
-                                   "ends there)")
+                                   "ends there); not for bc")
   promote_split: Literal["train", "tune", "eval"] = field("tune")
-  promote_every: int = field(10, ge=1, help="rl: iterations between promotion checks")
+  promote_every: int = field(10, ge=1, help="iterations between promotion checks")
   promote_episodes: int = field(64, ge=1)
+  data: str | None = field(None, help="sft: a JSONL file of OpenAI-style chats ({messages: [...]}) or stored "
+                           "trajectories (a run's trajectories/ directory or an .array_record shard); offline: "
+                           "stored trajectories")
+  filter: DataFilter = field(DataFilter(), help="sft (stored trajectories), offline: which episodes to learn from")
+  method: Literal["filtered_bc", "iw_pg"] = field(
+      "iw_pg", help="offline: filtered_bc (supervised on the filtered episodes) or iw_pg (policy gradient on "
+      "group-relative advantages of the stored returns, importance-weighted by π_θ/μ against the recorded "
+      "behavior log-probs, the weight truncated at max_ratio)")
+  max_ratio: float = field(1.0, gt=0.0, help="offline iw_pg: importance weights are truncated at this")
+  rollouts: int = field(1, ge=1, help="rft: rollout batches per round, each train.tasks_per_iteration tasks x "
+                        "train.group_size samples (k)")
+  updates: int = field(8, ge=1, help="rft: fine-tuning steps per round (batches of train.bc_batch_size, drawn "
+                       "from every verified sample kept so far in the stage)")
 
 
 @dataclasses.dataclass(frozen=True)
 class CurriculumConfig:
   """Curriculum stages (jaxagent/train/loop.py). Empty: one bc stage of train.bc_steps (when > 0), then one rl
-  stage of train.iterations. Given: bc stages first; their steps add up to train.bc_steps and the rl stages'
-  to train.iterations (the learning-rate schedules and checkpoint cadence are planned on those totals)."""
+  stage of train.iterations. Given: bc stages first; their steps add up to train.bc_steps and the other stages'
+  (sft, rft, offline, rl: iterations) to train.iterations (the learning-rate schedules and checkpoint cadence are
+  planned on those totals)."""
   stages: tuple[StageConfig, ...] = field(())
 
 
@@ -374,6 +410,16 @@ def stages(config: Config) -> tuple[StageConfig, ...]:
   implicit = (StageConfig(name="cold_start", paradigm="bc", steps=config.train.bc_steps),) if config.train.bc_steps \
       else ()
   return implicit + (StageConfig(name="rl", paradigm="rl", steps=config.train.iterations),)  # may be 0
+
+
+def updates_per_iteration(config: Config, stage: StageConfig) -> int:
+  """Optimizer steps one iteration of `stage` takes (bc stages count steps, not iterations: 1)."""
+  return {"rl": config.train.updates_per_iteration, "rft": stage.updates}.get(stage.paradigm, 1)
+
+
+def planned_updates(config: Config) -> int:
+  """Optimizer steps after the bc stages, as planned (the learning-rate schedule's length)."""
+  return sum(s.steps * updates_per_iteration(config, s) for s in stages(config) if s.paradigm != "bc")
 
 
 def check_combinations(config: Config, num_processes: int) -> None:
@@ -416,25 +462,40 @@ def check_combinations(config: Config, num_processes: int) -> None:
   stages = config.curriculum.stages
   if stages:
     kinds = [s.paradigm for s in stages]
-    if "bc" in kinds[kinds.index("rl") if "rl" in kinds else len(kinds):]:
-      raise ConfigError(f"curriculum.stages paradigms {kinds}: bc stages come first (a cold start); an rl stage "
-                        "followed by bc is not supported")
-    for paradigm, total, key in (("bc", train.bc_steps, "train.bc_steps"), ("rl", train.iterations,
-                                                                           "train.iterations")):
-      planned = sum(s.steps for s in stages if s.paradigm == paradigm)
+    first = next((i for i, k in enumerate(kinds) if k != "bc"), len(kinds))
+    if "bc" in kinds[first:]:
+      raise ConfigError(f"curriculum.stages paradigms {kinds}: bc stages come first (a cold start on scripted "
+                        "demonstrations); for supervised learning later in a curriculum use paradigm sft")
+    for counted, total, key in (("bc stages' steps", train.bc_steps, "train.bc_steps"),
+                                ("other stages' steps (iterations)", train.iterations, "train.iterations")):
+      planned = sum(s.steps for s in stages if (s.paradigm == "bc") == (key == "train.bc_steps"))
       if planned != total:
-        raise ConfigError(f"curriculum.stages: the {paradigm} stages' steps add up to {planned}, but {key}={total}; "
+        raise ConfigError(f"curriculum.stages: the {counted} add up to {planned}, but {key}={total}; "
                           f"set {key}={planned} (schedules and checkpoints are planned on it)")
     for i, s in enumerate(stages):
+      where = f"curriculum.stages[{i}] ({s.name!r}, paradigm {s.paradigm})"
       if s.paradigm == "bc" and (s.promote_at is not None or s.sampler is not None):
-        raise ConfigError(f"curriculum.stages[{i}] ({s.name!r}): promote_at and sampler apply to rl stages")
+        raise ConfigError(f"{where}: promote_at and sampler do not apply to bc stages")
+      if s.paradigm in ("sft", "offline") and s.sampler is not None:
+        raise ConfigError(f"{where}: sampler applies to stages that sample tasks (rl, rft)")
+      if s.paradigm in ("sft", "offline") and not s.data:
+        raise ConfigError(f"{where}: needs `data` (sft: a JSONL chat file or stored trajectories; offline: "
+                          "stored trajectories, e.g. another run's trajectories/ directory)")
+      if s.paradigm not in ("sft", "offline") and s.data:
+        raise ConfigError(f"{where}: data={s.data!r} applies to sft and offline stages")
+      if s.paradigm == "offline" and s.method == "iw_pg" and algo.advantage not in ("grpo", "rloo"):
+        raise ConfigError(f"{where}: method iw_pg uses group-relative advantages of the stored returns; "
+                          f"algo.advantage={algo.advantage!r} needs values the records do not have: use grpo or "
+                          "rloo, or method filtered_bc")
+      if s.paradigm == "rft" and not train.save_trajectories:
+        raise ConfigError(f"{where}: train.save_trajectories=false; an rft stage keeps its verified samples in the "
+                          "run's trajectory store (a resumed run reads them back), so it needs it true")
       if s.promote_at is not None and s.promote_every >= s.steps:
-        raise ConfigError(f"curriculum.stages[{i}] ({s.name!r}): promote_every={s.promote_every} >= steps="
-                          f"{s.steps}: the stage would end before its first promotion check")
-      if s.env_options is not None and config.tasks.train_file is not None and s.paradigm == "rl":
-        raise ConfigError(f"curriculum.stages[{i}] ({s.name!r}): env_options with tasks.train_file="
-                          f"{config.tasks.train_file!r}: the stage would draw from the generator, not the file; "
-                          "use one or the other")
+        raise ConfigError(f"{where}: promote_every={s.promote_every} >= steps={s.steps}: the stage would end "
+                          "before its first promotion check")
+      if s.env_options is not None and config.tasks.train_file is not None and s.paradigm in ("rl", "rft"):
+        raise ConfigError(f"{where}: env_options with tasks.train_file={config.tasks.train_file!r}: the stage "
+                          "would draw from the generator, not the file; use one or the other")
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
       raise ConfigError(f"curriculum.stages names {names}: must be distinct")

@@ -10,6 +10,7 @@
 from jaxagent.algos._advantages import (ADVANTAGES, AdvantageOutput, discounted_returns, gae, get_advantage,
                                         grpo_scalar, register_advantage, rloo_scalar, trajectory_returns)
 from jaxagent.algos._losses import (AGGREGATIONS, KL_ESTIMATORS, AllMaskedError, aggregate, entropy,
+                                    importance_weighted_loss,
                                     loss_normalizer, next_token_entropy, next_token_logprobs, next_token_stats,
                                     policy_loss,
                                     token_logprobs, value_loss)
@@ -29,7 +30,8 @@ def advantage_kwargs(algo) -> dict:
 
 __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "AdvantageOutput", "AllMaskedError", "KL_ESTIMATORS", "advantage_kwargs", "next_token_stats",
-    "aggregate", "discounted_returns", "entropy", "gae", "get_advantage", "grpo_scalar", "loss_normalizer",
+    "aggregate", "discounted_returns", "entropy", "gae", "get_advantage", "grpo_scalar",
+    "importance_weighted_loss", "loss_normalizer",
     "next_token_entropy", "next_token_logprobs", "policy_loss", "policy_loss_kwargs", "register_advantage",
     "rloo_scalar", "token_logprobs", "trajectory_returns", "value_loss",
 ]

@@ -43,6 +43,7 @@ from jaxagent.rollout.engine import RolloutStats, SampledActions, ScriptedAction
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
+from jaxagent.train import paradigms
 from jaxagent.train.run import Run, build_run, held_out_tasks, stable_seed
 from jaxagent.train.state import TrainState
 from jaxagent.train.value import ValueTargets
@@ -547,6 +548,18 @@ def new_run_dir(config: Config) -> Path:
   return run_dir
 
 
+# What the progress bar shows of an iteration's metrics, when present.
+_BAR_FIELDS = ((metrics_lib.REWARD_MEAN, "reward"), (metrics_lib.SUCCESS_RATE, "succ"), ("sft/nll", "nll"),
+               ("offline/nll", "nll"), ("offline/loss", "loss"), ("rft/kept_total", "kept"), ("rft/nll", "nll"))
+
+
+def _bar_label(cfg: Config, stages) -> str:
+  kinds = sorted({s.paradigm for s in stages if s.paradigm != "bc"}, key=config_lib.PARADIGMS.index)
+  if kinds in ([], ["rl"]):
+    return "GRPO" if cfg.algo.name == "grpo" else "PPO"
+  return "+".join(k.upper() for k in kinds)
+
+
 def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | None = None
              ) -> tuple[LoopState, EvalResult | None, EvalResult | None]:
   """Cold start, held-out eval, RL iterations with checkpoints and eval, final eval.
@@ -579,7 +592,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
   before = after = None
   stages = config_lib.stages(cfg)
   explicit = bool(cfg.curriculum.stages)
-  first_rl = next((i for i, st in enumerate(stages) if st.paradigm == "rl"), len(stages))
+  first_rl = next((i for i, st in enumerate(stages) if st.paradigm != "bc"), len(stages))  # after the bc stages
   try:
     if int(progress.state.step) < cfg.train.bc_steps:  # the bc stages, one after the other (by optimizer steps)
       begin = 0
@@ -597,23 +610,29 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
     if cfg.train.eval_episodes and progress.iteration == 0:
       state, before = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
-      run.print(f"after cold start: {before.line()}")
+      run.print(f"{'after cold start:' if cfg.train.bc_steps else 'before training: '} {before.line()}")
       logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: before.success_rate, **progress.counters},
                  iteration=progress.iteration)
-    bar = metrics_lib.Progress(cfg.train.iterations, "GRPO" if cfg.algo.name == "grpo" else "PPO", run.echo)
+    bar = metrics_lib.Progress(cfg.train.iterations, _bar_label(cfg, stages), run.echo)
     bar.update(progress.iteration)
     saved = progress.iteration
+    data = None  # a non-rl stage's data (paradigms.StageData), built when the stage starts or resumes
     while progress.stage < len(stages):
       i, stage = progress.stage, stages[progress.stage]
       end = progress.stage_start + stage.steps
       promoted = False
       while progress.iteration < end and not promoted:
-        progress, m = rl_iteration(run, progress, writer, start_wall)
+        if stage.paradigm == "rl":
+          progress, m = rl_iteration(run, progress, writer, start_wall)
+        else:
+          if data is None or data.index != i:
+            data = paradigms.prepare(run, progress, i)
+          progress, m = paradigms.iteration(run, progress, data, writer, start_wall)
         it = progress.iteration
         if explicit:
           m["curriculum/stage"] = i
         logger.log(int(progress.state.step), m, iteration=it)
-        bar.update(1, reward=f"{m[metrics_lib.REWARD_MEAN]:.2f}", succ=f"{m[metrics_lib.SUCCESS_RATE]:.2f}")
+        bar.update(1, **{short: f"{m[key]:.2f}" for key, short in _BAR_FIELDS if key in m})
         every = cfg.train.eval_every
         if cfg.train.eval_episodes and every and it % every == 0 and it < cfg.train.iterations:
           state, mid = evaluate(run, progress.state)
@@ -646,7 +665,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
     if cfg.train.eval_episodes:
       state, after = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
-      run.print(f"after RL:         {after.line()}")
+      label = _bar_label(cfg, stages)
+      run.print(f"{'after RL:        ' if label in ('GRPO', 'PPO') else f'after {label}:':<17} {after.line()}")
       logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: after.success_rate, **progress.counters},
                  iteration=progress.iteration)
     if cfg.train.plots and jax.process_index() == 0:

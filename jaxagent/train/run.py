@@ -113,7 +113,8 @@ class Run:
   abstract_state: TrainState           # shapes, dtypes and shardings only: the restore target
   rollout_key: Callable                # (key, iteration, round) -> the round's sampling key (`rollout_key`)
   rl_step: Callable | None             # None when purpose == "eval"
-  bc_step: Callable | None
+  bc_step: Callable | None            # masked NLL: bc, sft, rft and offline filtered_bc stages
+  offline_steps: Mapping[float, Callable]  # offline iw_pg stages: max_ratio -> the truncated-IS step
   value_fn: Callable | None            # PPO: values at collection time
   env_spec: envs.EnvSpec
   env_versions: dict[str, str]         # env, parser, verifier versions (checked on resume)
@@ -212,13 +213,14 @@ def held_out_tasks(cfg: Config, env_spec: envs.EnvSpec, split: str | None = None
   return env_spec.tasks(split, episodes, stable_seed(cfg.run.seed, "eval", split), **dict(options or {}))
 
 
-def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply, *, iterations: int | None = None
-                        ) -> contamination.Report | None:
+def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply, *, iterations: int | None = None,
+                        rounds: int | None = None) -> contamination.Report | None:
   """Near-duplicates of the eval tasks among every train task the run can draw; refuses (or warns) above
   `tasks.max_contamination`. None when off, nothing is evaluated, or the eval split is the train split."""
   if cfg.tasks.contamination == "off" or not cfg.train.eval_episodes or cfg.train.eval_split == "train":
     return None  # nothing held out to protect (evaluating on train tasks is a choice, not a leak)
-  rounds = 1 + (cfg.train.dynamic_sampling_rounds if cfg.train.dynamic_sampling else 0)
+  if rounds is None:
+    rounds = 1 + (cfg.train.dynamic_sampling_rounds if cfg.train.dynamic_sampling else 0)
   iterations = cfg.train.iterations if iterations is None else iterations
   drawable = [task_list[i] for i in supply.horizon(iterations, rounds)]
   report = contamination.check(drawable, held_out_tasks(cfg, env_spec), threshold=cfg.tasks.near_duplicate,
@@ -271,9 +273,9 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   if purpose == "train":
     lists: dict[str, list[envs.Task]] = {}
     stages = config_lib.stages(cfg)
-    first_rl = next((i for i, st in enumerate(stages) if st.paradigm == "rl"), None)
+    first_rl = next((i for i, st in enumerate(stages) if st.paradigm in ("rl", "rft")), None)
     for i, stage in enumerate(stages):
-      if stage.paradigm != "rl":
+      if stage.paradigm not in ("rl", "rft"):
         stage_tasks.append(None)
         continue
       options = cfg.env.options if stage.env_options is None else stage.env_options
@@ -284,7 +286,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       supply = task_supply.make_supply(lists[key], sampler, seed=cfg.run.seed if i == first_rl else
                                        stable_seed(cfg.run.seed, "stage", i), batch=cfg.train.tasks_per_iteration,
                                        process=process, num_processes=num_processes)
-      report = check_contamination(cfg, env_spec, lists[key], supply, iterations=stage.steps)
+      report = check_contamination(cfg, env_spec, lists[key], supply, iterations=stage.steps,
+                                   rounds=stage.rollouts if stage.paradigm == "rft" else None)
       if report is not None and echo and process == 0:
         where = f" (stage {stage.name!r})" if cfg.curriculum.stages else ""
         print(f"contamination check{where}: {report.line()}", flush=True)
@@ -311,9 +314,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   make_value = lambda: ValueHead(model.config.hidden_size, dtype=dtype)
   if cfg.algo.name == "ppo":
     graphdefs["value"] = nnx.split(nnx.eval_shape(make_value))[0]
-  rl_updates = cfg.train.iterations * cfg.train.updates_per_iteration
+  # bc stages at train.bc_learning_rate, then optim's schedule over every later stage's planned updates.
   schedule = optax.join_schedules(
-      [optax.constant_schedule(cfg.train.bc_learning_rate), learning_rate_schedule(cfg.optim, rl_updates)],
+      [optax.constant_schedule(cfg.train.bc_learning_rate),
+       learning_rate_schedule(cfg.optim, config_lib.planned_updates(cfg))],
       [cfg.train.bc_steps])
   optimizer = make_optimizer(cfg.optim, schedule)
 
@@ -373,12 +377,18 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
     return state
 
   rl_step = bc_step = None
+  offline_steps: dict[float, Callable] = {}
   if purpose == "train":
     memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings,
                   compute_dtype=mixed, attention=cfg.model.attention, frozen=frozen, lora_scale=lora_scale)
     rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
                               temperature=cfg.rollout.temperature, **memory)
     bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
+    for stage in config_lib.stages(cfg):  # offline policy gradient: one compiled step per truncation level
+      if stage.paradigm == "offline" and stage.method == "iw_pg" and stage.max_ratio not in offline_steps:
+        offline_steps[stage.max_ratio] = make_train_step(
+            graphdefs, optimizer, cfg.algo, micro_batches=1, mode="offline", temperature=cfg.rollout.temperature,
+            max_ratio=stage.max_ratio, **memory)
   value_fn = (make_value_fn(graphdefs, mixed, lora_scale) if cfg.algo.name == "ppo" and purpose == "train"
               else None)
 
@@ -417,6 +427,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       graphdefs=graphdefs, layout=layout, optimizer=optimizer, schedule=schedule, init_state=init_state,
       abstract_state=abstract_state,
       rollout_key=jax.jit(rollout_key, out_shardings=replicated), rl_step=rl_step, bc_step=bc_step,
+      offline_steps=offline_steps,
       value_fn=value_fn, env_spec=env_spec,
       env_versions={"name": env_spec.name, "version": pool.version or env_spec.version, **env_info.versions,
                     **({} if env_info.parser.syntax == syntax else

@@ -25,7 +25,7 @@ from jaxagent.config import AlgoConfig
 from jaxagent.train.state import TrainState
 from jaxagent.train.value import ValueTargets
 
-Mode = Literal["rl", "bc"]
+Mode = Literal["rl", "bc", "offline"]
 
 # How each per-micro-batch metric ([M] values) combines into the metric of the whole batch, so that the metrics
 # of M micro-batches equal those of the batch processed at once:
@@ -43,13 +43,15 @@ _VALUE_MEANS = ("value_clip_fraction", "value_error")
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
           algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None,
           logits_chunk: int | None = None, remat: str = "none", compute_dtype=None, attention: str = "einsum",
-          lora_scale: float = 0.0):
+          lora_scale: float = 0.0, max_ratio: float = 1.0):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
   `ref_params` the frozen reference policy (KL term), not differentiated. `logits_chunk` and `remat` trade
   compute for memory without changing values (`algos.next_token_stats`, `Transformer.features`).
 
   In RL mode π_θ is the distribution the rollout samples from, softmax(logits / temperature), so that the
-  ratio π_θ/μ against the recorded behavior log-probs is 1 on-policy.
+  ratio π_θ/μ against the recorded behavior log-probs is 1 on-policy. Offline mode: the same π_θ, the
+  truncated importance-weighted gradient (`algos.importance_weighted_loss`, weights capped at `max_ratio`)
+  against another policy's recorded log-probs.
 
   `compute_dtype` (mixed precision): the parameters are cast to it here, so the forward and backward run in it
   while the gradient reaches the master weights in their own dtype.
@@ -62,7 +64,7 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
                             remat=remat, attention=attention)
   mask_bt = batch.loss_mask
-  scale = temperature if mode == "rl" else 1.0
+  scale = 1.0 if mode == "bc" else temperature
   logp_bt, entropy_bt = algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, mask_bt,
                                                temperature=scale, chunk=logits_chunk)
   if mode == "bc":
@@ -72,6 +74,12 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
     count = jnp.sum(mask_bt)
     mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(count, 1)
     return loss, {"loss_tokens": count.astype(jnp.float32), "nll": mean(nll_bt), "entropy": mean(entropy_bt)}
+  if mode == "offline":
+    loss, metrics = algos.importance_weighted_loss(
+        logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
+        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=max_ratio, entropy_coef=algo.entropy_coef)
+    lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
+    return loss, dict(metrics, policy_lag=jnp.sum(jnp.where(mask_bt, lag_bt, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1))
   ref_logp_bt = None
   if ref_params is not None:
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
@@ -137,7 +145,7 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
                     algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
                     temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
                     compute_dtype=None, attention: str = "einsum", frozen: tuple[str, ...] = (),
-                    lora_scale: float = 0.0):
+                    lora_scale: float = 0.0, max_ratio: float = 1.0):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
@@ -159,12 +167,12 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
       raise ValueError(f"batch of {b} rows is not divisible into {micro_batches} micro-batches")
     return x.reshape((micro_batches, b // micro_batches) + x.shape[1:])
 
-  if mode == "rl" and not temperature > 0:
+  if mode != "bc" and not temperature > 0:
     raise ValueError(f"temperature={temperature}: RL needs a sampling temperature > 0 (greedy rollouts have no "
                      "behavior distribution to correct for)")
   loss = functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode, temperature=temperature,
                            logits_chunk=logits_chunk, remat=remat, compute_dtype=compute_dtype, attention=attention,
-                           lora_scale=lora_scale)
+                           lora_scale=lora_scale, max_ratio=max_ratio)
   # Differentiated with respect to the trained parameters only; the frozen ones are a plain input.
   grad_fn = jax.value_and_grad(lambda trained, fixed, **kw: loss({**fixed, **trained}, **kw), has_aux=True)
 

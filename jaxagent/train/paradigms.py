@@ -1,0 +1,236 @@
+"""The data paradigms besides online RL, one iteration at a time, for curriculum stages (and the `jaxagent sft`,
+`rft`, `offline` verbs, which are one-stage curricula):
+
+  sft      supervised fine-tuning on `stage.data`: a JSONL chat file (jaxagent/data/chats.py) or stored
+           trajectories (jaxagent/data/trajectories.py, `stage.filter`). One optimizer step per iteration.
+  offline  learning from another policy's stored trajectories. `method: filtered_bc` is sft on the filtered
+           episodes; `method: iw_pg` is a policy gradient on group-relative advantages of the stored returns,
+           weighted by π_θ/μ against the recorded behavior log-probs and truncated at `stage.max_ratio`
+           (`algos.importance_weighted_loss`). One optimizer step per iteration.
+  rft      rejection-sampling fine-tuning (STaR, Zelikman et al. 2022; RFT, Yuan et al. 2023): a round (one
+           iteration) rolls out `stage.rollouts` batches of B tasks x G samples with the current policy, keeps
+           the verified samples not already kept (same task and same actions), and takes `stage.updates` steps
+           on batches drawn from everything kept so far in the stage.
+
+Every paradigm trains on the recorded masks: only policy (assistant) tokens carry loss. Batches are a pure
+function of (run seed, stage, iteration) through grain (`data.trajectories.Examples`), so a run killed and
+resumed continues exactly: sft and offline need no iterator state, and rft rebuilds its kept set from the run's
+own trajectory store, which holds exactly the checkpoint's timeline (`trajectory_store.discard_from`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxagent import algos, multihost
+from jaxagent import config as config_lib
+from jaxagent import trajectory as tr
+from jaxagent import trajectory_store
+from jaxagent.assembly import assemble
+from jaxagent.data import chats
+from jaxagent.data import trajectories as stored
+from jaxagent.train import metrics as metrics_lib
+from jaxagent.train.run import Run, stable_seed
+
+RFT_KEY = "rft"  # trajectory metadata: {"stage": name, "kept": bool} on every rft sample in the store
+
+
+@dataclasses.dataclass
+class StageData:
+  """What a non-rl stage trains on, built when the stage starts (or resumes)."""
+  index: int
+  examples: stored.Examples | None = None     # sft, offline: the dataset; rft: rebuilt every round
+  advantages: np.ndarray | None = None        # offline iw_pg: float32[N, S] per example and turn
+  behavior_versions: np.ndarray | None = None # offline: the recorded policy versions (staleness)
+  kept: list[tr.Trajectory] = dataclasses.field(default_factory=list)   # rft: this process's verified samples
+  seen: set = dataclasses.field(default_factory=set)                      # rft: their (task, actions) keys
+
+
+def _fits(run: Run, t: tr.Trajectory) -> bool:
+  return len(t) <= run.config.rollout.max_context
+
+
+def prepare(run: Run, progress, index: int) -> StageData:
+  """The data of stage `index` (printing what was selected); rft: its kept set so far, from the run's store."""
+  cfg = run.config
+  stage = config_lib.stages(cfg)[index]
+  seed = stable_seed(cfg.run.seed, "data", index)
+  if stage.paradigm == "rft":
+    data = StageData(index)
+    if progress.iteration > progress.stage_start:  # resumed inside the stage: the rounds so far are in the store
+      from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
+      directory = run.run_dir / "trajectories"
+      if directory.is_dir():
+        prefix = loop._shard_prefix()  # pylint: disable=protected-access
+        for path in trajectory_store.list_files(directory):
+          if not path.name.startswith(prefix + "-"):
+            continue
+          for t in trajectory_store.read_file(path):
+            mark = t.metadata.get(RFT_KEY) or {}
+            if mark.get("stage") == stage.name and mark.get("kept"):
+              data.kept.append(t)
+              data.seen.add(_sample_key(t))
+      run.print(f"stage {stage.name!r} (rft): {len(data.kept)} kept sample(s) of earlier rounds read back")
+    return data
+  if stage.paradigm == "sft" and chats.is_chat_file(stage.data):
+    parser = run.demo_parser if run.action_syntax == "line" else run.demo_parser.with_syntax(run.action_syntax)
+    try:
+      loaded = chats.read_chats(stage.data, run.chat, parser)
+    except chats.ChatDataError as e:
+      raise config_lib.ConfigError(f"stage {stage.name!r} data: {e}") from None
+    long = [t.id for t in loaded.trajectories if not _fits(run, t)]
+    if long:
+      raise config_lib.ConfigError(
+          f"stage {stage.name!r} data {stage.data}: {len(long)} chat(s) longer than rollout.max_context="
+          f"{cfg.rollout.max_context} tokens in the run's framing (first: {long[0]}); raise rollout.max_context "
+          "(the policy could not act on them either) or shorten them")
+    run.print(f"stage {stage.name!r} (sft): {len(loaded.trajectories)} chats from {stage.data}"
+              + (f"; {loaded.system_messages_dropped} system message(s) not used (the run's framing has its own)"
+                 if loaded.system_messages_dropped else "")
+              + (f"; {loaded.observations_truncated} tool repl(ies) cut to rollout.max_observation_tokens"
+                 if loaded.observations_truncated else ""))
+    return StageData(index, examples=stored.Examples(loaded.trajectories.__getitem__, len(loaded.trajectories),
+                                                     seed))
+  try:
+    selection = stored.select(stage.data, stage.filter, exclude=cfg.train.exclude_terminations,
+                              max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
+                              max_length=cfg.rollout.max_context)
+  except FileNotFoundError as e:
+    raise config_lib.ConfigError(f"stage {stage.name!r}: data={stage.data!r}: {e}") from None
+  run.print(f"stage {stage.name!r} ({stage.paradigm}): {selection.line()} from {stage.data}")
+  if not len(selection):
+    raise config_lib.ConfigError(f"stage {stage.name!r}: no stored trajectory in {stage.data} passes its filter "
+                                 f"({selection.line()})")
+  data = StageData(index, examples=stored.Examples(selection.fetch, len(selection), seed),
+                   behavior_versions=selection.policy_versions)
+  if stage.paradigm == "offline" and stage.method == "iw_pg":
+    estimate = algos.get_advantage(cfg.algo.advantage)(
+        jnp.asarray(selection.rewards), jnp.asarray(selection.mask), jnp.asarray(selection.groups),
+        **algos.advantage_kwargs(cfg.algo))
+    data.advantages = np.asarray(estimate.advantages, np.float32)
+    flat = int(estimate.zero_variance_groups)
+    run.print(f"stage {stage.name!r}: {int(estimate.groups)} groups of the stored returns, {flat} with equal "
+              "returns (advantage 0: no signal)")
+  return data
+
+
+def _sample_key(t: tr.Trajectory) -> tuple:
+  return (t.task.id, tuple(turn.action.text for turn in t.turns))
+
+
+def _batch(run: Run, trajectories, advantages=None):
+  cfg = run.config
+  local = cfg.train.bc_batch_size // jax.process_count()
+  return assemble(trajectories, advantages, level="turn", length=cfg.rollout.max_context, rows=local,
+                  pad_id=run.tokenizer.pad_id)
+
+
+def _normalizer(run: Run, batch) -> float:
+  cfg = run.config
+  return float(multihost.host_sum(algos.loss_normalizer(batch.loss_mask, batch.segment_ids,
+                                                        aggregation=cfg.algo.aggregation,
+                                                        norm_length=cfg.algo.norm_length, allow_empty=True)))
+
+
+def supervised_iteration(run: Run, progress, data: StageData) -> tuple[Any, dict[str, Any]]:
+  """One optimizer step of an sft or offline stage on its batch for this iteration."""
+  cfg = run.config
+  stage = config_lib.stages(cfg)[progress.stage]
+  step = progress.iteration - progress.stage_start
+  positions, trajs = data.examples.batch(step, cfg.train.bc_batch_size,
+                                         part=(jax.process_index(), jax.process_count()))
+  iw = stage.paradigm == "offline" and stage.method == "iw_pg"
+  advantages = [data.advantages[p, :len(t.turns)] for p, t in zip(positions, trajs)] if iw else None
+  batch = _batch(run, trajs, advantages)
+  normalizer = _normalizer(run, batch)
+  step_fn = run.offline_steps[stage.max_ratio] if iw else run.bc_step
+  state, m = step_fn(progress.state, run.layout.to_global(batch), jnp.float32(normalizer))
+  m = {k: float(v) for k, v in jax.device_get(m).items()}
+  prefix = stage.paradigm
+  out = {f"{prefix}/loss": m["loss"], f"{prefix}/grad_norm": m["grad_norm"], f"{prefix}/loss_tokens": m["loss_tokens"]}
+  if iw:
+    out.update({f"offline/{k}": m[k] for k in ("ratio_mean", "ratio_min", "ratio_max", "approx_kl")})
+    out["offline/truncated_fraction"] = m["clip_fraction"]
+    versions = multihost.host_gather(np.asarray([data.behavior_versions[p] for p in positions], np.float64))
+    out["offline/behavior_version_mean"] = float(versions.mean())
+    out["offline/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advantages)))) if advantages else 0.0
+  else:
+    out[f"{prefix}/nll"] = m["nll"]
+  return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1), out
+
+
+def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[str, Any], list[tr.Trajectory]]:
+  """One rft round: sample, keep the new verified samples, fine-tune on everything kept so far. Returns the new
+  progress, the round's metrics, and its samples (stored by the caller, marked kept or not)."""
+  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
+  cfg = run.config
+  stage = config_lib.stages(cfg)[progress.stage]
+  it, state = progress.iteration, progress.state
+  supply = loop.current_supply(run, progress.stage)
+  process = jax.process_index()
+  samples: list[tr.Trajectory] = []
+  env_steps = tokens = 0
+  decode_s = 0.0
+  for r in range(stage.rollouts):
+    tasks = supply.draw(it, r)
+    seeds = [stable_seed(cfg.run.seed, "env", it, "rft", r, process * run.rows + i) for i in range(run.rows)]
+    state, trajs, stats = loop.collect(run, state, tasks, seeds, group_size=cfg.train.group_size,
+                                       rng=run.rollout_key(state.rng, it, r))
+    loop.record_outcomes(run, supply, tasks, trajs)
+    samples += trajs
+    env_steps, tokens, decode_s = env_steps + stats.env_steps, tokens + stats.action_tokens, decode_s + stats.decode_s
+  usable = loop.trained_rows(run, samples)
+  marked = []
+  new = 0
+  for t, ok in zip(samples, usable):
+    kept = bool(ok and t.verifier.passed and _sample_key(t) not in data.seen)
+    if kept:
+      data.kept.append(t)
+      data.seen.add(_sample_key(t))
+      new += 1
+    marked.append(dataclasses.replace(t, metadata={**t.metadata, RFT_KEY: {"stage": stage.name, "kept": kept}}))
+  if writer is not None:
+    for t in marked:
+      writer.write(t)
+    writer.flush()
+  local = cfg.train.bc_batch_size // jax.process_count()
+  nll = []
+  if data.kept:
+    examples = stored.Examples(data.kept.__getitem__, len(data.kept), stable_seed(cfg.run.seed, "rft", it))
+  for u in range(stage.updates):
+    trajs = examples.batch(u, local)[1] if data.kept else []
+    batch = _batch(run, trajs)
+    state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(_normalizer(run, batch)))
+    nll.append(float(jax.device_get(m["nll"])))
+  counts = multihost.host_sum(np.asarray([len(samples), sum(bool(t.verifier.passed) for t in samples), new,
+                                          len(data.kept), env_steps, tokens], np.float64))
+  counters = dict(progress.counters)
+  counters[metrics_lib.ENV_INTERACTIONS] += int(counts[4])
+  counters[metrics_lib.ACTION_TOKENS] += int(counts[5])
+  counters[metrics_lib.DEVICE_SECONDS] += decode_s
+  out = {"rft/samples": int(counts[0]), "rft/verified": int(counts[1]), "rft/kept_new": int(counts[2]),
+         "rft/kept_total": int(counts[3]), metrics_lib.SUCCESS_RATE: float(counts[1] / max(counts[0], 1)),
+         "rft/nll": float(np.mean(nll)) if nll else 0.0}
+  progress = dataclasses.replace(progress, state=state, iteration=it + 1, counters=counters)
+  return progress, out, marked
+
+
+def iteration(run: Run, progress, data: StageData, writer, start_wall: float) -> tuple[Any, dict[str, Any]]:
+  """One iteration of the current non-rl stage, with the counters every iteration logs."""
+  stage = config_lib.stages(run.config)[progress.stage]
+  wall0 = time.perf_counter()
+  if stage.paradigm == "rft":
+    progress, m, _ = rft_round(run, progress, data, writer)
+  else:
+    progress, m = supervised_iteration(run, progress, data)
+  counters = dict(progress.counters)
+  counters[metrics_lib.WALL_SECONDS] = time.perf_counter() - start_wall
+  m.update({"learning_rate": float(run.schedule(int(progress.state.step) - 1)),
+            "time/iteration_s": time.perf_counter() - wall0, **counters})
+  return dataclasses.replace(progress, counters=counters), m
