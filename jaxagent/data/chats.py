@@ -19,8 +19,9 @@ sequences it will see and produce when it acts. Consequences, each a rule:
   rollouts. A `system` message is not used; the number dropped is reported. The line's own `tools` are ignored.
 * An assistant message is one action: exactly one tool call, formatted in the run's action syntax after the
   env's parser has validated it against the tool's schema (an unknown tool or bad arguments is an error naming
-  the line), or a plain `content` text. Both at once, or several calls, is an error: the env takes one action
-  per turn.
+  the line), or a `content` text that the env's parser accepts as an action as it stands. Both at once,
+  several calls, or prose the parser refuses is an error: the env takes one action per turn, and an action it
+  would refuse is not a target.
 * Only assistant tokens carry loss (role POLICY, `loss_mask` 1); prompt, framing and tool tokens never do.
   Their behavior log-probs are recorded as 0 (no policy sampled them) and their policy version as -1, as for
   scripted demonstrations.
@@ -69,7 +70,12 @@ def _action_text(message: Mapping[str, Any], parser: envs.ActionParser, json_par
   if not calls:
     if not content.strip():
       raise ChatDataError(f"{where}: an assistant message with neither content nor a tool call")
-    return content, None
+    try:
+      parsed = parser.parse(content)
+    except (envs.ParseError, envs.InvalidAction) as e:
+      raise ChatDataError(f"{where}: content {content[:60]!r} is not an action the env's parser accepts ({e}); "
+                          "the policy would be trained on an action the env refuses") from None
+    return content, parsed.to_wire()
   call = calls[0]
   function = call.get("function") if isinstance(call, Mapping) else None
   if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
