@@ -160,7 +160,7 @@ def _paradigm_stage(args) -> dict:
   if data_filter:
     stage["filter"] = data_filter
   if args.command == "offline":
-    stage.update(method=args.method, max_ratio=args.max_ratio)
+    stage.update(method=args.method, max_ratio=args.max_ratio, min_negative_ratio=args.min_negative_ratio)
   return stage
 
 
@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     if verb == "offline":
       p.add_argument("--method", default="iw_pg", choices=("iw_pg", "filtered_bc"))
       p.add_argument("--max-ratio", type=float, default=1.0, help="iw_pg: truncate importance weights at this")
+      p.add_argument("--min-negative-ratio", type=float, default=0.8, help="iw_pg: no gradient for a "
+                     "negative-advantage token whose ratio is below this (0: off)")
     p.set_defaults(func=_cmd_paradigm)
 
   p = sub.add_parser("eval", help="held-out success rate of a run's latest checkpoint")

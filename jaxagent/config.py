@@ -337,7 +337,8 @@ class DataFilter:
   terminations: tuple[str, ...] | None = field(None, choices=lambda: list(envs.TERMINATIONS),
                                                help="only episodes that ended so; null: any")
   splits: tuple[str, ...] | None = field(None, choices=("train", "tune", "eval"), help="only episodes of tasks "
-                                         "of these splits; null: any")
+                                         "of these splits; null: train only (held-out episodes are used only "
+                                         "when named here)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +370,9 @@ class StageConfig:
       "group-relative advantages of the stored returns, importance-weighted by π_θ/μ against the recorded "
       "behavior log-probs, the weight truncated at max_ratio)")
   max_ratio: float = field(1.0, gt=0.0, help="offline iw_pg: importance weights are truncated at this")
+  min_negative_ratio: float = field(0.8, ge=0.0, lt=1.0, help="offline iw_pg: a negative-advantage token whose "
+                                    "ratio π_θ/μ is already below this gets no gradient (0: off; without it the "
+                                    "learner pushes the behavior policy's failures down into garbage)")
   rollouts: int = field(1, ge=1, help="rft: rollout batches per round, each train.tasks_per_iteration tasks x "
                         "train.group_size samples (k)")
   updates: int = field(8, ge=1, help="rft: fine-tuning steps per round (batches of train.bc_batch_size, drawn "

@@ -125,13 +125,13 @@ def test_bad_chat_lines_are_refused_naming_the_line(tmp_path, messages, error):
   assert "c.jsonl:2" in str(e.value)
 
 
-def _stored(i, passed, termination=envs.Termination.COMPLETED, group="g0", version=3):
+def _stored(i, passed, termination=envs.Termination.COMPLETED, group="g0", version=3, split="train"):
   stream = tr.TokenStream()
   stream.template([1, 2, 3], tr.Role.PROMPT)
   span = stream.sampled([4, 5], [-0.5, -0.25])
   reward = 1.0 if passed else 0.0
   return tr.Trajectory(
-      task=tr.TaskRecord(id=f"t{i}"), env=tr.EnvInfo(name="x", version="v", seed=i), policy_version=version,
+      task=tr.TaskRecord(id=f"t{i}", split=split), env=tr.EnvInfo(name="x", version="v", seed=i), policy_version=version,
       termination=termination, reward=tr.Reward(total=reward, terminal=reward),
       turns=(tr.Turn(action=tr.Action(span=span, text="a")),), id=f"r{i}", group_id=group,
       verifier=tr.VerifierRecord(passed=passed), **stream.arrays())
@@ -139,20 +139,24 @@ def _stored(i, passed, termination=envs.Termination.COMPLETED, group="g0", versi
 
 def test_stored_trajectories_are_selected_by_the_filter_and_counted(tmp_path):
   records = [_stored(0, True), _stored(1, False), _stored(2, True, group="g1"),
-             _stored(3, False, envs.Termination.ENV_ERROR), _stored(4, False, group="g1")]
+             _stored(3, False, envs.Termination.ENV_ERROR), _stored(4, False, group="g1"),
+             _stored(5, True, split="eval")]
   with trajectory_store.TrajectoryWriter(tmp_path / "store") as w:
     for t in records:
       w.write(t)
   exclude = config_lib.TrainConfig().exclude_terminations
   everything = stored.select(tmp_path / "store", config_lib.DataFilter(), exclude=exclude)
-  assert everything.counts == {"read": 5, "kept": 4, "unreadable": 0, "dropped/infrastructure_failure": 1}
+  assert everything.counts == {"read": 6, "kept": 4, "unreadable": 0, "dropped/infrastructure_failure": 1,
+                               "dropped/held_out_split": 1}
   assert [everything.fetch(i).id for i in range(len(everything))] == ["r0", "r1", "r2", "r4"]
   np.testing.assert_array_equal(everything.groups, [0, 0, 1, 1])
   np.testing.assert_array_equal(everything.rewards[:, 0], [1.0, 0.0, 1.0, 0.0])
   verified = stored.select(tmp_path / "store", config_lib.DataFilter(verified=True), exclude=exclude)
   assert [verified.fetch(i).id for i in range(len(verified))] == ["r0", "r2"]
   assert verified.counts["dropped/not_verified"] == 2
-  assert "2 of 5 stored trajectories selected" in verified.line()
+  assert "2 of 6 stored trajectories selected" in verified.line()
+  held_out = stored.select(tmp_path / "store", config_lib.DataFilter(splits=("eval",)), exclude=exclude)
+  assert [held_out.fetch(i).id for i in range(len(held_out))] == ["r5"]  # only when asked for by name
 
 
 def test_examples_are_a_pure_function_of_seed_and_step():
@@ -168,13 +172,18 @@ def test_importance_weighted_loss_gradient_is_the_truncated_weight_times_the_adv
   adv = jnp.asarray([[1.0, -2.0, 0.5, 1.0]])
   mask = jnp.asarray([[True, True, True, False]])
   c = 1.5
-  loss = lambda lp: algos.importance_weighted_loss(lp, behavior, adv, mask, jnp.float32(3.0), max_ratio=c)
+  loss = lambda lp, floor=0.0: algos.importance_weighted_loss(lp, behavior, adv, mask, jnp.float32(3.0), max_ratio=c,
+                                                              min_negative_ratio=floor)
   grad = jax.grad(lambda lp: loss(lp)[0])(logp)
   expected = -np.minimum([2.0, 0.5, 1.0, 3.0], c) * np.asarray([1.0, -2.0, 0.5, 1.0]) / 3.0 * [1, 1, 1, 0]
   np.testing.assert_allclose(grad[0], expected, rtol=1e-5)
   _, m = loss(logp)
   assert float(m["clip_fraction"]) == pytest.approx(1 / 3) and float(m["ratio_max"]) == pytest.approx(2.0)
   assert float(m["loss_tokens"]) == 3.0
+  # The floor: the negative-advantage token already at ρ = 0.5 < 0.8 is not pushed down further.
+  floored = jax.grad(lambda lp: loss(lp, 0.8)[0])(logp)
+  np.testing.assert_allclose(floored[0], expected * [1, 0, 1, 0], rtol=1e-5)
+  assert float(loss(logp, 0.8)[1]["clip_fraction"]) == pytest.approx(2 / 3)
 
 
 def test_paradigm_stages_are_checked_when_the_config_loads(tmp_path):

@@ -327,27 +327,35 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.A
   return loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("aggregation", "max_ratio", "entropy_coef"))
+@functools.partial(jax.jit, static_argnames=("aggregation", "max_ratio", "min_negative_ratio", "entropy_coef"))
 def importance_weighted_loss(logp_bt: jax.Array, behavior_logp_bt: jax.Array, advantages_bt: jax.Array,
                              loss_mask_bt: jax.Array, normalizer: jax.Array, *, segment_ids_bt: jax.Array | None = None,
                              entropy_bt: jax.Array | None = None, aggregation: Aggregation = "token-mean",
-                             max_ratio: float = 1.0, entropy_coef: float = 0.0
+                             max_ratio: float = 1.0, min_negative_ratio: float = 0.0, entropy_coef: float = 0.0
                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Off-policy policy gradient with truncated importance weights, for data of another policy μ.
 
-  Per loss token: `ρ = π_θ/μ` against the recorded behavior log-prob, `ℓ = −sg(min(ρ, c)) Â log π_θ`. Its
-  gradient `min(ρ, c) Â ∇log π_θ` is the importance-sampled on-policy gradient with the weight truncated at
-  `c = max_ratio` (Espeholt et al. 2018, arXiv:1802.01561, ρ̄): bias for bounded variance. Unlike PPO's clip,
-  a token far off the behavior policy still gets a (down-weighted) gradient, which learning from a different
-  policy's data needs; PPO's clip is a trust region around the sampling policy, which offline data lacks.
+  Per loss token: `ρ = π_θ/μ` against the recorded behavior log-prob, `ℓ = −sg(w) Â log π_θ` with
+  `w = min(ρ, c)`. Its gradient `w Â ∇log π_θ` is the importance-sampled on-policy gradient with the weight
+  truncated at `c = max_ratio` (Espeholt et al. 2018, arXiv:1802.01561, ρ̄): bias for bounded variance. Unlike
+  PPO's clip, a token the learner finds unlikely under its own policy still gets a (down-weighted) push up when
+  its advantage is positive, which learning from a different policy's data needs.
 
-  Args: as `policy_loss`; `max_ratio` is c > 0.
+  `min_negative_ratio = m`: a token with `Â < 0` whose ratio has already fallen below `m` gets no gradient (the
+  lower half of PPO's clip, on negative advantages only). Without it the learner keeps pushing down the
+  behavior policy's failed actions wherever it still assigns them mass, which measured on the default env
+  (a weak policy learning from a stronger one's store) drove held-out success from 2 % to 0 % within 100 steps:
+  the mass went to garbage, not to the successful actions, whose small ratios give them small weights.
+
+  Args: as `policy_loss`; `max_ratio` is c > 0; `min_negative_ratio` in [0, 1) (0: off).
   Returns:
     (loss, metrics): loss_tokens, skipped, pg_loss, ratio_mean/min/max (untruncated ρ), clip_fraction (share of
-    tokens whose weight was truncated), approx_kl (k3 between μ and π_θ), entropy when given.
+    tokens whose weight was truncated or cut), approx_kl (k3 between μ and π_θ), entropy when given.
   """
   if max_ratio <= 0:
     raise ValueError(f"max_ratio={max_ratio}: must be > 0")
+  if not 0.0 <= min_negative_ratio < 1.0:
+    raise ValueError(f"min_negative_ratio={min_negative_ratio}: must be in [0, 1)")
   mask_bt = loss_mask_bt.astype(bool)
   logp_bt = jnp.where(mask_bt, logp_bt, 0.0).astype(jnp.float32)
   mu_bt = jnp.where(mask_bt, behavior_logp_bt, 0.0).astype(jnp.float32)
@@ -355,7 +363,8 @@ def importance_weighted_loss(logp_bt: jax.Array, behavior_logp_bt: jax.Array, ad
   sg = jax.lax.stop_gradient
   log_ratio_bt = jnp.where(mask_bt, sg(logp_bt) - mu_bt, 0.0)
   ratio_bt = jnp.exp(jnp.minimum(log_ratio_bt, 80.0))
-  weight_bt = jnp.minimum(ratio_bt, max_ratio)
+  cut_bt = (adv_bt < 0) & (ratio_bt < min_negative_ratio)
+  weight_bt = jnp.where(cut_bt, 0.0, jnp.minimum(ratio_bt, max_ratio))
   pg_bt = -weight_bt * adv_bt * logp_bt
   loss_bt = pg_bt
   if entropy_bt is not None:
@@ -370,7 +379,7 @@ def importance_weighted_loss(logp_bt: jax.Array, behavior_logp_bt: jax.Array, ad
       loss_tokens=count,
       skipped=(jnp.asarray(normalizer) <= 0).astype(jnp.float32),
       pg_loss=sg(agg(-weight_bt * adv_bt, mask_bt, normalizer)),
-      clip_fraction=_masked_mean((ratio_bt > max_ratio).astype(jnp.float32), mask_bt, count),
+      clip_fraction=_masked_mean(((ratio_bt > max_ratio) | cut_bt).astype(jnp.float32), mask_bt, count),
       ratio_mean=_masked_mean(ratio_bt, mask_bt, count),
       ratio_min=jnp.where(any_tokens, jnp.min(jnp.where(mask_bt, ratio_bt, jnp.inf)), 0.0),
       ratio_max=jnp.where(any_tokens, jnp.max(jnp.where(mask_bt, ratio_bt, -jnp.inf)), 0.0),

@@ -36,6 +36,8 @@ def rejects(t: tr.Trajectory, data_filter: DataFilter, exclude: Sequence[str] = 
     return "reward_below_min"
   if data_filter.terminations is not None and t.termination.value not in data_filter.terminations:
     return "termination"
+  if data_filter.splits is None and t.task.split != "train":
+    return "held_out_split"  # tune / eval episodes train only when the filter names their split
   if data_filter.splits is not None and t.task.split not in data_filter.splits:
     return "split"
   return None

@@ -21,6 +21,7 @@ own trajectory store, which holds exactly the checkpoint's timeline (`trajectory
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -67,9 +68,9 @@ def prepare(run: Run, progress, index: int) -> StageData:
       from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
       directory = run.run_dir / "trajectories"
       if directory.is_dir():
-        prefix = loop._shard_prefix()  # pylint: disable=protected-access
+        mine = re.compile(re.escape(loop._shard_prefix()) + r"-\d+" + re.escape(trajectory_store.SUFFIX) + "$")  # pylint: disable=protected-access
         for path in trajectory_store.list_files(directory):
-          if not path.name.startswith(prefix + "-"):
+          if not mine.match(path.name):  # this process's shards only
             continue
           for t in trajectory_store.read_file(path):
             mark = t.metadata.get(RFT_KEY) or {}
@@ -149,14 +150,14 @@ def supervised_iteration(run: Run, progress, data: StageData) -> tuple[Any, dict
   advantages = [data.advantages[p, :len(t.turns)] for p, t in zip(positions, trajs)] if iw else None
   batch = _batch(run, trajs, advantages)
   normalizer = _normalizer(run, batch)
-  step_fn = run.offline_steps[stage.max_ratio] if iw else run.bc_step
+  step_fn = run.offline_steps[(stage.max_ratio, stage.min_negative_ratio)] if iw else run.bc_step
   state, m = step_fn(progress.state, run.layout.to_global(batch), jnp.float32(normalizer))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
   prefix = stage.paradigm
   out = {f"{prefix}/loss": m["loss"], f"{prefix}/grad_norm": m["grad_norm"], f"{prefix}/loss_tokens": m["loss_tokens"]}
   if iw:
     out.update({f"offline/{k}": m[k] for k in ("ratio_mean", "ratio_min", "ratio_max", "approx_kl")})
-    out["offline/truncated_fraction"] = m["clip_fraction"]
+    out["offline/truncated_fraction"] = m["clip_fraction"]  # truncated at max_ratio, or cut below the floor
     versions = multihost.host_gather(np.asarray([data.behavior_versions[p] for p in positions], np.float64))
     out["offline/behavior_version_mean"] = float(versions.mean())
     out["offline/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advantages)))) if advantages else 0.0

@@ -114,7 +114,7 @@ class Run:
   rollout_key: Callable                # (key, iteration, round) -> the round's sampling key (`rollout_key`)
   rl_step: Callable | None             # None when purpose == "eval"
   bc_step: Callable | None            # masked NLL: bc, sft, rft and offline filtered_bc stages
-  offline_steps: Mapping[float, Callable]  # offline iw_pg stages: max_ratio -> the truncated-IS step
+  offline_steps: Mapping[tuple[float, float], Callable]  # offline iw_pg: (max_ratio, min_negative_ratio) -> step
   value_fn: Callable | None            # PPO: values at collection time
   env_spec: envs.EnvSpec
   env_versions: dict[str, str]         # env, parser, verifier versions (checked on resume)
@@ -377,18 +377,19 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
     return state
 
   rl_step = bc_step = None
-  offline_steps: dict[float, Callable] = {}
+  offline_steps: dict[tuple[float, float], Callable] = {}
   if purpose == "train":
     memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings,
                   compute_dtype=mixed, attention=cfg.model.attention, frozen=frozen, lora_scale=lora_scale)
     rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
                               temperature=cfg.rollout.temperature, **memory)
     bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
-    for stage in config_lib.stages(cfg):  # offline policy gradient: one compiled step per truncation level
-      if stage.paradigm == "offline" and stage.method == "iw_pg" and stage.max_ratio not in offline_steps:
-        offline_steps[stage.max_ratio] = make_train_step(
+    for stage in config_lib.stages(cfg):  # offline policy gradient: one compiled step per truncation setting
+      key = (stage.max_ratio, stage.min_negative_ratio)
+      if stage.paradigm == "offline" and stage.method == "iw_pg" and key not in offline_steps:
+        offline_steps[key] = make_train_step(
             graphdefs, optimizer, cfg.algo, micro_batches=1, mode="offline", temperature=cfg.rollout.temperature,
-            max_ratio=stage.max_ratio, **memory)
+            max_ratio=stage.max_ratio, min_negative_ratio=stage.min_negative_ratio, **memory)
   value_fn = (make_value_fn(graphdefs, mixed, lora_scale) if cfg.algo.name == "ppo" and purpose == "train"
               else None)
 

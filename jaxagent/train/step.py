@@ -43,15 +43,15 @@ _VALUE_MEANS = ("value_clip_fraction", "value_error")
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
           algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None,
           logits_chunk: int | None = None, remat: str = "none", compute_dtype=None, attention: str = "einsum",
-          lora_scale: float = 0.0, max_ratio: float = 1.0):
+          lora_scale: float = 0.0, max_ratio: float = 1.0, min_negative_ratio: float = 0.0):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
   `ref_params` the frozen reference policy (KL term), not differentiated. `logits_chunk` and `remat` trade
   compute for memory without changing values (`algos.next_token_stats`, `Transformer.features`).
 
   In RL mode π_θ is the distribution the rollout samples from, softmax(logits / temperature), so that the
   ratio π_θ/μ against the recorded behavior log-probs is 1 on-policy. Offline mode: the same π_θ, the
-  truncated importance-weighted gradient (`algos.importance_weighted_loss`, weights capped at `max_ratio`)
-  against another policy's recorded log-probs.
+  truncated importance-weighted gradient (`algos.importance_weighted_loss`, weights capped at `max_ratio`,
+  negative-advantage tokens below `min_negative_ratio` cut) against another policy's recorded log-probs.
 
   `compute_dtype` (mixed precision): the parameters are cast to it here, so the forward and backward run in it
   while the gradient reaches the master weights in their own dtype.
@@ -77,7 +77,8 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   if mode == "offline":
     loss, metrics = algos.importance_weighted_loss(
         logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
-        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=max_ratio, entropy_coef=algo.entropy_coef)
+        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=max_ratio,
+        min_negative_ratio=min_negative_ratio, entropy_coef=algo.entropy_coef)
     lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
     return loss, dict(metrics, policy_lag=jnp.sum(jnp.where(mask_bt, lag_bt, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1))
   ref_logp_bt = None
@@ -145,7 +146,7 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
                     algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
                     temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
                     compute_dtype=None, attention: str = "einsum", frozen: tuple[str, ...] = (),
-                    lora_scale: float = 0.0, max_ratio: float = 1.0):
+                    lora_scale: float = 0.0, max_ratio: float = 1.0, min_negative_ratio: float = 0.0):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
@@ -172,7 +173,7 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
                      "behavior distribution to correct for)")
   loss = functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode, temperature=temperature,
                            logits_chunk=logits_chunk, remat=remat, compute_dtype=compute_dtype, attention=attention,
-                           lora_scale=lora_scale, max_ratio=max_ratio)
+                           lora_scale=lora_scale, max_ratio=max_ratio, min_negative_ratio=min_negative_ratio)
   # Differentiated with respect to the trained parameters only; the frozen ones are a plain input.
   grad_fn = jax.value_and_grad(lambda trained, fixed, **kw: loss({**fixed, **trained}, **kw), has_aux=True)
 
