@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import envs
 import models
-from jaxagent import algos
+from jaxagent import algos, checkpoint
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
@@ -297,3 +298,34 @@ def test_each_paradigm_verb_killed_and_resumed_continues_exactly(tmp_path, verb)
     assert order(run_a) == order(run_b)
   if verb == "offline":
     assert ma[steps]["offline/ratio_mean"] > 0 and "offline/truncated_fraction" in ma[steps]
+
+
+@pytest.mark.slow
+def test_sft_and_offline_stages_on_two_processes_equal_one_process(tmp_path):
+  """Each process trains its slice of the global batch (normalizers and offline statistics summed): 2 processes x
+  1 device end where 1 process x 2 devices does."""
+  from tests import _processes  # pylint: disable=g-import-not-at-top
+  chats_file = _write_jsonl(tmp_path / "c.jsonl", CALC_CHATS)
+  with trajectory_store.TrajectoryWriter(tmp_path / "store") as w:
+    for i in range(12):
+      w.write(_stored(i, passed=i % 3 == 0, group=f"g{i // 4}", version=i))
+  stages = (f"curriculum.stages=[{{name: s, paradigm: sft, steps: 2, data: '{chats_file}'}}, "
+            f"{{name: o, paradigm: offline, steps: 2, data: '{tmp_path / 'store'}', max_ratio: 2.0}}]")
+  common = TINY + ["train.eval_episodes=0", "train.plots=false", "train.bc_steps=0", "train.iterations=4", stages]
+  sets = lambda overrides: [x for o in overrides for x in ("--set", o)]
+  subprocess.run([sys.executable, "-m", "jaxagent", "train", "tiny_cpu",
+                  *sets(common + ["mesh.ici.data=2", f"run.root={tmp_path / 'ref'}"])],
+                 check=True, env=_processes.cpu_env(2), cwd=ROOT, capture_output=True, timeout=900)
+  launched = subprocess.run(
+      [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "1", "--timeout", "420", "--",
+       "train", "tiny_cpu", *sets(common + [f"run.root={tmp_path / 'mh'}"])],
+      env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=1000)
+  assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
+  (ref,), (mh,) = (tmp_path / "ref").iterdir(), (tmp_path / "mh").iterdir()
+  assert mh.name.split("-", 2)[2][:8].isdigit() and len(mh.name) == len(ref.name)  # the date, not a cut int
+  policy = lambda run: jax.tree.leaves(nnx.state(checkpoint.load_model(run / "checkpoints")))  # any topology
+  worst = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+              for x, y in zip(policy(ref), policy(mh), strict=True))
+  assert worst <= 1e-6, f"max |Δparam| = {worst:.3g}"
+  last = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+  assert last(ref)["offline/behavior_version_mean"] == pytest.approx(last(mh)["offline/behavior_version_mean"])

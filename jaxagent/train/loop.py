@@ -539,10 +539,10 @@ def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
 
 def new_run_dir(config: Config) -> Path:
   """`<root>/<name>-<timestamp>`; in a multi-process run every process gets process 0's timestamp."""
-  stamp = np.int64(int(datetime.datetime.now().strftime("%Y%m%d%H%M%S")))
-  if jax.process_count() > 1:
-    stamp = multihost_utils.broadcast_one_to_all(stamp)
-  text = str(int(stamp))
+  text = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
+  if jax.process_count() > 1:  # as digits: a 14-digit integer would not survive JAX's default 32-bit ints
+    digits = multihost_utils.broadcast_one_to_all(np.frombuffer(text.encode(), np.uint8).astype(np.int32))
+    text = bytes(np.asarray(digits, np.uint8).tolist()).decode()
   run_dir = Path(config.run.root) / f"{config.run.name}-{text[:8]}-{text[8:]}"
   run_dir.mkdir(parents=True, exist_ok=jax.process_count() > 1)
   return run_dir
