@@ -216,6 +216,22 @@ def _masked_mean(x_bt, mask_bt, count):
   return jnp.sum(jnp.where(mask_bt, x_bt, 0.0)) / jnp.maximum(count, 1.0)
 
 
+def _entropy_bonus(loss_bt, entropy_bt, mask_bt, entropy_coef):
+  """`loss_bt − entropy_coef · H` (when a coefficient is set) and the masked entropy (None without one)."""
+  if entropy_bt is None:
+    return loss_bt, None
+  ent_bt = jnp.where(mask_bt, entropy_bt, 0.0).astype(jnp.float32)
+  return (loss_bt - entropy_coef * ent_bt if entropy_coef > 0 else loss_bt), ent_bt
+
+
+def _ratio_stats(ratio_bt, mask_bt, count) -> dict[str, jax.Array]:
+  """ratio_mean / min / max over the loss tokens (0 when there are none)."""
+  any_tokens = count > 0
+  return dict(ratio_mean=_masked_mean(ratio_bt, mask_bt, count),
+              ratio_min=jnp.where(any_tokens, jnp.min(jnp.where(mask_bt, ratio_bt, jnp.inf)), 0.0),
+              ratio_max=jnp.where(any_tokens, jnp.max(jnp.where(mask_bt, ratio_bt, -jnp.inf)), 0.0))
+
+
 # ----------------------------------------------------------------------------------------------
 # Losses.
 
@@ -298,26 +314,19 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.A
     kl_bt = KL_ESTIMATORS[kl_estimator](ref_bt - logp_bt)
     if kl_coef > 0:
       loss_bt = loss_bt + kl_coef * kl_bt
-  if entropy_bt is not None:
-    ent_bt = jnp.where(mask_bt, entropy_bt, 0.0).astype(jnp.float32)
-    if entropy_coef > 0:
-      loss_bt = loss_bt - entropy_coef * ent_bt
+  loss_bt, ent_bt = _entropy_bonus(loss_bt, entropy_bt, mask_bt, entropy_coef)
 
   agg = functools.partial(aggregate, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
   loss = agg(loss_bt, mask_bt, normalizer)
 
   sg = jax.lax.stop_gradient
   count = jnp.sum(mask_bt.astype(jnp.float32))
-  r_bt = sg(ratio_bt)
-  any_tokens = count > 0
   metrics.update(
       loss_tokens=count,
       skipped=(jnp.asarray(normalizer) <= 0).astype(jnp.float32),
       pg_loss=sg(agg(pg_bt, mask_bt, normalizer)),
       clip_fraction=_masked_mean(is_clipped_bt.astype(jnp.float32), mask_bt, count),
-      ratio_mean=_masked_mean(r_bt, mask_bt, count),
-      ratio_min=jnp.where(any_tokens, jnp.min(jnp.where(mask_bt, r_bt, jnp.inf)), 0.0),
-      ratio_max=jnp.where(any_tokens, jnp.max(jnp.where(mask_bt, r_bt, -jnp.inf)), 0.0),
+      **_ratio_stats(sg(ratio_bt), mask_bt, count),
       approx_kl=_masked_mean(KL_ESTIMATORS["k3"](sg(token_log_ratio_bt)), mask_bt, count),
   )
   if ref_logp_bt is not None:
@@ -365,27 +374,19 @@ def importance_weighted_loss(logp_bt: jax.Array, behavior_logp_bt: jax.Array, ad
   ratio_bt = jnp.exp(jnp.minimum(log_ratio_bt, 80.0))
   cut_bt = (adv_bt < 0) & (ratio_bt < min_negative_ratio)
   weight_bt = jnp.where(cut_bt, 0.0, jnp.minimum(ratio_bt, max_ratio))
-  pg_bt = -weight_bt * adv_bt * logp_bt
-  loss_bt = pg_bt
-  if entropy_bt is not None:
-    ent_bt = jnp.where(mask_bt, entropy_bt, 0.0).astype(jnp.float32)
-    if entropy_coef > 0:
-      loss_bt = loss_bt - entropy_coef * ent_bt
+  loss_bt, ent_bt = _entropy_bonus(-weight_bt * adv_bt * logp_bt, entropy_bt, mask_bt, entropy_coef)
   agg = functools.partial(aggregate, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
   loss = agg(loss_bt, mask_bt, normalizer)
   count = jnp.sum(mask_bt.astype(jnp.float32))
-  any_tokens = count > 0
   metrics = dict(
       loss_tokens=count,
       skipped=(jnp.asarray(normalizer) <= 0).astype(jnp.float32),
       pg_loss=sg(agg(-weight_bt * adv_bt, mask_bt, normalizer)),
       clip_fraction=_masked_mean(((ratio_bt > max_ratio) | cut_bt).astype(jnp.float32), mask_bt, count),
-      ratio_mean=_masked_mean(ratio_bt, mask_bt, count),
-      ratio_min=jnp.where(any_tokens, jnp.min(jnp.where(mask_bt, ratio_bt, jnp.inf)), 0.0),
-      ratio_max=jnp.where(any_tokens, jnp.max(jnp.where(mask_bt, ratio_bt, -jnp.inf)), 0.0),
+      **_ratio_stats(ratio_bt, mask_bt, count),
       approx_kl=_masked_mean(KL_ESTIMATORS["k3"](log_ratio_bt), mask_bt, count),
   )
-  if entropy_bt is not None:
+  if ent_bt is not None:
     metrics["entropy"] = _masked_mean(sg(ent_bt), mask_bt, count)
   return loss, metrics
 
