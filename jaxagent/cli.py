@@ -147,10 +147,10 @@ def _paradigm_stage(args) -> dict:
   if args.command == "rft":
     stage.update(steps=args.rounds, updates=args.updates, rollouts=args.rollouts)
     return stage
-  stage.update(steps=args.steps, data=args.data)
+  stage.update(steps=args.steps, data=str(Path(args.data).resolve()))  # a resume may run from elsewhere
   data_filter = {}
   if args.verified is not None:
-    data_filter["verified"] = args.verified
+    data_filter["verified"] = args.verified == "true"
   if args.min_reward is not None:
     data_filter["min_reward"] = args.min_reward
   if args.termination:
@@ -181,7 +181,7 @@ def _cmd_paradigm(args) -> int:
   stages = [_paradigm_stage(args)]
   extra = []
   if args.init:
-    init = Path(args.init)
+    init = Path(args.init).resolve()
     extra += [f"model.path={init / 'checkpoints' if (init / 'checkpoints').is_dir() else init}", "train.bc_steps=0"]
   elif base.train.bc_steps:  # no initial policy given: the config's cold start comes first
     stages.insert(0, {"name": "cold_start", "paradigm": "bc", "steps": base.train.bc_steps})
@@ -255,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
       p.add_argument("--data", help="JSONL chat file (sft) or stored trajectories: a run's trajectories/ "
                      "directory or an .array_record shard")
       p.add_argument("--steps", type=int, default=100, help="optimizer steps (one iteration each)")
-      p.add_argument("--verified", type=lambda v: {"true": True, "false": False}[v.lower()], default=None,
-                     metavar="true|false", help="stored trajectories: only verifier-passed (true) or failed ones")
+      p.add_argument("--verified", choices=("true", "false"), default=None,
+                     help="stored trajectories: only verifier-passed (true) or failed ones")
       p.add_argument("--min-reward", type=float, default=None, help="stored trajectories: minimum return")
       p.add_argument("--termination", action="append", default=[], help="stored trajectories: only these "
                      "terminations (repeatable)")

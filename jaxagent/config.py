@@ -470,9 +470,9 @@ def check_combinations(config: Config, num_processes: int) -> None:
     if "bc" in kinds[first:]:
       raise ConfigError(f"curriculum.stages paradigms {kinds}: bc stages come first (a cold start on scripted "
                         "demonstrations); for supervised learning later in a curriculum use paradigm sft")
-    for counted, total, key in (("bc stages' steps", train.bc_steps, "train.bc_steps"),
-                                ("other stages' steps (iterations)", train.iterations, "train.iterations")):
-      planned = sum(s.steps for s in stages if (s.paradigm == "bc") == (key == "train.bc_steps"))
+    for counted, bc, total, key in (("bc stages' steps", True, train.bc_steps, "train.bc_steps"),
+                                    ("other stages' steps (iterations)", False, train.iterations, "train.iterations")):
+      planned = sum(s.steps for s in stages if (s.paradigm == "bc") == bc)
       if planned != total:
         raise ConfigError(f"curriculum.stages: the {counted} add up to {planned}, but {key}={total}; "
                           f"set {key}={planned} (schedules and checkpoints are planned on it)")
@@ -487,6 +487,15 @@ def check_combinations(config: Config, num_processes: int) -> None:
                           "stored trajectories, e.g. another run's trajectories/ directory)")
       if s.paradigm not in ("sft", "offline") and s.data:
         raise ConfigError(f"{where}: data={s.data!r} applies to sft and offline stages")
+      if s.paradigm == "offline" and s.data and Path(s.data).suffix in (".jsonl", ".json"):
+        raise ConfigError(f"{where}: data={s.data!r} looks like a chat file; offline learns from stored "
+                          "trajectories (with their rewards and behavior log-probs): use paradigm sft for chats")
+      held_out = config.train.eval_split
+      if (s.filter.splits and held_out != "train" and held_out in s.filter.splits and config.train.eval_episodes
+          and config.tasks.contamination == "refuse"):
+        raise ConfigError(f"{where}: filter.splits={list(s.filter.splits)} trains on episodes of the {held_out!r} "
+                          f"split the run evaluates on (train.eval_split): held-out success would measure "
+                          "memorized tasks. Drop it, or set tasks.contamination=off to train on it anyway")
       if s.paradigm == "offline" and s.method == "iw_pg" and algo.advantage not in ("grpo", "rloo"):
         raise ConfigError(f"{where}: method iw_pg uses group-relative advantages of the stored returns; "
                           f"algo.advantage={algo.advantage!r} needs values the records do not have: use grpo or "

@@ -73,7 +73,7 @@ class TrajectoryWriter:
     self.directory.mkdir(parents=True, exist_ok=True)
     self.records_per_shard = records_per_shard
     self.prefix = prefix
-    pattern = re.compile(re.escape(prefix) + r"-(\d+)" + re.escape(SUFFIX) + r"(\.partial)?$")
+    pattern = shard_pattern(prefix)
     taken = [int(m.group(1)) for p in self.directory.iterdir() if (m := pattern.match(p.name))]
     self._next_index = max(taken, default=-1) + 1
     self._writer = None
@@ -137,7 +137,7 @@ def discard_from(directory: str | os.PathLike, index: int, *, prefix: str = "tra
   directory = Path(directory)
   if not directory.is_dir():
     return []
-  pattern = re.compile(re.escape(prefix) + r"-(\d+)" + re.escape(SUFFIX) + r"(\.partial)?$")
+  pattern = shard_pattern(prefix)
   moved = []
   for path in sorted(directory.iterdir()):
     m = pattern.match(path.name)
@@ -149,11 +149,19 @@ def discard_from(directory: str | os.PathLike, index: int, *, prefix: str = "tra
   return moved
 
 
-def list_files(path: str | os.PathLike) -> list[Path]:
-  """A shard file, or the finished shards (`*.array_record`, sorted) of a directory."""
+def shard_pattern(prefix: str = "trajectories") -> re.Pattern:
+  """The names of a writer's shards: `<prefix>-<index>.array_record`, group 1 the index, group 2 `.partial`."""
+  return re.compile(re.escape(prefix) + r"-(\d+)" + re.escape(SUFFIX) + r"(\.partial)?$")
+
+
+def list_files(path: str | os.PathLike, prefix: str | None = None) -> list[Path]:
+  """A shard file, or the finished shards (`*.array_record`, sorted) of a directory (only those of the writer
+  with `prefix` when given)."""
   path = Path(path)
   if path.is_dir():
-    return sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
+    mine = None if prefix is None else shard_pattern(prefix)
+    return sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file()
+                  and (mine is None or mine.match(p.name)))
   if path.is_file():
     return [path]
   raise FileNotFoundError(f"{path}: no such trajectory file or directory")

@@ -102,7 +102,6 @@ def test_chat_file_tool_calls_through_a_real_chat_template(tmp_path, qwen3_token
   batch = _check_masks(data.trajectories, chat, expected)
   trained = tokenizer.decode(batch.tokens[0][batch.loss_mask[0]].tolist())
   assert "<tool_call>" in trained and '"expression": "12*7"' in trained and "<|im_end|>" in trained
-  assert "84\n" not in trained.split("answer")[0]  # the tool reply is context, not a target
 
 
 @pytest.mark.parametrize("messages, error", [
@@ -296,8 +295,8 @@ def test_each_paradigm_verb_killed_and_resumed_continues_exactly(tmp_path, verb)
     order = lambda run: [(t.task.id, t.env.seed, t.metadata["rft"]["kept"])
                          for t in trajectory_store.read(run / "trajectories")]
     assert order(run_a) == order(run_b)
-  if verb == "offline":
-    assert ma[steps]["offline/ratio_mean"] > 0 and "offline/truncated_fraction" in ma[steps]
+  if verb == "offline":  # the policy moved off the behavior policy: ratios are measured, not 1
+    assert ma[steps]["offline/loss_tokens"] > 0 and ma[steps]["offline/ratio_mean"] != pytest.approx(1.0)
 
 
 @pytest.mark.slow
@@ -329,3 +328,55 @@ def test_sft_and_offline_stages_on_two_processes_equal_one_process(tmp_path):
   assert worst <= 1e-6, f"max |Δparam| = {worst:.3g}"
   last = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
   assert last(ref)["offline/behavior_version_mean"] == pytest.approx(last(mh)["offline/behavior_version_mean"])
+
+
+def test_verbs_refuse_bad_data_and_flags_with_one_line(tmp_path, capsys):
+  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  small = ["--set", f"run.root={tmp_path}", "--set", "env.pool.kind=inprocess"]
+  assert cli.main(["offline", "tiny_cpu", "--data", str(tmp_path / "nothing"), *small]) == 2
+  assert "no such file or directory" in capsys.readouterr().err
+  (tmp_path / "empty").mkdir()
+  assert cli.main(["sft", "tiny_cpu", "--data", str(tmp_path / "empty"), "--set", "train.bc_steps=0", *small]) == 2
+  assert "no finished trajectory shard" in capsys.readouterr().err
+  chat_file = _write_jsonl(tmp_path / "c.jsonl", CALC_CHATS)
+  assert cli.main(["offline", "tiny_cpu", "--data", str(chat_file), *small]) == 2
+  assert "use paradigm sft for chats" in capsys.readouterr().err
+  (tmp_path / "bad.jsonl").write_bytes(b"\xff\xfe{}\n")
+  assert cli.main(["sft", "tiny_cpu", "--data", str(tmp_path / "bad.jsonl"), "--set", "train.bc_steps=0", *small]) == 2
+  assert "not UTF-8" in capsys.readouterr().err
+  with pytest.raises(SystemExit):  # argparse names the valid choices
+    cli.main(["sft", "tiny_cpu", "--data", str(chat_file), "--verified", "yes"])
+  assert "invalid choice: 'yes'" in capsys.readouterr().err
+  with pytest.raises(config_lib.ConfigError, match="held-out success would measure"):
+    config_lib.load("tiny_cpu", ["train.bc_steps=0", "train.iterations=2",
+                                 "curriculum.stages=[{name: o, paradigm: offline, steps: 2, data: d, "
+                                 "filter: {splits: [eval]}}]"])
+
+
+def test_filtered_bc_trains_on_the_verified_episodes_only(tmp_path):
+  with trajectory_store.TrajectoryWriter(tmp_path / "store") as w:
+    for i in range(6):
+      w.write(_stored(i, passed=i < 2))
+  cfg = config_lib.load("tiny_cpu", TINY + [
+      f"run.root={tmp_path}", "train.bc_steps=0", "train.eval_episodes=0", "train.plots=false", "train.iterations=2",
+      f"curriculum.stages=[{{name: f, paradigm: offline, method: filtered_bc, steps: 2, data: '{tmp_path / 'store'}', "
+      "filter: {verified: true}}]"])
+  loop.train(cfg, run_dir=tmp_path / "run")
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  tokens = [r["offline/loss_tokens"] for r in rows if "offline/loss_tokens" in r]
+  assert tokens == [2 * cfg.train.bc_batch_size] * 2  # every row a verified episode: 2 policy tokens each
+  assert "offline/ratio_mean" not in rows[-1] and np.isfinite(rows[-1]["offline/nll"])
+  fingerprint = json.loads((tmp_path / "run" / "data" / "f.json").read_text())
+  assert fingerprint["selected"]["kept"] == 2 and fingerprint["selected"]["dropped/not_verified"] == 4
+
+
+def test_a_resumed_stage_refuses_data_that_changed_since_it_began(tmp_path):
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxagent.train import paradigms  # pylint: disable=g-import-not-at-top
+  run = types.SimpleNamespace(run_dir=tmp_path)
+  stage = config_lib.StageConfig(name="s", paradigm="sft", data="x")
+  at = lambda iteration: types.SimpleNamespace(iteration=iteration, stage_start=0)
+  paradigms._check_unchanged(run, at(0), stage, {"digest": "a"})   # the stage begins: recorded
+  paradigms._check_unchanged(run, at(3), stage, {"digest": "a"})   # resumed on the same data
+  with pytest.raises(config_lib.ConfigError, match="its data changed since the stage began"):
+    paradigms._check_unchanged(run, at(3), stage, {"digest": "b"})

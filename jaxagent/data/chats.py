@@ -160,6 +160,8 @@ def read_chats(path: str | Path, chat: ChatFormat, parser: envs.ActionParser) ->
     lines = path.read_text().splitlines()
   except OSError as e:
     raise ChatDataError(f"{path}: {e.strerror or e}") from None
+  except UnicodeDecodeError as e:
+    raise ChatDataError(f"{path}: not UTF-8 text (byte {e.start}); a chat file is JSON lines") from None
   out, system, truncated = [], 0, 0
   for n, line in enumerate(lines, start=1):
     if not line.strip():

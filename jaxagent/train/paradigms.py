@@ -21,8 +21,10 @@ own trajectory store, which holds exactly the checkpoint's timeline (`trajectory
 from __future__ import annotations
 
 import dataclasses
-import re
+import hashlib
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -57,6 +59,58 @@ def _fits(run: Run, t: tr.Trajectory) -> bool:
   return len(t) <= run.config.rollout.max_context
 
 
+def _read_back_kept(run: Run, stage: config_lib.StageConfig, data: StageData) -> None:
+  """A resumed rft stage's kept set: this process's samples marked kept in the run's store, in write order (the
+  store holds exactly the restored checkpoint's timeline). Refuses a resume on another process count: each
+  process keeps its own samples, so the sets cannot be redistributed."""
+  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
+  directory = run.run_dir / "trajectories"
+  if not directory.is_dir():
+    return
+  prefix = loop._shard_prefix()  # pylint: disable=protected-access
+  writers = set()
+  for path in trajectory_store.list_files(directory):
+    for t in trajectory_store.read_file(path):
+      mark = t.metadata.get(RFT_KEY) or {}
+      if mark.get("stage") != stage.name:
+        continue
+      writer = path.name[:-len(trajectory_store.SUFFIX)].rsplit("-", 1)[0]
+      writers.add(writer)
+      if writer == prefix and mark.get("kept"):
+        data.kept.append(t)
+        data.seen.add(_sample_key(t))
+  now = {"trajectories"} if jax.process_count() == 1 else {f"trajectories-p{i}" for i in range(jax.process_count())}
+  if writers - now:
+    raise config_lib.ConfigError(
+        f"stage {stage.name!r} (rft) ran on other processes ({sorted(writers)}) than this resume ({sorted(now)}): "
+        "each process fine-tunes on the samples it kept, which cannot be redistributed; resume it with the same "
+        "number of processes")
+
+
+def _check_unchanged(run: Run, progress, stage: config_lib.StageConfig, fingerprint: dict) -> None:
+  """Records what a stage's data was when the stage began (`<run>/data/<stage>.json`); a resumed stage refuses
+  data that changed since, whose batches would differ from the run's."""
+  record = run.run_dir / "data" / f"{stage.name}.json"
+  if progress.iteration > progress.stage_start and record.is_file():
+    before = json.loads(record.read_text())
+    if before != fingerprint:
+      raise config_lib.ConfigError(
+          f"stage {stage.name!r}: its data changed since the stage began ({record}: {before} vs now {fingerprint}); "
+          "resuming would train on other batches than the run did. Restore the data, or start a new run")
+    return
+  if jax.process_index() == 0:
+    record.parent.mkdir(exist_ok=True)
+    record.write_text(json.dumps(fingerprint, indent=1))
+
+
+def _digest(paths) -> str:
+  h = hashlib.sha256()
+  for path in paths:
+    h.update(path.name.encode())
+    h.update(path.read_bytes())
+  return h.hexdigest()[:16]
+
+
 def prepare(run: Run, progress, index: int) -> StageData:
   """The data of stage `index` (printing what was selected); rft: its kept set so far, from the run's store."""
   cfg = run.config
@@ -65,32 +119,23 @@ def prepare(run: Run, progress, index: int) -> StageData:
   if stage.paradigm == "rft":
     data = StageData(index)
     if progress.iteration > progress.stage_start:  # resumed inside the stage: the rounds so far are in the store
-      from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
-      directory = run.run_dir / "trajectories"
-      if directory.is_dir():
-        mine = re.compile(re.escape(loop._shard_prefix()) + r"-\d+" + re.escape(trajectory_store.SUFFIX) + "$")  # pylint: disable=protected-access
-        for path in trajectory_store.list_files(directory):
-          if not mine.match(path.name):  # this process's shards only
-            continue
-          for t in trajectory_store.read_file(path):
-            mark = t.metadata.get(RFT_KEY) or {}
-            if mark.get("stage") == stage.name and mark.get("kept"):
-              data.kept.append(t)
-              data.seen.add(_sample_key(t))
+      _read_back_kept(run, stage, data)
       run.print(f"stage {stage.name!r} (rft): {len(data.kept)} kept sample(s) of earlier rounds read back")
     return data
+  where = f"stage {stage.name!r} data={stage.data!r}"
   if stage.paradigm == "sft" and chats.is_chat_file(stage.data):
     parser = run.demo_parser if run.action_syntax == "line" else run.demo_parser.with_syntax(run.action_syntax)
     try:
       loaded = chats.read_chats(stage.data, run.chat, parser)
     except chats.ChatDataError as e:
-      raise config_lib.ConfigError(f"stage {stage.name!r} data: {e}") from None
+      raise config_lib.ConfigError(f"stage {stage.name!r}: {e}") from None
     long = [t.id for t in loaded.trajectories if not _fits(run, t)]
     if long:
       raise config_lib.ConfigError(
-          f"stage {stage.name!r} data {stage.data}: {len(long)} chat(s) longer than rollout.max_context="
-          f"{cfg.rollout.max_context} tokens in the run's framing (first: {long[0]}); raise rollout.max_context "
-          "(the policy could not act on them either) or shorten them")
+          f"{where}: {len(long)} chat(s) longer than rollout.max_context={cfg.rollout.max_context} tokens in the "
+          f"run's framing (first: {long[0]}); raise rollout.max_context (the policy could not act on them either) "
+          "or shorten them")
+    _check_unchanged(run, progress, stage, {"data": stage.data, "digest": _digest([Path(stage.data)])})
     run.print(f"stage {stage.name!r} (sft): {len(loaded.trajectories)} chats from {stage.data}"
               + (f"; {loaded.system_messages_dropped} system message(s) not used (the run's framing has its own)"
                  if loaded.system_messages_dropped else "")
@@ -99,11 +144,16 @@ def prepare(run: Run, progress, index: int) -> StageData:
     return StageData(index, examples=stored.Examples(loaded.trajectories.__getitem__, len(loaded.trajectories),
                                                      seed))
   try:
+    files = trajectory_store.list_files(stage.data)
+    if not files:
+      raise FileNotFoundError("no finished trajectory shard (*.array_record) there")
     selection = stored.select(stage.data, stage.filter, exclude=cfg.train.exclude_terminations,
                               max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
                               max_length=cfg.rollout.max_context)
-  except FileNotFoundError as e:
-    raise config_lib.ConfigError(f"stage {stage.name!r}: data={stage.data!r}: {e}") from None
+  except (OSError, ValueError, RuntimeError) as e:  # missing, empty, or not ArrayRecord files
+    raise config_lib.ConfigError(f"{where}: not readable as stored trajectories: {e}") from None
+  _check_unchanged(run, progress, stage, {"data": stage.data, "files": {p.name: p.stat().st_size for p in files},
+                                          "selected": selection.counts})
   run.print(f"stage {stage.name!r} ({stage.paradigm}): {selection.line()} from {stage.data}")
   if not len(selection):
     raise config_lib.ConfigError(f"stage {stage.name!r}: no stored trajectory in {stage.data} passes its filter "
@@ -160,7 +210,9 @@ def supervised_iteration(run: Run, progress, data: StageData) -> tuple[Any, dict
     out["offline/truncated_fraction"] = m["clip_fraction"]  # truncated at max_ratio, or cut below the floor
     versions = multihost.host_gather(np.asarray([data.behavior_versions[p] for p in positions], np.float64))
     out["offline/behavior_version_mean"] = float(versions.mean())
-    out["offline/advantage_abs_mean"] = float(np.mean(np.abs(np.concatenate(advantages)))) if advantages else 0.0
+    sums = multihost.host_sum(np.asarray([float(np.abs(np.concatenate(advantages)).sum()) if advantages else 0.0,
+                                          float(sum(len(a) for a in advantages))]))
+    out["offline/advantage_abs_mean"] = float(sums[0] / max(sums[1], 1.0))  # per turn, all processes
   else:
     out[f"{prefix}/nll"] = m["nll"]
   return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1), out
@@ -202,11 +254,11 @@ def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[st
     writer.flush()
   local = cfg.train.bc_batch_size // jax.process_count()
   nll = []
-  if data.kept:
-    examples = stored.Examples(data.kept.__getitem__, len(data.kept), stable_seed(cfg.run.seed, "rft", it))
+  examples = (stored.Examples(data.kept.__getitem__, len(data.kept), stable_seed(cfg.run.seed, "rft", it))
+              if data.kept else None)
   for u in range(stage.updates):
-    trajs = examples.batch(u, local)[1] if data.kept else []
-    batch = _batch(run, trajs)
+    # Nothing kept yet (on this process): an empty batch, whose step is skipped when no process has one.
+    batch = _batch(run, examples.batch(u, local)[1] if examples is not None else [])
     state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(_normalizer(run, batch)))
     nll.append(float(jax.device_get(m["nll"])))
   counts = multihost.host_sum(np.asarray([len(samples), sum(bool(t.verifier.passed) for t in samples), new,

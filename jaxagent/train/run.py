@@ -293,6 +293,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
         print(f"contamination check{where}: {report.line()}", flush=True)
       stage_tasks.append(supply)
   tasks = next((t for t in stage_tasks if t is not None), None)
+  for i, stage in enumerate(config_lib.stages(cfg) if purpose == "train" else ()):
+    if stage.data and not Path(stage.data).exists():  # before a cold start, not when the stage begins
+      raise config_lib.ConfigError(f"curriculum.stages[{i}] ({stage.name!r}): data={stage.data!r}: no such file or "
+                                   "directory")
 
   dtype = jnp.dtype(cfg.model.dtype)
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
