@@ -176,3 +176,24 @@ def test_a_prompt_longer_than_the_context_ends_its_whole_group_before_any_turn()
     assert not (t.roles == tr.Role.POLICY).any() and len(t.tokens) <= 64
   for t in trajs[2:]:  # the other group had its prompt and acted (64 slots hold about one turn of it)
     assert t.turns and (t.roles == tr.Role.POLICY).any()
+
+
+def test_a_row_left_waiting_for_a_prompt_copy_whose_source_ended_is_fed_in_the_same_call():
+  """Regression (found by a one-turn env in CI): B waits to copy its group's prompt from A's row; A's whole
+  episode ends in the same collect that admitted B, so no row holds or feeds the prompt any more. The next feed
+  must carry B's prompt; a plan that noticed it only after building the feed came back empty and the host loop
+  stopped with "rollout stalled"."""
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxagent.rollout import engine as engine_lib  # pylint: disable=g-import-not-at-top
+  fake_engine = types.SimpleNamespace(pool=types.SimpleNamespace(worker_pids=lambda: [None]),
+                                      chat=types.SimpleNamespace(tokenizer=types.SimpleNamespace(pad_id=0)),
+                                      schedule="continuous", slots=2)
+  actor = types.SimpleNamespace(width=16, width_for=lambda n: 16)
+  waiting = engine_lib._Episode(index=1, task=None, seed=0, group_id="g", state=engine_lib._State.FEEDING, slot=0,
+                                prompt=(5, 6, 7))
+  sched = engine_lib._Scheduler(fake_engine, actor, [waiting], policy_version=0)
+  sched.slot_episode[0] = waiting  # A (slot 1) ended: nothing resident, nothing prefilling
+  feed, plan = sched._plan()
+  assert feed is not None and [(kind, n) for _, kind, n in plan] == [("prompt", 3)]
+  assert feed.tokens[0, :3].tolist() == [5, 6, 7] and bool(feed.reset[0]) and bool(feed.prompt_done[0])
+  assert sched.prefilling[(5, 6, 7)] is waiting

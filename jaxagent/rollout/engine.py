@@ -563,6 +563,12 @@ class _Scheduler:
     if not feeding or (self.lockstep and any(e.state in (_State.RESETTING, _State.STEPPING)
                                              for e in self.slot_episode if e is not None)):
       return None, []
+    for ep in feeding:  # waiting to copy a prompt that no row holds or feeds any more: feed it itself, now
+      # (its prefiller ended, e.g. a one-turn episode finished in the same collect that admitted this one;
+      # deciding this after the feed is built would leave a call with nothing to feed: a stall).
+      if not (ep.pending or ep.fed_prompt) and ep.prompt not in self.resident and ep.prompt not in self.prefilling:
+        self.prefilling[ep.prompt] = ep
+        ep.pending = list(ep.prompt)
     width = self.actor.width_for(max((min(len(e.pending), self.actor.width) for e in feeding), default=1))
     f = Feed.empty(self.engine.slots, width, self.chat.tokenizer.pad_id)
     plan = []
@@ -586,10 +592,7 @@ class _Scheduler:
       if ep.pending or ep.fed_prompt:
         continue
       src = self.resident.get(ep.prompt, completes.get(ep.prompt))
-      if src is None:
-        if ep.prompt not in self.prefilling:  # its prefiller ended (prompt too long): try it itself
-          self.prefilling[ep.prompt] = ep
-          ep.pending = list(ep.prompt)
+      if src is None:  # another row is still feeding the prompt: copy it once that row has it
         continue
       f.reset[ep.slot] = True
       f.episode[ep.slot] = ep.index
