@@ -86,7 +86,8 @@ def _cmd_serve(args) -> int:
     print(error, file=sys.stderr)
     return 2
   server.serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads,
-               max_inflight=args.max_inflight)
+               max_inflight=args.max_inflight, max_episodes=args.max_episodes,
+               allow_any_address=args.allow_any_address)
   return 0
 
 

@@ -156,10 +156,39 @@ class WorkerTimeout(TimeoutError):
   """No reply within the deadline."""
 
 
+class AdmissionTimeout(WorkerTimeout):
+  """A full worker admitted no new episode within the reset timeout (the worker itself is fine)."""
+
+
 class RemoteError(RuntimeError):
   def __init__(self, kind: str, message: str):
     super().__init__(f"{kind}: {message}")
     self.kind = kind
+
+
+class HandshakeError(ValueError):
+  """A worker answered hello with another env, env version or protocol than the pool expects."""
+
+
+def check_handshake(expected_env: str | None, hellos: Sequence[tuple[str, dict[str, Any]]]) -> None:
+  """Every worker (address, hello reply) serves the same env at the same version, speaking this protocol.
+
+  `expected_env`: the env's registered name when this process can resolve it (a remote pool's env may exist
+  only on its servers). Raises `HandshakeError` naming each worker that differs."""
+  bad = [f"{where} speaks protocol {h.get('protocol')!r}" for where, h in hellos
+         if h.get("protocol") != P.PROTOCOL_VERSION]
+  if bad:
+    raise HandshakeError(f"env workers: {'; '.join(bad)}; this client speaks protocol {P.PROTOCOL_VERSION}: run "
+                         "servers from the same jaxagent version as the trainer")
+  if expected_env is not None:
+    bad = [f"{where} serves {h.get('env')!r}" for where, h in hellos if h.get("env") != expected_env]
+    if bad:
+      raise HandshakeError(f"env workers: {'; '.join(bad)}, but this pool runs env {expected_env!r}")
+  versions = {h.get("version") for _, h in hellos}
+  if len(versions) > 1:
+    shown = "; ".join(f"{where}: {h.get('env')} {h.get('version')}" for where, h in hellos)
+    raise HandshakeError(f"env workers serve different versions of the env ({shown}): episodes would differ by "
+                         "worker; deploy one version everywhere")
 
 
 def _connect(address: str, timeout: float) -> socket.socket:
@@ -397,6 +426,7 @@ class Worker(abc.ABC):
     self.generation = 0
     self.conn: Any = None
     self.access = _SharedExclusive()
+    self.hello: dict[str, Any] = {}  # the worker's answer to hello at the pool's start
 
   @abc.abstractmethod
   def start(self) -> None:
@@ -474,6 +504,9 @@ class RemoteWorker(Worker):
 
   def start(self) -> None:
     self.conn = SocketConnection(self.cfg.addresses[self.index], self.cfg.start_timeout_s, self.cfg.max_inflight)
+
+  def pid(self) -> int | None:
+    return self.hello.get("pid")  # the server's own process id (on its host), from its hello
 
 
 class DockerWorker(Worker):
@@ -577,14 +610,25 @@ class Pool:
     self.slots = [_Slot(worker=i % cfg.num_workers, instance=f"s{i}") for i in range(num_slots)]
     self._executor = concurrent.futures.ThreadPoolExecutor(max(4, min(num_slots, 64)), thread_name_prefix="pool")
     self.version: str | None = None
+    self._episodes = itertools.count()  # instance names are unique per episode (a late close never hits a new one)
+    self.admission_waits = 0  # resets that waited for a full server to admit them (back-pressure)
     try:
       for w in self.workers:
         w.start()
-      hello = self._wait(self.workers[0].conn.call("hello", {}, cfg.start_timeout_s), cfg.start_timeout_s)
+      futures = [w.conn.call("hello", {}, cfg.start_timeout_s) for w in self.workers]
+      hellos = [(getattr(w.conn, "address", f"worker {i}"), self._wait(f, cfg.start_timeout_s))
+                for i, (w, f) in enumerate(zip(self.workers, futures))]
+      for w, (_, hello) in zip(self.workers, hellos):
+        w.hello = hello
+      try:
+        expected = _registry.get(cfg.env).name
+      except Exception:  # pylint: disable=broad-except  (a remote pool's env may exist only on its servers)
+        expected = None
+      check_handshake(expected, hellos)
     except BaseException:
       self.close()
       raise
-    self.version = hello["version"]
+    self.version = hellos[0][1]["version"]
 
   def _unsandboxed(self, why: str) -> None:
     """An env whose actions run real programs never runs outside a sandbox unless sandbox='none' says so."""
@@ -687,6 +731,9 @@ class Pool:
 
   def _reset_one(self, i: int, task: Task, seed: int) -> Observation | Exception:
     s = self.slots[i]
+    if s.task is not None and not s.done:  # the slot's previous episode was abandoned open: free its instance
+      self._close_instance(s)
+    s.instance = f"s{i}e{next(self._episodes)}"
     s.task, s.seed, s.actions, s.done, s.termination = task, int(seed), [], False, None
     s.seen = []
     s.cancel = threading.Event()
@@ -698,15 +745,38 @@ class Pool:
       s.done, s.termination = True, reset_termination(e)
       return e
 
+  def _admitted_reset(self, conn, s: _Slot) -> dict[str, Any]:
+    """The reset call, waiting (with backoff) while the worker is full: its `--max-episodes` admission bound is
+    the back-pressure a pool sees. Past `reset_timeout_s` the episode fails as an env timeout."""
+    deadline = time.monotonic() + self.cfg.reset_timeout_s
+    pause, waited = 0.02, False
+    while True:
+      left = deadline - time.monotonic()
+      try:
+        return self._wait(conn.call("reset", self._reset_args(s), max(left, 0.01)), max(left, 0.01))
+      except RemoteError as e:
+        if e.kind != "too_many_instances":
+          raise
+        if not waited:
+          waited = True
+          with self._count_lock:
+            self.admission_waits += 1
+        if time.monotonic() + pause > deadline:
+          raise AdmissionTimeout(f"worker {s.worker} admitted no new episode within {self.cfg.reset_timeout_s:.0f}s "
+                              f"(it is full: {e})") from None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
   def _try_reset(self, i: int, s: _Slot) -> Observation:
     for attempt in range(self.cfg.max_retries + 1):
       gen, conn = self._link(s.worker)
       try:
-        obs = self._wait(conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s),
-                         self.cfg.reset_timeout_s)
+        obs = self._admitted_reset(conn, s)
         s.generation = s.first_generation = gen
         s.seen = [_seen(obs)]
         return Observation(obs["text"], obs["truncated"], obs["original_size"])
+      except AdmissionTimeout:
+        raise  # the worker is full, not broken: no restart
       except (WorkerCrashed, WorkerTimeout) as e:
         if self.cfg.kind == "remote" and attempt == self.cfg.max_retries:
           raise
@@ -753,11 +823,15 @@ class Pool:
     """End slot's episode as `cancelled`; an in-flight step returns at once."""
     self.slots[slot].cancel.set()
 
-  def _end(self, s: _Slot, termination: Termination, outcome: Outcome, text: str, **info) -> StepResult:
-    s.done, s.termination = True, termination
+  def _close_instance(self, s: _Slot) -> None:
+    """Frees the episode's instance on its worker (best effort, not awaited: the name is never reused)."""
     conn = self.workers[s.worker].conn
     if conn is not None and not conn.closed:
-      conn.call("close", dict(instance=s.instance), 1.0)  # best effort, not awaited
+      conn.call("close", dict(instance=s.instance), 1.0)
+
+  def _end(self, s: _Slot, termination: Termination, outcome: Outcome, text: str, **info) -> StepResult:
+    s.done, s.termination = True, termination
+    self._close_instance(s)
     return StepResult(Observation.capped(text, self.cfg.max_obs_bytes), {}, True, termination,
                       dict(info, worker_restarts=self._restarts(s)), outcome=outcome)
 
@@ -792,6 +866,7 @@ class Pool:
         s.seen.append(_seen(reply))
         if result.done:
           s.done, s.termination = True, result.termination
+          self._close_instance(s)  # a finished episode holds no instance (a server admits a bounded number)
         return dataclasses.replace(result, info=dict(result.info, worker_restarts=self._restarts(s),
                                                      env_s=time.monotonic() - t0))
       except _Cancelled:

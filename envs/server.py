@@ -180,11 +180,18 @@ def serve_connection(host: Host, conn: socket.socket, executor: concurrent.futur
 
 
 def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = None, threads: int = 8,
-          max_inflight: int = 64, ready_file: str | None = None) -> None:
-  """Serve until killed. Exactly one of `socket_path` (unix) or `tcp` ("127.0.0.1:PORT", loopback only)."""
+          max_inflight: int = 64, ready_file: str | None = None, max_episodes: int = MAX_INSTANCES,
+          allow_any_address: bool = False) -> None:
+  """Serve until killed. Exactly one of `socket_path` (unix) or `tcp` ("127.0.0.1:PORT": loopback, unless
+  `allow_any_address`, for a server in its own network namespace such as a Kubernetes pod).
+
+  `max_episodes`: admission control, the open episodes (instances) this server holds at once; a reset beyond
+  it is refused with `too_many_instances`, which a pool waits out (back-pressure)."""
   if (socket_path is None) == (tcp is None):
     raise ValueError("give exactly one of --socket PATH or --tcp HOST:PORT")
-  host = Host(env_name)
+  if max_episodes < 1:
+    raise ValueError(f"--max-episodes {max_episodes}: must be >= 1")
+  host = Host(env_name, max_instances=max_episodes)
   executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="env")
   inflight = threading.Semaphore(max_inflight)
 
@@ -199,8 +206,9 @@ def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = No
     where = f"unix:{socket_path}"
   else:
     addr, _, port = tcp.rpartition(":")
-    if addr not in ("127.0.0.1", "localhost", "::1"):
-      raise ValueError(f"--tcp {tcp}: only loopback addresses are served (127.0.0.1, ::1)")
+    if addr not in ("127.0.0.1", "localhost", "::1") and not allow_any_address:
+      raise ValueError(f"--tcp {tcp}: only loopback addresses are served (127.0.0.1, ::1) unless "
+                       "--allow-any-address (a server alone in its network namespace, e.g. a Kubernetes pod)")
     socketserver.ThreadingTCPServer.allow_reuse_address = True
     server = socketserver.ThreadingTCPServer((addr, int(port)), Handler)
     where = f"tcp:{addr}:{server.server_address[1]}"
@@ -224,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
   except UnknownEnvError as e:
     print(f"envs.server: error: {e}", file=sys.stderr)
     return 2
-  serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads, max_inflight=args.max_inflight)
+  serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads, max_inflight=args.max_inflight,
+        max_episodes=args.max_episodes, allow_any_address=args.allow_any_address)
   return 0
 
 
@@ -237,6 +246,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--tcp", help="HOST:PORT on loopback to listen on")
   parser.add_argument("--threads", type=int, default=8, help="requests run concurrently")
   parser.add_argument("--max-inflight", type=int, default=64, help="backpressure: requests accepted at once")
+  parser.add_argument("--max-episodes", type=int, default=MAX_INSTANCES, help="admission control: open episodes "
+                      "held at once; a reset beyond waits in the client (back-pressure)")
+  parser.add_argument("--allow-any-address", action="store_true", help="--tcp may bind a non-loopback address "
+                      "(only for a server alone in its network namespace, e.g. a Kubernetes pod)")
 
 
 if __name__ == "__main__":
