@@ -183,7 +183,7 @@ def soak(*, slots: int, workers: int, seconds: float, seed: int = 0, drain_secon
             continue
         advance(slot)
 
-    # Warm-up: one episode per slot (workers started, instance tables filled), then the baseline memory.
+    # Warm-up: one episode per slot (workers started, code paths and buffers warm), then the baseline memory.
     for slot in range(slots):
       start(slot)
     run(time.monotonic() + 120.0, admit=False)

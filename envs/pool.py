@@ -609,8 +609,15 @@ class Pool:
     self.replay_divergences = 0    # of which answered differently (ended as replay_diverged)
     self.slots = [_Slot(worker=i % cfg.num_workers, instance=f"s{i}") for i in range(num_slots)]
     self._executor = concurrent.futures.ThreadPoolExecutor(max(4, min(num_slots, 64)), thread_name_prefix="pool")
+    # Resets run apart: one waiting for a full server to admit it must not hold a thread the steps of admitted
+    # episodes need (those steps are what ends episodes and frees the server).
+    self._reset_executor = concurrent.futures.ThreadPoolExecutor(max(4, min(num_slots, 64)),
+                                                                 thread_name_prefix="pool-reset")
     self.version: str | None = None
-    self._episodes = itertools.count()  # instance names are unique per episode (a late close never hits a new one)
+    # Instance names are unique per episode and per pool (a late close never hits a new episode, and pools of
+    # several trainer processes share servers without colliding).
+    self._episodes = itertools.count()
+    self._tag = uuid.uuid4().hex[:8]
     self.admission_waits = 0  # resets that waited for a full server to admit them (back-pressure)
     try:
       for w in self.workers:
@@ -692,6 +699,14 @@ class Pool:
       w.kill()
       w.generation += 1
       w.start()
+      if self.cfg.kind == "remote":  # a reconnect may reach another server (a new pod of a rolling update)
+        hello = self._wait(w.conn.call("hello", {}, self.cfg.start_timeout_s), self.cfg.start_timeout_s)
+        try:
+          check_handshake(w.hello.get("env"), [("before", w.hello), (w.conn.address, hello)])
+        except HandshakeError as e:
+          w.conn.close()
+          raise WorkerCrashed(f"worker {index} reconnected to a different server: {e}") from None
+        w.hello = hello
 
   def _restarts(self, s: _Slot) -> int:
     """Restarts of its worker that the episode lived through (info["worker_restarts"])."""
@@ -722,7 +737,7 @@ class Pool:
     for i in slots:
       if not 0 <= i < len(self.slots):
         raise IndexError(f"slot {i}: pool has slots 0..{len(self.slots) - 1}")
-    out = list(self._executor.map(self._reset_one, slots, tasks, seeds))
+    out = list(self._reset_executor.map(self._reset_one, slots, tasks, seeds))
     if not return_exceptions:
       for x in out:
         if isinstance(x, Exception):
@@ -733,7 +748,7 @@ class Pool:
     s = self.slots[i]
     if s.task is not None and not s.done:  # the slot's previous episode was abandoned open: free its instance
       self._close_instance(s)
-    s.instance = f"s{i}e{next(self._episodes)}"
+    s.instance = f"{self._tag}-s{i}e{next(self._episodes)}"
     s.task, s.seed, s.actions, s.done, s.termination = task, int(seed), [], False, None
     s.seen = []
     s.cancel = threading.Event()
@@ -748,12 +763,11 @@ class Pool:
   def _admitted_reset(self, conn, s: _Slot) -> dict[str, Any]:
     """The reset call, waiting (with backoff) while the worker is full: its `--max-episodes` admission bound is
     the back-pressure a pool sees. Past `reset_timeout_s` the episode fails as an env timeout."""
-    deadline = time.monotonic() + self.cfg.reset_timeout_s
+    deadline = time.monotonic() + self.cfg.reset_timeout_s  # for admission; each call has its full timeout
     pause, waited = 0.02, False
     while True:
-      left = deadline - time.monotonic()
       try:
-        return self._wait(conn.call("reset", self._reset_args(s), max(left, 0.01)), max(left, 0.01))
+        return self._wait(conn.call("reset", self._reset_args(s), self.cfg.reset_timeout_s), self.cfg.reset_timeout_s)
       except RemoteError as e:
         if e.kind != "too_many_instances":
           raise
@@ -761,10 +775,11 @@ class Pool:
           waited = True
           with self._count_lock:
             self.admission_waits += 1
-        if time.monotonic() + pause > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
           raise AdmissionTimeout(f"worker {s.worker} admitted no new episode within {self.cfg.reset_timeout_s:.0f}s "
-                              f"(it is full: {e})") from None
-        time.sleep(pause)
+                                 f"(it is full: {e})") from None
+        time.sleep(min(pause, left))
         pause = min(pause * 2, 0.5)
 
   def _try_reset(self, i: int, s: _Slot) -> Observation:
@@ -805,7 +820,7 @@ class Pool:
     """`reset_many([slot], ...)` without waiting: a future of the Observation, or of the exception that ended
     the episode at reset (see `reset_many`; the future itself never raises for those)."""
     self._check_slot(slot)
-    return self._executor.submit(self._reset_one, slot, task, seed)
+    return self._reset_executor.submit(self._reset_one, slot, task, seed)
 
   def step_async(self, slot: int, action: str) -> concurrent.futures.Future:
     """`step(slot, action)` without waiting: a future of its StepResult (every fault is a result, as in
@@ -926,6 +941,7 @@ class Pool:
       if d:
         shutil.rmtree(d, ignore_errors=True)
     self._executor.shutdown(wait=False, cancel_futures=True)
+    self._reset_executor.shutdown(wait=False, cancel_futures=True)
 
   def __enter__(self) -> "Pool":
     return self

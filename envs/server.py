@@ -15,6 +15,7 @@ import argparse
 import concurrent.futures
 import os
 import socket
+import signal
 import socketserver
 import sys
 import threading
@@ -65,7 +66,7 @@ class Host:
     """Run one validated op; raises RequestError (an error reply) for anything the client got wrong."""
     if op == "hello":
       return dict(env=self.spec.name, version=self.version, protocol=P.PROTOCOL_VERSION, pid=os.getpid(),
-                  deterministic=self.spec.deterministic)
+                  host=socket.gethostname(), deterministic=self.spec.deterministic)
     if op == "ping":
       return dict(time=time.time())
     instance = _arg(args, "instance", str, limit=128)
@@ -113,6 +114,9 @@ class Host:
     for k, typ in RESET_OPTIONS.items():
       if k in options:
         kwargs[k] = _arg(options, k, typ)
+    with self._lock:  # refuse before building an env when full (re-checked below: resets race)
+      if instance not in self._instances and len(self._instances) >= self.max_instances:
+        raise RequestError("too_many_instances", f"worker holds {self.max_instances} instances; close some")
     try:
       if "invalid_action" in kwargs or "penalty" in kwargs:
         kwargs["invalid_action"] = InvalidActionRule(kwargs.pop("invalid_action", "error_observation"),
@@ -133,6 +137,14 @@ class Host:
     obs = env.reset(task, seed)
     return dict(text=obs.text, truncated=obs.truncated, original_size=obs.original_size, version=self.version)
 
+  def close_instances(self, names) -> None:
+    """Closes these instances if they are still open (a client connection that ended without closing them)."""
+    for name in names:
+      with self._lock:
+        entry = self._instances.pop(name, None)
+      if entry is not None:
+        entry[0].close()
+
   def close_all(self) -> None:
     with self._lock:
       entries, self._instances = list(self._instances.values()), {}
@@ -144,6 +156,8 @@ def serve_connection(host: Host, conn: socket.socket, executor: concurrent.futur
                      inflight: threading.Semaphore, max_frame: int = P.MAX_FRAME_BYTES) -> None:
   """Read requests until EOF; each runs on `executor`; replies may come back out of order (by id)."""
   write_lock = threading.Lock()
+  opened: set[str] = set()  # instances this connection reset: closed when it ends (a client that goes away
+  opened_lock = threading.Lock()  # never leaves episodes holding the server's admission capacity)
 
   def send(msg) -> None:
     try:
@@ -158,7 +172,11 @@ def serve_connection(host: Host, conn: socket.socket, executor: concurrent.futur
 
   def run(req_id: int, op: str, args) -> None:
     try:
-      send(P.ok_reply(req_id, host.handle(op, args)))
+      result = host.handle(op, args)
+      if op in ("reset", "close"):
+        with opened_lock:
+          (opened.add if op == "reset" else opened.discard)(args["instance"])
+      send(P.ok_reply(req_id, result))
     except RequestError as e:
       send(P.error_reply(req_id, e.kind, str(e)))
     except Exception as e:  # an env bug: report it as an env fault, keep serving.
@@ -174,9 +192,17 @@ def serve_connection(host: Host, conn: socket.socket, executor: concurrent.futur
       send(P.error_reply(e.req_id, e.kind, str(e)))
       continue
     except (ConnectionError, OSError):
+      with opened_lock:
+        left = list(opened)
+      host.close_instances(left)
       return
     inflight.acquire()
     executor.submit(run, req_id, op, args)
+
+
+def _exit_on_sigterm(*_) -> None:
+  """As a container's PID 1, Python ignores SIGTERM unless told: stop at once (Kubernetes, docker stop)."""
+  raise SystemExit(0)
 
 
 def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = None, threads: int = 8,
@@ -213,6 +239,8 @@ def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = No
     server = socketserver.ThreadingTCPServer((addr, int(port)), Handler)
     where = f"tcp:{addr}:{server.server_address[1]}"
   server.daemon_threads = True
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
   print(f"envs worker: {env_name} {host.version} on {where} (pid {os.getpid()})", file=sys.stderr, flush=True)
   if ready_file:
     with open(ready_file, "w") as f:

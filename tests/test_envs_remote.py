@@ -2,6 +2,7 @@
 Kubernetes manifests, and a remote pool of loopback servers that trains from YAML alone."""
 
 import argparse
+import concurrent.futures
 import json
 import socket
 import subprocess
@@ -168,3 +169,35 @@ def test_soak_loses_and_mis_terminates_no_episode_under_injected_faults():
   assert ends.get("retries_exhausted") and ends.get("env_timeout") and ends.get("env_error"), ends  # faults hit
   assert report["restarts"] > 0 and report["replays"] > 0 and report["replay_divergences"] == 0
   assert ends["completed"] > 5 * report["slots"], ends  # siblings of crashed and hung episodes completed
+
+
+def test_waiting_resets_do_not_hold_up_the_steps_that_would_free_the_server(servers):
+  """More slots than the pool has threads, and a server that admits a few: the waiting resets must not starve
+  the admitted episodes' steps (whose ends free places), or back-pressure turns into failed episodes."""
+  address = servers("faults", "--max-episodes", "6")
+  task = envs.get("faults").tasks("train", 1)[0]
+  with pool_lib.Pool(_remote([address], env="faults", reset_timeout_s=30.0), num_slots=80) as pool:
+    first = pool.reset_many(list(range(6)), [task] * 6, list(range(6)))
+    assert all(not isinstance(o, Exception) for o in first)
+    waiting = [pool.reset_async(i, task, i) for i in range(6, 80)]  # 74 resets wait for places
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert pool.step(0, "done").done
+    assert time.monotonic() - t0 < 2.0, "a step of an admitted episode queued behind waiting resets"
+    for k in range(1, 6):
+      assert pool.step(k, "done").done
+    slot_of = {fut: 6 + j for j, fut in enumerate(waiting)}
+    for fut in concurrent.futures.as_completed(slot_of, timeout=60):  # each end admits a waiting episode
+      assert not isinstance(fut.result(), Exception), fut.result()
+      assert pool.step(slot_of[fut], "done").done
+    assert pool.admission_waits >= 50  # most waited (a few reached the server only after places freed)
+
+
+def test_a_connection_that_ends_frees_its_episodes_on_the_server(servers):
+  address = servers("faults", "--max-episodes", "2")
+  task = envs.get("faults").tasks("train", 1)[0]
+  with pool_lib.Pool(_remote([address], env="faults"), num_slots=2) as pool:
+    pool.reset_many([0, 1], [task, task], [0, 1])  # the server is full, and this client goes away
+  with pool_lib.Pool(_remote([address], env="faults", reset_timeout_s=5.0), num_slots=2) as pool:
+    out = pool.reset_many([0, 1], [task, task], [0, 1], return_exceptions=True)
+    assert not any(isinstance(o, Exception) for o in out) and pool.admission_waits == 0
