@@ -487,6 +487,14 @@ def check_combinations(config: Config, num_processes: int) -> None:
                           "stored trajectories, e.g. another run's trajectories/ directory)")
       if s.paradigm not in ("sft", "offline") and s.data:
         raise ConfigError(f"{where}: data={s.data!r} applies to sft and offline stages")
+      defaults = StageConfig()
+      for names, paradigms in ((("filter",), ("sft", "offline")),
+                               (("method", "max_ratio", "min_negative_ratio"), ("offline",)),
+                               (("rollouts", "updates"), ("rft",))):
+        changed = [n for n in names if getattr(s, n) != getattr(defaults, n)]
+        if changed and s.paradigm not in paradigms:
+          raise ConfigError(f"{where}: {', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
+                            f"{' and '.join(paradigms)} stages; remove it or change the paradigm")
       if s.paradigm == "offline" and s.data and Path(s.data).suffix in (".jsonl", ".json"):
         raise ConfigError(f"{where}: data={s.data!r} looks like a chat file; offline learns from stored "
                           "trajectories (with their rewards and behavior log-probs): use paradigm sft for chats")

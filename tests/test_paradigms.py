@@ -202,6 +202,15 @@ def test_paradigm_stages_are_checked_when_the_config_loads(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="iw_pg uses group-relative"):
     load("curriculum.stages=[{name: o, paradigm: offline, steps: 2, data: d}]", "train.iterations=2",
          "train.bc_steps=0", "algo.name=ppo", "algo.advantage=gae")
+  with pytest.raises(config_lib.ConfigError, match="rollouts applies to rft stages"):
+    load("curriculum.stages=[{name: s, paradigm: sft, steps: 2, data: x.jsonl, rollouts: 3}]", "train.iterations=2",
+         "train.bc_steps=0")
+  with pytest.raises(config_lib.ConfigError, match="method, max_ratio apply to offline stages"):
+    load("curriculum.stages=[{name: s, paradigm: sft, steps: 2, data: d, method: filtered_bc, max_ratio: 2}]",
+         "train.iterations=2", "train.bc_steps=0")
+  with pytest.raises(config_lib.ConfigError, match="filter applies to sft and offline stages"):
+    load("curriculum.stages=[{name: r, paradigm: rl, steps: 2, filter: {verified: true}}]", "train.iterations=2",
+         "train.bc_steps=0")
   cfg = load("curriculum.stages=[{name: r, paradigm: rft, steps: 2, updates: 5}, {name: l, paradigm: rl, steps: 3}]",
              "train.iterations=5", "train.bc_steps=0")
   assert config_lib.planned_updates(cfg) == 2 * 5 + 3
