@@ -10,7 +10,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
 SHELL = sorted(p for p in LAUNCH.rglob("*") if p.suffix in (".sh", ".sbatch"))
-YAML = sorted(p for p in LAUNCH.rglob("*.yaml") if "configs" not in p.parts)  # configs: tests/test_config.py
+# Trainer launchers; configs: tests/test_config.py; k8s (env servers, not a trainer): tests/test_envs_remote.py
+YAML = sorted(p for p in LAUNCH.rglob("*.yaml") if "configs" not in p.parts and "k8s" not in p.parts)
 
 
 def test_launchers_exist():
