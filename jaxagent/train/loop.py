@@ -267,12 +267,8 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
   for step in range(start_step, end):
     pick = rng.choice(len(demos), train.bc_batch_size, replace=False)
     mine = pick[jax.process_index() * local:(jax.process_index() + 1) * local]
-    batch = assemble([demos[i] for i in mine], length=cfg.rollout.max_context, rows=local,
-                     pad_id=run.tokenizer.pad_id)
-    normalizer = multihost.host_sum(algos.loss_normalizer(
-        batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation, norm_length=cfg.algo.norm_length,
-        allow_empty=True))
-    state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(normalizer))
+    batch = paradigms.supervised_batch(run, [demos[i] for i in mine])
+    state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(paradigms.loss_normalizer(run, batch)))
     if step % 10 == 0 or step == end - 1:
       m = jax.device_get(m)
       logger.log(int(state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"]})

@@ -175,14 +175,16 @@ def _sample_key(t: tr.Trajectory) -> tuple:
   return (t.task.id, tuple(turn.action.text for turn in t.turns))
 
 
-def _batch(run: Run, trajectories, advantages=None):
+def supervised_batch(run: Run, trajectories, advantages=None):
+  """This process's rows of a supervised batch (train.bc_batch_size over all processes), at the context length."""
   cfg = run.config
   local = cfg.train.bc_batch_size // jax.process_count()
   return assemble(trajectories, advantages, level="turn", length=cfg.rollout.max_context, rows=local,
                   pad_id=run.tokenizer.pad_id)
 
 
-def _normalizer(run: Run, batch) -> float:
+def loss_normalizer(run: Run, batch) -> float:
+  """The batch's loss normalizer over every process (so the gradient does not depend on the process count)."""
   cfg = run.config
   return float(multihost.host_sum(algos.loss_normalizer(batch.loss_mask, batch.segment_ids,
                                                         aggregation=cfg.algo.aggregation,
@@ -198,8 +200,8 @@ def supervised_iteration(run: Run, progress, data: StageData) -> tuple[Any, dict
                                          part=(jax.process_index(), jax.process_count()))
   iw = stage.paradigm == "offline" and stage.method == "iw_pg"
   advantages = [data.advantages[p, :len(t.turns)] for p, t in zip(positions, trajs)] if iw else None
-  batch = _batch(run, trajs, advantages)
-  normalizer = _normalizer(run, batch)
+  batch = supervised_batch(run, trajs, advantages)
+  normalizer = loss_normalizer(run, batch)
   step_fn = run.offline_steps[(stage.max_ratio, stage.min_negative_ratio)] if iw else run.bc_step
   state, m = step_fn(progress.state, run.layout.to_global(batch), jnp.float32(normalizer))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
@@ -218,9 +220,9 @@ def supervised_iteration(run: Run, progress, data: StageData) -> tuple[Any, dict
   return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1), out
 
 
-def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[str, Any], list[tr.Trajectory]]:
-  """One rft round: sample, keep the new verified samples, fine-tune on everything kept so far. Returns the new
-  progress, the round's metrics, and its samples (stored by the caller, marked kept or not)."""
+def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[str, Any]]:
+  """One rft round: sample, keep the new verified samples (all samples go to `writer`, marked kept or not),
+  fine-tune on everything kept so far. Returns the new progress and the round's metrics."""
   from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
   cfg = run.config
   stage = config_lib.stages(cfg)[progress.stage]
@@ -258,8 +260,8 @@ def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[st
               if data.kept else None)
   for u in range(stage.updates):
     # Nothing kept yet (on this process): an empty batch, whose step is skipped when no process has one.
-    batch = _batch(run, examples.batch(u, local)[1] if examples is not None else [])
-    state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(_normalizer(run, batch)))
+    batch = supervised_batch(run, examples.batch(u, local)[1] if examples is not None else [])
+    state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(loss_normalizer(run, batch)))
     nll.append(float(jax.device_get(m["nll"])))
   counts = multihost.host_sum(np.asarray([len(samples), sum(bool(t.verifier.passed) for t in samples), new,
                                           len(data.kept), env_steps, tokens], np.float64))
@@ -271,7 +273,7 @@ def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[st
          "rft/kept_total": int(counts[3]), metrics_lib.SUCCESS_RATE: float(counts[1] / max(counts[0], 1)),
          "rft/nll": float(np.mean(nll)) if nll else 0.0}
   progress = dataclasses.replace(progress, state=state, iteration=it + 1, counters=counters)
-  return progress, out, marked
+  return progress, out
 
 
 def iteration(run: Run, progress, data: StageData, writer, start_wall: float) -> tuple[Any, dict[str, Any]]:
@@ -279,7 +281,7 @@ def iteration(run: Run, progress, data: StageData, writer, start_wall: float) ->
   stage = config_lib.stages(run.config)[progress.stage]
   wall0 = time.perf_counter()
   if stage.paradigm == "rft":
-    progress, m, _ = rft_round(run, progress, data, writer)
+    progress, m = rft_round(run, progress, data, writer)
   else:
     progress, m = supervised_iteration(run, progress, data)
   counters = dict(progress.counters)
