@@ -575,6 +575,9 @@ class Env(abc.ABC):
   description: str = ""
   parser: ActionParser
   verifier: Verifier | None = None  # set by envs that score their episodes
+  # How the programs an action runs are confined (`envs._sandbox` modes: bwrap, none, auto); the worker that
+  # hosts the env sets it (`envs.server --episode-sandbox`). Envs that run programs give it to EpisodeSandbox.
+  episode_sandbox: str = "auto"
 
   def versions(self) -> dict[str, str]:
     """What a policy trained here depends on besides the env's code: its action parser and verifier versions."""

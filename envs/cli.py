@@ -85,10 +85,7 @@ def _cmd_serve(args) -> int:
   if (error := _bad_env(args.env)) is not None:
     print(error, file=sys.stderr)
     return 2
-  server.serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads,
-               max_inflight=args.max_inflight, max_episodes=args.max_episodes,
-               allow_any_address=args.allow_any_address)
-  return 0
+  return server.serve_args(args)
 
 
 def register(subparsers) -> None:

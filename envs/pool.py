@@ -71,7 +71,10 @@ class WorkerConfig:
   """
   kind: PoolKind = "local"  # inprocess (threads here), local (subprocess, bwrap), docker, remote (addresses)
   num_workers: int = 1  # worker processes / containers / connections; the slots are spread over them
-  sandbox: Sandbox = "auto"  # local pool: auto (bwrap if available), bwrap (required), none (unsandboxed)
+  # auto (bwrap if available), bwrap (required), none (unconfined, asked for explicitly). Local pool: each worker
+  # in bubblewrap; and for envs that run programs (terminal, code_repair), in every pool kind, each episode's
+  # programs in a sandbox of their own (envs._sandbox; docker: nested in the container).
+  sandbox: Sandbox = "auto"
   action_timeout_s: float = 10.0  # one step's limit; past it the episode ends as env_timeout
   episode_timeout_s: float = 600.0  # a whole episode's limit (reset to last step); env_timeout past it
   reset_timeout_s: float = 30.0  # one reset's limit; the worker is restarted past it
@@ -287,9 +290,9 @@ class InProcessConnection:
   joins its threads at exit: one hung `time.sleep(3600)` would hold the process for an hour).
   """
 
-  def __init__(self, env: str, max_inflight: int):
+  def __init__(self, env: str, max_inflight: int, episode_sandbox: str = "auto"):
     from envs.server import Host  # pylint: disable=g-import-not-at-top
-    self.host = Host(env)
+    self.host = Host(env, episode_sandbox=episode_sandbox)
     self._running = threading.BoundedSemaphore(max_inflight)  # at most max_inflight ops run at once
     self.closed = False
 
@@ -442,7 +445,7 @@ class Worker(abc.ABC):
 
 class InProcessWorker(Worker):
   def start(self) -> None:
-    self.conn = InProcessConnection(self.cfg.env, self.cfg.max_inflight)
+    self.conn = InProcessConnection(self.cfg.env, self.cfg.max_inflight, self.cfg.sandbox)
 
 
 class LocalWorker(Worker):
@@ -466,7 +469,7 @@ class LocalWorker(Worker):
     sock = os.path.join(self.dir, "w.sock")
     if os.path.exists(sock):
       os.unlink(sock)
-    argv = ["-m", "envs.server", self.env_ref, "--socket"]
+    argv = ["-m", "envs.server", self.env_ref, "--episode-sandbox", "bwrap" if self.sandbox else "none", "--socket"]
     if self.sandbox:
       cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"], self.roots)
       env = None
@@ -513,6 +516,12 @@ class DockerWorker(Worker):
   """A container: --network none, read-only root, tmpfs /tmp, memory/CPU/pids limits, no capabilities, no
   credentials or host mounts except the directory holding its unix socket.
 
+  Envs that run programs get a sandbox per episode nested in the container (`envs._sandbox`: bubblewrap, which
+  the env image has). Creating its namespaces needs system calls docker's default seccomp profile refuses, so
+  such a container runs with `seccomp=unconfined`; it keeps every other limit (no capabilities, no new
+  privileges, no network, read-only root, memory/CPU/pids limits). sandbox='none' keeps the default profile
+  and runs episodes unconfined in their container (the control).
+
   The container runs `python3 -m envs.server ENV` from `docker_image`; nothing of the host's Python path is
   mounted, so a user env reaches it through the image. Build one FROM the env image (envs/docker/setup.sh
   builds `jaxagent-envs:latest`; its PYTHONPATH is /opt/jaxagent, its base has python3 and msgpack, no pip):
@@ -530,6 +539,10 @@ class DockerWorker(Worker):
     super().__init__(cfg, index)
     self.client = client
     self.container = None
+    try:  # only a container whose env runs programs nests sandboxes (and needs seccomp opened for them)
+      self.needs_boxes = _registry.get(cfg.env).needs_sandbox
+    except Exception:  # pylint: disable=broad-except  (an env known only inside the image)
+      self.needs_boxes = True
     self.dir = tempfile.mkdtemp(prefix=f"envd{index}-")
     os.chmod(self.dir, 0o777)  # the container runs as uid 1000 and creates its socket here.
 
@@ -537,11 +550,13 @@ class DockerWorker(Worker):
     sock = os.path.join(self.dir, "w.sock")
     if os.path.exists(sock):
       os.unlink(sock)
+    boxes = "none" if self.cfg.sandbox == "none" else "bwrap"
+    security = ["no-new-privileges"] + (["seccomp=unconfined"] if boxes == "bwrap" and self.needs_boxes else [])
     self.container = self.client.containers.run(
-        self.cfg.docker_image, [self.env_ref, "--socket", "/run/jaxagent/w.sock"], detach=True,
-        network_mode="none", read_only=True, tmpfs={"/tmp": "rw,size=64m,mode=1777"},
+        self.cfg.docker_image, [self.env_ref, "--socket", "/run/jaxagent/w.sock", "--episode-sandbox", boxes],
+        detach=True, network_mode="none", read_only=True, tmpfs={"/tmp": "rw,size=64m,mode=1777"},
         mem_limit=self.cfg.docker_memory, nano_cpus=int(self.cfg.docker_cpus * 1e9),
-        pids_limit=self.cfg.docker_pids, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+        pids_limit=self.cfg.docker_pids, cap_drop=["ALL"], security_opt=security,
         volumes={self.dir: {"bind": "/run/jaxagent", "mode": "rw"}}, environment={}, auto_remove=False,
         labels={"jaxagent.env": self.cfg.env}, name=f"jaxagent-env-{uuid.uuid4().hex[:10]}")
     deadline = time.monotonic() + self.cfg.start_timeout_s
@@ -632,6 +647,11 @@ class Pool:
       except Exception:  # pylint: disable=broad-except  (a remote pool's env may exist only on its servers)
         expected = None
       check_handshake(expected, hellos)
+      unconfined = [where for where, h in hellos if h.get("episode_sandbox") == "none"]
+      if unconfined and cfg.sandbox != "none":
+        raise HandshakeError(f"env workers {', '.join(unconfined)} run each episode's programs unconfined "
+                             f"(--episode-sandbox none) but this pool's sandbox is {cfg.sandbox!r}: start them "
+                             "with --episode-sandbox bwrap, or set sandbox='none' (env.pool.sandbox) to accept it")
     except BaseException:
       self.close()
       raise

@@ -23,6 +23,7 @@ import time
 from typing import Any, Mapping
 
 from envs import _protocol as P
+from envs import _sandbox
 from envs._api import Env, InvalidActionRule, Task
 from envs._registry import UnknownEnvError, get
 
@@ -55,10 +56,13 @@ def _arg(args: Mapping[str, Any], name: str, typ, *, default=..., limit: int = 1
 class Host:
   """The instance table and op dispatch, shared by the socket server and the in-process pool."""
 
-  def __init__(self, env_name: str, max_instances: int = MAX_INSTANCES):
+  def __init__(self, env_name: str, max_instances: int = MAX_INSTANCES, episode_sandbox: str = "auto"):
     self.spec = get(env_name)
     self.version = self.spec.version
     self.max_instances = max_instances
+    # How the programs of an episode's actions are confined (envs._sandbox). Resolved now for an env that runs
+    # programs, so a worker that cannot sandbox them fails at its start, not at its first episode.
+    self.episode_sandbox = _sandbox.resolve(episode_sandbox) if self.spec.needs_sandbox else episode_sandbox
     self._instances: dict[str, tuple[Env, threading.Lock]] = {}
     self._lock = threading.Lock()
 
@@ -66,7 +70,8 @@ class Host:
     """Run one validated op; raises RequestError (an error reply) for anything the client got wrong."""
     if op == "hello":
       return dict(env=self.spec.name, version=self.version, protocol=P.PROTOCOL_VERSION, pid=os.getpid(),
-                  host=socket.gethostname(), deterministic=self.spec.deterministic)
+                  host=socket.gethostname(), deterministic=self.spec.deterministic,
+                  episode_sandbox=self.episode_sandbox if self.spec.needs_sandbox else None)
     if op == "ping":
       return dict(time=time.time())
     instance = _arg(args, "instance", str, limit=128)
@@ -124,6 +129,7 @@ class Host:
       env = self.spec.make(**kwargs)
     except (ValueError, TypeError) as e:
       raise RequestError("bad_args", f"options: {e}") from None
+    env.episode_sandbox = self.episode_sandbox
     with self._lock:
       full = instance not in self._instances and len(self._instances) >= self.max_instances
       old = None if full else self._instances.pop(instance, None)
@@ -207,17 +213,19 @@ def _exit_on_sigterm(*_) -> None:
 
 def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = None, threads: int = 8,
           max_inflight: int = 64, ready_file: str | None = None, max_episodes: int = MAX_INSTANCES,
-          allow_any_address: bool = False) -> None:
+          allow_any_address: bool = False, episode_sandbox: str = "auto") -> None:
   """Serve until killed. Exactly one of `socket_path` (unix) or `tcp` ("127.0.0.1:PORT": loopback, unless
   `allow_any_address`, for a server in its own network namespace such as a Kubernetes pod).
 
   `max_episodes`: admission control, the open episodes (instances) this server holds at once; a reset beyond
-  it is refused with `too_many_instances`, which a pool waits out (back-pressure)."""
+  it is refused with `too_many_instances`, which a pool waits out (back-pressure).
+  `episode_sandbox`: how an env that runs programs confines each episode's (`envs._sandbox`: auto, bwrap,
+  none); 'bwrap' where bubblewrap cannot run fails here, at the start."""
   if (socket_path is None) == (tcp is None):
     raise ValueError("give exactly one of --socket PATH or --tcp HOST:PORT")
   if max_episodes < 1:
     raise ValueError(f"--max-episodes {max_episodes}: must be >= 1")
-  host = Host(env_name, max_instances=max_episodes)
+  host = Host(env_name, max_instances=max_episodes, episode_sandbox=episode_sandbox)
   executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="env")
   inflight = threading.Semaphore(max_inflight)
 
@@ -241,7 +249,9 @@ def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = No
   server.daemon_threads = True
   if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-  print(f"envs worker: {env_name} {host.version} on {where} (pid {os.getpid()})", file=sys.stderr, flush=True)
+  boxes = f", episode sandbox {host.episode_sandbox}" if host.spec.needs_sandbox else ""
+  print(f"envs worker: {env_name} {host.version} on {where} (pid {os.getpid()}{boxes})", file=sys.stderr,
+        flush=True)
   if ready_file:
     with open(ready_file, "w") as f:
       f.write(where)
@@ -260,8 +270,18 @@ def main(argv: list[str] | None = None) -> int:
   except UnknownEnvError as e:
     print(f"envs.server: error: {e}", file=sys.stderr)
     return 2
-  serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads, max_inflight=args.max_inflight,
-        max_episodes=args.max_episodes, allow_any_address=args.allow_any_address)
+  return serve_args(args)
+
+
+def serve_args(args: argparse.Namespace) -> int:
+  """`serve` with the arguments `add_serve_args` defines; 2 (and the reason on stderr) if it cannot start."""
+  try:
+    serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads, max_inflight=args.max_inflight,
+          max_episodes=args.max_episodes, allow_any_address=args.allow_any_address,
+          episode_sandbox=args.episode_sandbox)
+  except (_sandbox.SandboxUnavailable, ValueError) as e:
+    print(f"envs.server: error: {e}", file=sys.stderr)
+    return 2
   return 0
 
 
@@ -276,6 +296,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--max-inflight", type=int, default=64, help="backpressure: requests accepted at once")
   parser.add_argument("--max-episodes", type=int, default=MAX_INSTANCES, help="admission control: open episodes "
                       "held at once; a reset beyond waits in the client (back-pressure)")
+  parser.add_argument("--episode-sandbox", choices=_sandbox.MODES, default="auto",
+                      help="envs that run programs (terminal, code_repair): bwrap gives every episode its own "
+                      "sandbox (required: fail at start without it), none runs them unconfined, auto is bwrap "
+                      "where it works")
   parser.add_argument("--allow-any-address", action="store_true", help="--tcp may bind a non-loopback address "
                       "(only for a server alone in its network namespace, e.g. a Kubernetes pod)")
 

@@ -46,7 +46,7 @@ def test_every_sampled_task_fails_before_and_passes_after_the_demo():
     assert final.outcome is envs.Outcome.COMPLETED and final.verdict.version == env.verifier.version
     assert final.reward_components["outcome"] == 1.0
     assert set(final.verdict.evidence["results"].values()) == {"pass"}
-    assert len(final.verdict.evidence["results"]) == 18
+    assert sorted(final.verdict.evidence["results"]) == sorted(cr.split_tests(task.split)[1])
     env.close()
   assert len(kinds) >= 3, kinds
 
@@ -81,15 +81,28 @@ def test_actions_and_invalid_actions_inprocess():
     assert r.outcome is envs.Outcome.INVALID_ACTION_CONTINUED and why in r.observation.text, (bad, r)
   # `replace LINE TEXT` edits the last shown module and keeps the indentation when TEXT has none.
   assert env.step("replace 6 while i < j:").observation.text == "textops.py:6|     while i < j:"
+  n = len(cr.split_tests("train")[1])
   report = env.step("test").observation.text
-  assert report.startswith("18 tests: ") and "FAIL " + task.payload["failing_test"] in report
+  assert report.startswith(f"{n} tests: ") and "FAIL " + task.payload["failing_test"] in report
   # Fix the bug, but also slip in an import: all tests pass, the verifier still rejects it.
   env.step(SPEC.demo(task)[0])
   env.step('replace textops.py:1 import os')
-  assert env.step("test").observation.text == "18 tests: 18 pass"
+  assert env.step("test").observation.text == f"{n} tests: {n} pass"
   r = env.step("submit")
   assert r.verdict.passed is False and r.verdict.evidence["new_names"] == {"textops.py": ["os"]}
   env.close()
+
+
+def test_split_slices_of_the_tests_partition_them_and_hold_every_failing_test():
+  everything = [line[4:line.index("(")] for line in (cr.PKG_DIR / cr.TESTS_FILE).read_text().splitlines()
+                if line.startswith("def test_")]
+  slices = {split: cr.split_tests(split) for split in envs.SPLITS}
+  assert sorted(n for _, names in slices.values() for n in names) == sorted(everything)
+  for split, (source, names) in slices.items():
+    held_out = [m[:-3] for s, ms in cr.SPLIT_MODULES.items() if s != split for m in ms]
+    assert not any(f"from {m} import" in source for m in held_out), split
+    for task in SPEC.tasks(split, 60, 0):
+      assert set(task.payload["failing_tests"]) <= set(names), task
 
 
 def test_train_episodes_cannot_read_or_edit_held_out_modules():
@@ -165,8 +178,8 @@ def test_edited_code_cannot_escape_the_sandbox(bwrap, secret, listener):
   probes = {
       "read": f"raise RuntimeError('read:' + open('{secret}').read())",
       "write": f"open('{secret.parent}/pwned', 'w').write('x'); raise RuntimeError('wrote')",
-      # where the verifier reads the pristine tests from inside the sandbox (envs/ is bound read-only there)
-      "tests": "open('/opt/jaxagent/envs/builtin/code_repair_pkg/pkg_tests.py', 'a').write('x'); raise RuntimeError('wrote')",
+      # the tests file inside the episode's sandbox (bound read-only; envs/ itself is not there at all)
+      "tests": "open('/opt/run/pkg_tests.py', 'a').write('x'); raise RuntimeError('wrote')",
       "net": f"import socket; socket.create_connection(('{listener.split(':')[0]}', {listener.split(':')[1]}), 1); raise RuntimeError('connected')",
   }
   # Control, unsandboxed: the same edits do read, write and connect, so a failure below is the sandbox's doing.

@@ -7,7 +7,7 @@ import pytest
 
 import envs
 from envs import pool as pool_lib
-from envs.builtin import terminal
+from envs import _sandbox
 from tests._sandbox import require_bwrap
 
 SPEC = envs.get("terminal")
@@ -40,41 +40,36 @@ def test_runs_sandboxed_with_full_replay():
   assert "exit 0" in traces[0][0]
 
 
-def _dead(pid: int, wait_s: float = 5.0) -> bool:
-  """The process is gone or a zombie, within `wait_s`: SIGKILL is sent synchronously but acted on when the
-  process is next scheduled (under CI load that was not yet the case at the first look)."""
-  status = Path(f"/proc/{pid}/status")
-  deadline = time.monotonic() + wait_s
-  while True:
-    try:
-      if "\tZ" in next(line for line in status.read_text().splitlines() if line.startswith("State:")):
-        return True
-    except FileNotFoundError:
-      return True
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.02)
+@pytest.fixture(params=["none", "bwrap"])
+def box(request):
+  if request.param == "bwrap":
+    require_bwrap()
+  b = _sandbox.EpisodeSandbox(request.param)
+  yield b
+  b.close()
 
 
-def test_command_process_group_is_killed_on_exit_and_on_timeout(tmp_path):
-  # A background job outlives its shell unless the group is killed: it must not survive the step.
-  out, _, code = terminal.run_command("sleep 30 & echo $! > bg.pid; echo started", tmp_path)
-  assert code == 0 and out == b"started\n"
-  assert _dead(int((tmp_path / "bg.pid").read_text()))
-
+def test_a_commands_background_jobs_die_when_it_exits_and_when_it_times_out(box):
+  # A background job outlives its shell unless the sandbox (pid namespace) or the group kill ends it: it must
+  # not survive the step. The job would write late.txt after 1 s.
+  sh = ["/bin/sh", "-c"]
+  done = box.run(sh + ["(sleep 1; echo late > late1.txt) & echo started"], timeout=5)
+  assert done.code == 0 and done.output == b"started\n"
   t = time.monotonic()
-  out, _, code = terminal.run_command("sleep 30 & echo $! > bg2.pid; echo waiting; sleep 30", tmp_path, timeout=1)
-  assert code is None and out == b"waiting\n" and time.monotonic() - t < 5
-  assert _dead(int((tmp_path / "bg2.pid").read_text()))
+  done = box.run(sh + ["(sleep 1; echo late > late2.txt) & echo waiting; sleep 30"], timeout=0.5)
+  assert done.code is None and done.output == b"waiting\n" and time.monotonic() - t < 5
+  time.sleep(1.5)
+  assert not (box.work / "late1.txt").exists() and not (box.work / "late2.txt").exists()
 
 
-def test_output_flood_is_capped_in_memory_and_flagged():
+def test_output_flood_is_capped_in_memory_and_flagged(box):
   t = time.monotonic()
-  out, total, code = terminal.run_command("yes", Path("/"), timeout=1)
-  assert code is None and time.monotonic() - t < 5
-  assert len(out) == terminal.OUTPUT_CAP_BYTES and total > terminal.OUTPUT_CAP_BYTES
+  done = box.run(["yes"], timeout=1)
+  assert done.code is None and time.monotonic() - t < 5
+  assert len(done.output) == _sandbox.OUTPUT_CAP_BYTES and done.total > _sandbox.OUTPUT_CAP_BYTES
 
   env = SPEC.make(max_obs_bytes=1000)
+  env.episode_sandbox = box.mode
   env.reset(SPEC.tasks("train", 1, 0)[0], 0)
   r = env.step("sh yes | head -c 200000")
   assert r.info["exit"] == 0 and r.observation.truncated and r.observation.original_size >= 200_000

@@ -1,13 +1,17 @@
 """Code repair: a tiny Python package with tests ships in `code_repair_pkg/`; a task is one AST mutation of its
 source that makes an existing test fail (found by running the tests); the agent edits the mutated copy until
-the tests pass again. The verifier is the package's own test file, run in the sandbox.
+the tests pass again. The verifier is the package's own test file, run in a sandbox of its own.
+
+An episode of split S sees S's slice of the package only: S's modules (mutated) and S's tests, as
+`pkg_tests.py`. The other splits' modules and tests (held out, and the pristine text of every module, which
+is the answer to its mutations) never enter the episode's tree or any sandbox its code runs in.
 
 Actions (one line each):
   show FILE                 print FILE with line numbers (a module, or the read-only pkg_tests.py)
   replace FILE:LINE TEXT    replace line LINE of FILE with TEXT; `replace LINE TEXT` edits the last shown
                             module. TEXT without leading whitespace keeps the line's indentation.
-  test                      run every test against the edited copy, show the result
-  submit                    end the episode; the verifier runs the pristine tests (failing test + the rest)
+  test                      run the split's tests against the edited copy, show the result
+  submit                    end the episode; the verifier runs the split's pristine tests (failing test + rest)
 
 Mutation operators (each changes exactly one line): cmp_swap (< <=, > >=, == !=), const_off_by_one (integer
 literal +-1), arith_flip (+ -, += -=), bool_swap (and or), negate_cond (if/while test -> not (test)). A
@@ -16,9 +20,12 @@ the task's. Splits are isolated by MODULE: train mutates textops.py and stack.py
 search.py. Scripted demonstration: the inverse mutation as one `replace`, then `submit`.
 
 Every test run is a fresh interpreter (`code_repair_runner.py`) with a per-test alarm, a total budget and a
-subprocess timeout; the verifier reads the tests from this package (outside the agent-writable tmp dir) and
-rejects submissions that introduce identifiers the pristine module does not use (e.g. `open`, `sys`).
-Run it in a sandboxed pool (local + bubblewrap, or docker): actions execute arbitrary edited code.
+subprocess timeout, inside the episode's sandbox (`envs._sandbox`: /work is the episode's modules, the runner
+and the split's tests are bound read-only, nothing else of the worker is there). The verifier copies the
+submitted modules out of the episode's tree (regular files only, never through a link), runs the pristine
+tests on that copy in a read-only sandbox of its own, and rejects submissions that introduce identifiers the
+pristine module does not use (e.g. `open`, `sys`). Run it in a sandboxed pool (local + bubblewrap, or docker):
+actions execute arbitrary edited code.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import functools
+import hashlib
 import io
 import json
 import os
@@ -33,14 +41,13 @@ import random
 import re
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import tokenize
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from envs import _sandbox
 from envs._api import (COMPLETED, ENV_TIMEOUT, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction,
                        Observation, StepResult, Task, Verdict, Verifier, source_version, Tool)
 
@@ -66,51 +73,58 @@ class RunnerTimeout(Exception):
   """The test runner process did not finish within RUN_TIMEOUT_S (killed)."""
 
 
-def _run_env(home: str) -> dict[str, str]:
-  return {"PATH": "/usr/bin:/bin", "HOME": home, "LC_ALL": "C", "PYTHONHASHSEED": "0"}
+def _runner_argv(python: str, runner: str, pkg_dir: str, tests_file: str, names: Sequence[str],
+                 per_test_s: float | None, budget_s: float | None) -> list[str]:
+  per_test_s = PER_TEST_TIMEOUT_S if per_test_s is None else per_test_s
+  budget_s = RUN_BUDGET_S if budget_s is None else budget_s
+  return [python, "-s", "-S", "-B", runner, pkg_dir, tests_file, repr(per_test_s), repr(budget_s), *names]
+
+
+def _report(done: _sandbox.Completed, nonce: str, timeout_s: float) -> dict[str, Any]:
+  if done.code is None:
+    raise RunnerTimeout(f"the tests did not finish within {timeout_s:g}s (killed)")
+  for line in done.output.decode("utf-8", errors="replace").splitlines():
+    if line.startswith(nonce + " "):
+      return json.loads(line[len(nonce) + 1:])
+  # No report: the runner died (e.g. the code under test hit a resource limit or killed it).
+  return dict(results={}, details={}, import_error=f"the test process died (exit {done.code}) before reporting")
 
 
 def run_tests(pkg_dir: Path, names: Sequence[str] = (), *, per_test_s: float | None = None,
               budget_s: float | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-  """Run the pristine tests (or `names`) against the modules in `pkg_dir` in a fresh interpreter.
+  """Run the pristine tests (all, or `names`) against the modules in `pkg_dir` in a fresh interpreter, here,
+  unconfined: for trusted code only (task generation runs our own mutants). Episodes use `run_in_sandbox`.
 
   Returns {results: {test: pass|fail|timeout|not_run|missing}, details: {test: text}, import_error: str|None}.
   Raises RunnerTimeout when the process outlives `timeout_s` (its whole process group is killed), EnvError
   when it cannot start. Defaults: the module's PER_TEST_TIMEOUT_S, RUN_BUDGET_S, RUN_TIMEOUT_S.
   """
-  per_test_s = PER_TEST_TIMEOUT_S if per_test_s is None else per_test_s
-  budget_s = RUN_BUDGET_S if budget_s is None else budget_s
   timeout_s = RUN_TIMEOUT_S if timeout_s is None else timeout_s
   nonce = secrets.token_hex(16)
-  cmd = [sys.executable, "-s", "-S", "-B", str(RUNNER), str(pkg_dir), str(PKG_DIR / TESTS_FILE),
-         repr(per_test_s), repr(budget_s), *names]
+  argv = _runner_argv(sys.executable, str(RUNNER), str(pkg_dir), str(PKG_DIR / TESTS_FILE), names, per_test_s,
+                      budget_s)
+  env = {"PATH": "/usr/bin:/bin", "HOME": str(pkg_dir), "LC_ALL": "C", "PYTHONHASHSEED": "0"}
   try:
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            cwd=pkg_dir, env=_run_env(str(pkg_dir)), start_new_session=True)
+    done = _sandbox.run_capped(argv, cwd=pkg_dir, env=env, stdin=(nonce + "\n").encode(), timeout=timeout_s)
   except OSError as e:
     raise EnvError(f"cannot start the test runner {sys.executable}: {e}") from None
+  return _report(done, nonce, timeout_s)
+
+
+def run_in_sandbox(box: _sandbox.EpisodeSandbox, tests_file: Path, names: Sequence[str] = (), *,
+                   per_test_s: float | None = None, budget_s: float | None = None,
+                   timeout_s: float | None = None) -> dict[str, Any]:
+  """`run_tests` for an episode: the modules in `box.work` against `tests_file` (bound read-only in `box`),
+  inside the episode's sandbox."""
+  timeout_s = RUN_TIMEOUT_S if timeout_s is None else timeout_s
+  nonce = secrets.token_hex(16)
+  argv = _runner_argv(_sandbox.python(), box.inside(RUNNER), box.inside(box.work), box.inside(tests_file), names,
+                      per_test_s, budget_s)
   try:
-    stdout, _ = proc.communicate((nonce + "\n").encode(), timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    try:
-      os.killpg(proc.pid, signal.SIGKILL)  # the runner and anything the code under test started
-    except ProcessLookupError:
-      pass
-    try:
-      proc.communicate(timeout=2)
-    except subprocess.TimeoutExpired:  # a grandchild left the group and holds the pipe: abandon it
-      pass
-    raise RunnerTimeout(f"the tests did not finish within {timeout_s:g}s (killed)") from None
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  for line in stdout.decode("utf-8", errors="replace").splitlines():
-    if line.startswith(nonce + " "):
-      return json.loads(line[len(nonce) + 1:])
-  # No report: the runner died (e.g. the code under test hit a resource limit or killed it).
-  return dict(results={}, details={}, import_error=f"the test process died (exit {proc.returncode}) "
-                                                   "before reporting")
+    done = box.run(argv, timeout=timeout_s, stdin=(nonce + "\n").encode(), env={"PYTHONHASHSEED": "0"})
+  except OSError as e:
+    raise EnvError(f"cannot start the test runner: {e}") from None
+  return _report(done, nonce, timeout_s)
 
 
 def format_report(report: Mapping[str, Any], only: Sequence[str] = ()) -> str:
@@ -208,15 +222,39 @@ def pristine(module: str) -> str:
   return (PKG_DIR / module).read_text()
 
 
-def write_package(root: Path, mutation: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> None:
-  """The editable modules (with the mutation or mutations applied) in `root`; the tests stay in PKG_DIR."""
+def write_package(root: Path, mutation: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+                  modules: Sequence[str] = MODULES) -> None:
+  """`modules` (default: all) in `root`, with the mutation or mutations applied; the tests stay in PKG_DIR."""
   mutations = [] if mutation is None else [mutation] if isinstance(mutation, Mapping) else list(mutation)
-  for module in MODULES:
+  for module in modules:
     text = pristine(module)
     for m in mutations:
       if m["module"] == module:
         text = apply_mutation(text, m)
     (root / module).write_text(text)
+
+
+@functools.lru_cache(maxsize=None)
+def split_tests(split: str) -> tuple[str, tuple[str, ...]]:
+  """(source, test names) of `split`'s slice of the test file: its modules' imports, the helpers, and the tests
+  that use only its modules' names. What an episode of `split` sees as pkg_tests.py and what its verifier runs."""
+  if split not in SPLIT_MODULES:
+    raise ValueError(f"split={split!r}: not one of {sorted(SPLIT_MODULES)}")
+  source = (PKG_DIR / TESTS_FILE).read_text()
+  tree = ast.parse(source)
+  mine = {m[:-len(".py")] for m in SPLIT_MODULES[split]}
+  owner = {a.asname or a.name: n.module for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+  kept, names = [], []
+  for node in tree.body:
+    if isinstance(node, ast.ImportFrom) and node.module not in mine:
+      continue
+    if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+      used = {owner[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in owner}
+      if used - mine:
+        continue
+      names.append(node.name)
+    kept.append(ast.get_source_segment(source, node))
+  return "\n\n".join(kept) + "\n", tuple(names)
 
 
 def _try_mutation(m: dict[str, Any]) -> dict[str, Any] | None:
@@ -360,31 +398,49 @@ def _identifiers(source: str) -> set[str]:
 
 
 class CodeRepairVerifier(Verifier):
-  """Runs the pristine test file (from the package, not the agent's copy) against the submitted modules.
+  """Runs the split's pristine tests (not the agent's copy) against the submitted modules.
 
-  passed = every test passes (the task's failing test included) and no module uses an identifier its
-  pristine version does not (beyond a few builtins): repairs never need `open`, `sys` or `__import__`.
+  The submitted modules are copied out of the episode's tree (regular files only, no links followed) into a
+  tree of the verifier's own, and the tests run there in a read-only sandbox: nothing the agent left running
+  or linked can change what is verified. passed = every test of the split passes (the task's failing test
+  included) and no module uses an identifier its pristine version does not (beyond a few builtins): repairs
+  never need `open`, `sys` or `__import__`.
   """
 
-  version = "code-repair-tests-" + source_version(data=(PKG_DIR / TESTS_FILE, RUNNER))
+  version = "code-repair-split-tests-" + source_version(data=(PKG_DIR / TESTS_FILE, RUNNER))
+  sandbox_mode = "auto"  # the hosting env's episode_sandbox
 
   def score(self, task: Task, final: Path) -> Verdict:
-    root = Path(final)
-    new_names: dict[str, list[str]] = {}
-    for module in MODULES:
-      try:
-        extra = _identifiers((root / module).read_text()) - _identifiers(pristine(module)) - SAFE_NEW_NAMES
-      except (SyntaxError, ValueError, OSError):
-        continue  # the tests report the broken module
-      if extra:
-        new_names[module] = sorted(extra)
-    evidence: dict[str, Any] = dict(failing_test=task.payload["failing_test"], new_names=new_names,
-                                    python=sys.version.split()[0], runner_timeout=False)
+    modules = SPLIT_MODULES[task.split]
+    source, names = split_tests(task.split)
+    box = _sandbox.EpisodeSandbox(self.sandbox_mode, read_only=True, prefix="crverify-",
+                                  binds={"/opt/run/runner.py": RUNNER, "/opt/run/pkg_tests.py": _tests_copy(source)})
     try:
-      report = run_tests(root)
-    except RunnerTimeout as e:
-      evidence.update(runner_timeout=True, error=str(e))
-      return Verdict(False, 0.0, evidence, self.version)
+      new_names: dict[str, list[str]] = {}
+      submitted: dict[str, str] = {}
+      for module in modules:
+        data = _sandbox.read_artifact(Path(final), module)
+        if data is None:
+          continue  # missing or not a regular file: the tests report the broken import
+        (box.work / module).write_bytes(data)
+        submitted[module] = hashlib.sha256(data).hexdigest()[:16]
+        try:
+          extra = _identifiers(data.decode("utf-8")) - _identifiers(pristine(module)) - SAFE_NEW_NAMES
+        except (SyntaxError, ValueError):
+          continue  # the tests report the broken module
+        if extra:
+          new_names[module] = sorted(extra)
+      evidence: dict[str, Any] = dict(failing_test=task.payload["failing_test"], new_names=new_names,
+                                      python=sys.version.split()[0], runner_timeout=False, submitted=submitted,
+                                      tests=len(names), sandbox=box.mode)
+      try:
+        report = run_in_sandbox(box, Path(box.binds["/opt/run/pkg_tests.py"]))
+      except RunnerTimeout as e:
+        evidence.update(runner_timeout=True, error=str(e))
+        return Verdict(False, 0.0, evidence, self.version)
+    finally:
+      box.close()
+      _sandbox.rmtree(Path(box.binds["/opt/run/pkg_tests.py"]).parent)
     results = report["results"]
     all_pass = bool(results) and not report.get("import_error") and all(v == "pass" for v in results.values())
     passed = all_pass and results.get(task.payload["failing_test"]) == "pass" and not new_names
@@ -392,6 +448,13 @@ class CodeRepairVerifier(Verifier):
                     failing_test_result=results.get(task.payload["failing_test"], "missing"),
                     report=format_report(report)[:2000])
     return Verdict(passed, 1.0 if passed else 0.0, evidence, self.version)
+
+
+def _tests_copy(source: str) -> Path:
+  """`source` as pkg_tests.py in a fresh directory outside any episode tree (bound read-only into sandboxes)."""
+  path = Path(tempfile.mkdtemp(prefix="crtests-")) / TESTS_FILE
+  path.write_text(source)
+  return path
 
 
 _REPLACE = re.compile(r"(?:([A-Za-z_][\w.]*):)?(\d+)(?: (.*))?", re.S)
@@ -411,7 +474,9 @@ class CodeRepairEnv(Env):
   def __init__(self, max_turns: int = 12, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = CodeRepairVerifier()
-    self.root: Path | None = None
+    self.box: _sandbox.EpisodeSandbox | None = None
+    self.root: Path | None = None  # the episode's modules on the worker's side (/work inside its sandbox)
+    self.tests_file: Path | None = None  # the split's tests (/opt/run/pkg_tests.py inside, read-only)
     self.current: str | None = None
     self.files: tuple[str, ...] = ()
     self.edits = 0
@@ -422,14 +487,18 @@ class CodeRepairEnv(Env):
       raise EnvError(f"task {task.id} was generated for package version {task.version}, this env has "
                      f"{TASK_VERSION}: regenerate the tasks")
     p = task.payload
-    self.root = Path(tempfile.mkdtemp(prefix="crepair-"))
     self.current, self.edits = None, 0
-    # Only the task split's modules can be shown or edited: a train episode never reads the pristine source
-    # of a held-out module (the answer to its mutations). The others still exist so the package imports.
+    # The episode's tree holds the task split's modules only, and its tests file only the split's tests: a
+    # train episode's code never meets a held-out module (the pristine text is the answer to its mutations).
     self.files = tuple(sorted(SPLIT_MODULES[task.split] + (TESTS_FILE,)))
-    write_package(self.root, task_mutations(task))
+    self.tests_file = _tests_copy(split_tests(task.split)[0])
+    self.box = _sandbox.EpisodeSandbox(self.episode_sandbox, prefix="crepair-",
+                                       binds={"/opt/run/runner.py": RUNNER, "/opt/run/pkg_tests.py": self.tests_file})
+    self.root = self.box.work
+    self.verifier.sandbox_mode = self.episode_sandbox
+    write_package(self.root, task_mutations(task), SPLIT_MODULES[task.split])
     try:
-      report = run_tests(self.root, [p["failing_test"]])
+      report = run_in_sandbox(self.box, self.tests_file, [p["failing_test"]])
     except RunnerTimeout as e:
       raise EnvError(f"task {task.id}: {e}") from None
     if report["results"].get(p["failing_test"]) != "fail":
@@ -442,7 +511,7 @@ class CodeRepairEnv(Env):
   def _file(self, name: str) -> Path:
     if name not in self.files:
       raise InvalidAction(f"unknown file {name[:40]!r}; files are {' '.join(self.files)}")
-    return PKG_DIR / name if name == TESTS_FILE else self.root / name
+    return self.tests_file if name == TESTS_FILE else self.root / name
 
   def _step(self, call: Call) -> StepResult:
     if call.name == "show":
@@ -457,7 +526,7 @@ class CodeRepairEnv(Env):
       if call.arg:
         raise InvalidAction("test takes no argument")
       try:
-        report = run_tests(self.root)
+        report = run_in_sandbox(self.box, self.tests_file)
       except RunnerTimeout as e:
         return StepResult(Observation(f"test: {e}"), {}, True, ENV_TIMEOUT, dict(error=str(e)))
       return StepResult(Observation(format_report(report)), {}, False, None,
@@ -497,9 +566,12 @@ class CodeRepairEnv(Env):
                       dict(file=name, line=line_no))
 
   def close(self) -> None:
-    if self.root is not None:
-      shutil.rmtree(self.root, ignore_errors=True)
-      self.root = None
+    if self.box is not None:
+      self.box.close()
+      self.box, self.root = None, None
+    if self.tests_file is not None:
+      _sandbox.rmtree(self.tests_file.parent)
+      self.tests_file = None
 
 
 SPEC = EnvSpec(name="code_repair", description=CodeRepairEnv.description, make=CodeRepairEnv, tasks=tasks,

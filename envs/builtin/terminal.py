@@ -1,53 +1,56 @@
 """Terminal tasks: real shell commands on a small generated file tree; the verifier checks the final state.
 
 Actions: `sh CMD` runs `/bin/sh -c CMD` in the episode's directory (timeout, output capped) and shows its
-output; `done` ends the episode and runs the verifier. A command runs in its own process group, killed whole
-when the command exits or times out: nothing it starts in the background outlives the step. Run it in a
-sandboxed pool (local + bubblewrap, or docker): commands are arbitrary. Splits are isolated by template:
+output; `done` ends the episode and runs the verifier. Each command runs in the episode's own sandbox
+(`envs._sandbox`): it sees its directory as /work and a private /tmp, nothing of sibling episodes or of the
+worker, and nothing it starts outlives the step. The verifier reads the final directory from outside that
+sandbox, without following links. Run it in a sandboxed pool (local + bubblewrap, or docker): commands are
+arbitrary. Splits are isolated by template:
   train: create (write a file with given text), delete_logs (remove every *.log)
   tune: rename (rename a directory)       eval: count_lines (write the line count of a file to count.txt)
 """
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import signal
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
+from envs._sandbox import EpisodeSandbox, listing, read_artifact
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction, Observation,
                        StepResult, Task, Verdict, Verifier, source_version, Tool)
 
 SPLIT_TEMPLATES = {"train": ("create", "delete_logs"), "tune": ("rename",), "eval": ("count_lines",)}
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta")
 COMMAND_TIMEOUT_S = 5.0
-OUTPUT_CAP_BYTES = 1 << 16  # of a command's output kept in memory; the rest is read, counted and dropped
 
 
 class TerminalVerifier(Verifier):
-  """Inspects the directory after the episode (read-only)."""
+  """Inspects the episode's directory after the episode, from outside its sandbox: reads regular files only,
+  never follows a link the agent made (`envs._sandbox.read_artifact`, `listing`)."""
 
-  version = "terminal-state-v1"
+  version = "terminal-state-v2"
 
   def score(self, task: Task, final: Path) -> Verdict:
     p, root = task.payload, Path(final)
+    entries = listing(root)
     t = p["template"]
-    if t == "create":
-      f = root / p["target"]
-      passed = f.is_file() and f.read_text(errors="replace").strip() == p["text"]
+    read = None
+    if t in ("create", "count_lines"):
+      name = p["target"] if t == "create" else "count.txt"
+      data = read_artifact(root, name)
+      read = None if data is None else data.decode("utf-8", errors="replace")
+      want = p["text"] if t == "create" else str(p["files"][p["target"]].count("\n"))
+      passed = read is not None and read.strip() == want
     elif t == "delete_logs":
-      passed = not list(root.rglob("*.log")) and all((root / k).exists() for k in p["files"] if not k.endswith(".log"))
-    elif t == "rename":
-      passed = (root / p["new"]).is_dir() and not (root / p["old"]).exists()
+      passed = (not any(k.endswith(".log") for k in entries)
+                and all(entries.get(k) == "file" for k in p["files"] if not k.endswith(".log")))
     else:
-      f = root / "count.txt"
-      passed = f.is_file() and f.read_text(errors="replace").strip() == str(p["files"][p["target"]].count("\n"))
-    listing = sorted(str(q.relative_to(root)) for q in root.rglob("*"))[:64]
-    return Verdict(passed, 1.0 if passed else 0.0, dict(listing=listing), self.version)
+      passed = entries.get(p["new"]) == "dir" and p["old"] not in entries
+    evidence = dict(listing=sorted(entries)[:64],
+                    not_plain=sorted(k for k, kind in entries.items() if kind in ("link", "other"))[:64])
+    if read is not None:
+      evidence["read"] = read[:64]
+    return Verdict(passed, 1.0 if passed else 0.0, evidence, self.version)
 
 
 class TerminalEnv(Env):
@@ -60,11 +63,13 @@ class TerminalEnv(Env):
   def __init__(self, max_turns: int = 8, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = TerminalVerifier()
-    self.root: Path | None = None
+    self.box: EpisodeSandbox | None = None
+    self.root: Path | None = None  # the episode's directory on the worker's side (/work inside its sandbox)
 
   def _reset(self, task: Task, seed: int) -> str:
     self.close()
-    self.root = Path(tempfile.mkdtemp(prefix="term-"))
+    self.box = EpisodeSandbox(self.episode_sandbox, prefix="term-")
+    self.root = self.box.work
     for rel, text in task.payload["files"].items():
       (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
       (self.root / rel).write_text(text)
@@ -78,58 +83,19 @@ class TerminalEnv(Env):
     if not call.arg:
       raise InvalidAction("sh needs a command")
     try:
-      out, total, code = run_command(call.arg, self.root)
+      done = self.box.run(["/bin/sh", "-c", call.arg], timeout=COMMAND_TIMEOUT_S)
     except OSError as e:
       raise EnvError(f"cannot run /bin/sh: {e}") from None
-    text = out.decode("utf-8", errors="replace")
-    tail = f"[timeout after {COMMAND_TIMEOUT_S:g}s]" if code is None else f"[exit {code}]"
-    obs = Observation(text + tail, total > len(out), total + len(tail))
-    info = dict(command_timeout=True) if code is None else dict(exit=code)
+    text = done.output.decode("utf-8", errors="replace")
+    tail = f"[timeout after {COMMAND_TIMEOUT_S:g}s]" if done.code is None else f"[exit {done.code}]"
+    obs = Observation(text + tail, done.total > len(done.output), done.total + len(tail))
+    info = dict(command_timeout=True) if done.code is None else dict(exit=done.code)
     return StepResult(obs, {}, False, None, info)
 
   def close(self) -> None:
-    if self.root is not None:
-      shutil.rmtree(self.root, ignore_errors=True)
-      self.root = None
-
-
-def run_command(command: str, cwd: Path, timeout: float | None = None) -> tuple[bytes, int, int | None]:
-  """Runs `/bin/sh -c command` in `cwd` in a new process group (session), stdout and stderr merged.
-
-  Returns (the first OUTPUT_CAP_BYTES of output, total output bytes, exit code or None after a timeout). When
-  the shell exits or times out the whole group is SIGKILLed: background jobs die with it. (A process that
-  calls setsid itself leaves the group; the worker's sandbox bounds it.)
-  """
-  proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, start_new_session=True,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LC_ALL": "C"})
-  kept, total = bytearray(), 0
-
-  def drain():
-    nonlocal total
-    try:
-      while chunk := proc.stdout.read1(1 << 16):
-        total += len(chunk)
-        if len(kept) < OUTPUT_CAP_BYTES:
-          kept.extend(chunk[:OUTPUT_CAP_BYTES - len(kept)])
-    except (OSError, ValueError):  # the pipe was closed under us (an escaped process kept it open)
-      pass
-
-  reader = threading.Thread(target=drain, name="terminal-output", daemon=True)
-  reader.start()
-  try:
-    code = proc.wait(timeout=COMMAND_TIMEOUT_S if timeout is None else timeout)
-  except subprocess.TimeoutExpired:
-    code = None
-  finally:
-    try:
-      os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is already empty
-      pass
-    proc.wait()
-  reader.join(timeout=1.0)
-  proc.stdout.close()
-  return bytes(kept), total, code
+    if self.box is not None:
+      self.box.close()
+      self.box, self.root = None, None
 
 
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:

@@ -24,13 +24,13 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { echo "dockerd did not start; log:"; tail -20 "$ROOT/dockerd.log"; exit 1; }
 fi
 
-if ! docker image inspect jaxagent-base:"$SUITE"-2 >/dev/null 2>&1; then
+if ! docker image inspect jaxagent-base:"$SUITE"-3 >/dev/null 2>&1; then
   tmp=$(mktemp -d)
-  debootstrap --variant=minbase --include=python3,python3-msgpack,python3-jsonschema,coreutils "$SUITE" "$tmp/root" "$MIRROR" \
+  debootstrap --variant=minbase --include=python3,python3-msgpack,python3-jsonschema,coreutils,bubblewrap "$SUITE" "$tmp/root" "$MIRROR" \
     >"$ROOT/debootstrap.log" 2>&1 || { tail -20 "$ROOT/debootstrap.log"; exit 1; }
   rm -rf "$tmp/root/var/cache/apt/archives"/*.deb "$tmp/root/var/lib/apt/lists"/*
-  tar -C "$tmp/root" -c . | docker import - jaxagent-base:"$SUITE"-2 >/dev/null
+  tar -C "$tmp/root" -c . | docker import - jaxagent-base:"$SUITE"-3 >/dev/null
   rm -rf "$tmp"
 fi
-docker build -q --network none --build-arg BASE=jaxagent-base:"$SUITE"-2 -t jaxagent-envs:latest envs >/dev/null
+docker build -q --network none --build-arg BASE=jaxagent-base:"$SUITE"-3 -t jaxagent-envs:latest envs >/dev/null
 echo "docker ready: $HOST, image jaxagent-envs:latest ($(docker image inspect -f '{{.Id}}' jaxagent-envs:latest | cut -c1-19))"

@@ -1,0 +1,287 @@
+"""Per-episode sandboxes for envs whose actions run programs (terminal, code_repair), and safe artifact reads
+for their verifiers.
+
+An episode owns a private tree on the worker's side: `work/` (the agent's working directory, `/work` inside)
+and `tmp/` (`/tmp` inside). Each program an action runs starts in a fresh bubblewrap sandbox over that tree
+alone:
+  * its own user, pid, network, IPC, UTS and mount namespaces, no capabilities, a new session;
+  * the system directories and the interpreter read-only, `/work` and `/tmp` writable (or `/work` read-only);
+  * nothing else of the worker: not the env code and its data (held-out material, pristine sources), not the
+    worker's socket, not a sibling episode's tree, no /proc of the worker;
+  * when the program exits or times out, everything it started dies with its pid namespace.
+The same mechanism runs nested inside the local pool's worker sandbox and inside docker worker containers; a
+nested sandbox cannot mount a fresh /proc there, so none gets one (shells and Python do not need it).
+
+Verifiers never execute in the agent's tree. They read final artifacts from the worker side (`read_artifact`,
+`listing`: regular files only, no symlinks followed, size-capped) and run what must run (code_repair's tests)
+in a sandbox of their own over a read-only copy.
+
+Mode "none" (the pool's sandbox='none', asked for explicitly): programs run unconfined in the same tree, in
+their own process group (killed whole at exit or timeout). Plain stdlib: this runs inside workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Mapping, Sequence
+
+MODES = ("auto", "bwrap", "none")
+OUTPUT_CAP_BYTES = 1 << 16  # of a program's output kept in memory; the rest is read, counted and dropped
+ARTIFACT_CAP_BYTES = 1 << 20  # a verifier reads at most this much of one artifact
+_SYSTEM_DIRS = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/alternatives")
+
+
+class SandboxUnavailable(RuntimeError):
+  """mode='bwrap' was asked for but bubblewrap cannot create a sandbox here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed:
+  """What a program did: the first OUTPUT_CAP_BYTES of stdout and stderr merged, the total byte count, and
+  the exit code (None: killed at its timeout)."""
+  output: bytes
+  total: int
+  code: int | None
+
+
+def _probe_argv() -> list[str]:
+  return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", *_system_binds(),
+          "--dev", "/dev", "--remount-ro", "/", "true"]
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_error() -> str | None:
+  """Why an episode sandbox cannot be made here (None: it can). Probed once per process."""
+  if shutil.which("bwrap") is None:
+    return "bubblewrap (bwrap) is not installed"
+  try:
+    probe = subprocess.run(_probe_argv(), capture_output=True, timeout=10)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return f"bwrap did not run: {e}"
+  if probe.returncode != 0:
+    return f"bwrap cannot create namespaces here: {probe.stderr.decode(errors='replace').strip()[:300]}"
+  return None
+
+
+def resolve(mode: str) -> str:
+  """'auto' -> 'bwrap' when it works here, else 'none'; 'bwrap' -> 'bwrap' or SandboxUnavailable."""
+  if mode not in MODES:
+    raise ValueError(f"episode sandbox mode={mode!r}: not one of {MODES}")
+  if mode == "none":
+    return "none"
+  why = bwrap_error()
+  if why is None:
+    return "bwrap"
+  if mode == "bwrap":
+    raise SandboxUnavailable(f"episode sandbox 'bwrap' asked for, but {why} (install bubblewrap; in docker the "
+                             "worker container needs user namespaces, see envs.pool.DockerWorker)")
+  return "none"
+
+
+def _system_binds() -> list[str]:
+  out: list[str] = []
+  for d in _SYSTEM_DIRS:
+    if os.path.islink(d):
+      out += ["--symlink", os.readlink(d), d]
+    elif os.path.isdir(d):
+      out += ["--ro-bind", d, d]
+  prefix = os.path.realpath(sys.base_prefix)  # the interpreter, when it lives outside /usr (pyenv, conda)
+  if not any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS):
+    out += ["--ro-bind", prefix, prefix]
+  return out
+
+
+def python() -> str:
+  """This interpreter's path, valid inside a sandbox too (its prefix is bound at the same path)."""
+  return os.path.realpath(sys.executable)
+
+
+class EpisodeSandbox:
+  """One episode's private tree and the confinement its programs run in (see the module docstring).
+
+  Args:
+    mode: "bwrap", "none" or "auto" (bwrap when it works here).
+    binds: read-only extras, {path inside: path on the worker} (a test runner, a test file).
+    read_only: `/work` is mounted read-only (a verifier's run over a copy of the agent's artifacts).
+  """
+
+  def __init__(self, mode: str = "auto", *, binds: Mapping[str, str | os.PathLike] = (), read_only: bool = False,
+               prefix: str = "episode-"):
+    self.mode = resolve(mode)
+    self.binds = {str(k): str(v) for k, v in dict(binds).items()}
+    for inside in self.binds:
+      if not inside.startswith("/opt/"):
+        raise ValueError(f"bind target {inside!r}: extras go under /opt/")
+    self.read_only = read_only
+    self.base = Path(tempfile.mkdtemp(prefix=prefix))
+    self.work = self.base / "work"   # the agent's tree, as the worker (and the verifier) sees it
+    self.tmp = self.base / "tmp"
+    self.work.mkdir()
+    self.tmp.mkdir()
+
+  def inside(self, path: str | os.PathLike) -> str:
+    """Where a path of the worker's side is seen by a program in this sandbox."""
+    path = str(path)
+    if self.mode == "none":
+      return path
+    for root, name in ((self.work, "/work"), (self.tmp, "/tmp")):
+      if path == str(root) or path.startswith(str(root) + "/"):
+        return name + path[len(str(root)):]
+    for name, host in self.binds.items():
+      if path == host:
+        return name
+    raise ValueError(f"{path} is not visible inside the episode sandbox")
+
+  def argv(self, program: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The command line that runs `program` confined (mode bwrap) or as is (mode none)."""
+    if self.mode == "none":
+      return list(program)
+    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
+           *_system_binds(), "--dev", "/dev",
+           "--ro-bind" if self.read_only else "--bind", str(self.work), "/work", "--bind", str(self.tmp), "/tmp"]
+    for inside, host in self.binds.items():
+      cmd += ["--ro-bind", host, inside]
+    for k, v in {**self._env(), **dict(env or {})}.items():
+      cmd += ["--setenv", k, v]
+    return cmd + ["--chdir", "/work", "--remount-ro", "/", "--", *program]
+
+  def _env(self) -> dict[str, str]:
+    if self.mode == "none":
+      return {"PATH": "/usr/bin:/bin", "HOME": str(self.work), "TMPDIR": str(self.tmp), "LC_ALL": "C"}
+    return {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LC_ALL": "C"}
+
+  def run(self, program: Sequence[str], *, timeout: float, stdin: bytes = b"",
+          env: Mapping[str, str] | None = None) -> Completed:
+    """Runs `program` in the sandbox (cwd /work) with `stdin`; raises OSError when it cannot start."""
+    if self.mode == "none":
+      return run_capped(list(program), cwd=self.work, env={**self._env(), **dict(env or {})}, stdin=stdin,
+                        timeout=timeout)
+    return run_capped(self.argv(program, env), cwd=self.work, env={"PATH": "/usr/bin:/bin"}, stdin=stdin,
+                      timeout=timeout)
+
+  def close(self) -> None:
+    rmtree(self.base)
+
+
+def rmtree(path: Path) -> None:
+  """Removes a tree whatever an agent did to its permissions (chmod 000 directories)."""
+  def fix(func, p, _exc):
+    try:
+      os.chmod(os.path.dirname(p), 0o700)
+      if os.path.isdir(p) and not os.path.islink(p):
+        os.chmod(p, 0o700)
+      func(p)
+    except OSError:
+      pass
+  shutil.rmtree(path, onerror=fix)
+
+
+def run_capped(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bytes = b"",
+               timeout: float) -> Completed:
+  """Runs `argv` in a new process group (session), stdout and stderr merged, at most OUTPUT_CAP_BYTES kept.
+
+  When the program exits or times out the whole group is SIGKILLed: background jobs die with it (under bwrap,
+  everything in the sandbox's pid namespace dies with its first process too).
+  """
+  proc = subprocess.Popen(list(argv), cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, start_new_session=True, env=dict(env))
+  kept, total = bytearray(), 0
+
+  def drain():
+    nonlocal total
+    try:
+      while chunk := proc.stdout.read1(1 << 16):
+        total += len(chunk)
+        if len(kept) < OUTPUT_CAP_BYTES:
+          kept.extend(chunk[:OUTPUT_CAP_BYTES - len(kept)])
+    except (OSError, ValueError):  # the pipe was closed under us (an escaped process kept it open)
+      pass
+
+  reader = threading.Thread(target=drain, name="sandbox-output", daemon=True)
+  reader.start()
+  try:
+    if stdin:
+      proc.stdin.write(stdin)
+    proc.stdin.close()
+  except OSError:  # the program exited without reading its input
+    pass
+  try:
+    code = proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    code = None
+  finally:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is already empty
+      pass
+    proc.wait()
+  reader.join(timeout=1.0)
+  proc.stdout.close()
+  return Completed(bytes(kept), total, code)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading an agent's artifacts from outside its sandbox.
+
+
+def read_artifact(root: Path, rel: str, max_bytes: int = ARTIFACT_CAP_BYTES) -> bytes | None:
+  """The bytes of regular file `rel` under `root`, or None when it is missing, is not a regular file or has a
+  symlink anywhere on its path (an agent's link to a worker file, or a FIFO that would block a reader, is
+  refused, never followed). At most `max_bytes` are read."""
+  parts = [p for p in Path(rel).parts if p not in ("", ".")]
+  if not parts or any(p == ".." for p in parts) or Path(rel).is_absolute():
+    return None
+  flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+  try:
+    fd = os.open(root, flags | os.O_DIRECTORY)
+  except OSError:
+    return None
+  try:
+    for part in parts[:-1]:
+      nxt = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+      os.close(fd)
+      fd = nxt
+    leaf = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=fd)
+  except OSError as e:
+    if e.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EACCES, errno.ENXIO):
+      raise
+    return None
+  finally:
+    os.close(fd)
+  try:
+    if not stat.S_ISREG(os.fstat(leaf).st_mode):
+      return None
+    with os.fdopen(leaf, "rb", closefd=False) as f:
+      return f.read(max_bytes)
+  finally:
+    os.close(leaf)
+
+
+def listing(root: Path, max_entries: int = 4096) -> dict[str, str]:
+  """{relative path: "file" | "dir" | "link" | "other"} of the tree under `root`, symlinks listed, never
+  followed; at most `max_entries` entries (an agent can make millions)."""
+  out: dict[str, str] = {}
+  for top, dirs, files in os.walk(root, followlinks=False):
+    for name in sorted(dirs) + sorted(files):
+      path = os.path.join(top, name)
+      try:
+        mode = os.lstat(path).st_mode
+      except OSError:
+        continue
+      out[os.path.relpath(path, root)] = ("link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else
+                                          "file" if stat.S_ISREG(mode) else "other")
+      if len(out) >= max_entries:
+        return out
+    dirs[:] = [d for d in dirs if out.get(os.path.relpath(os.path.join(top, d), root)) == "dir"]
+  return out
