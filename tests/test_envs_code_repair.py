@@ -204,3 +204,27 @@ def test_pools_refuse_to_run_it_unsandboxed_unless_told():
     pool_lib.make_pool(1, env="code_repair", kind="inprocess")
   with pool_lib.make_pool(1, env="code_repair", kind="inprocess", sandbox="none") as p:  # an explicit opt-out
     assert not p.sandboxed
+
+
+def test_the_verifier_copies_the_submission_out_and_tests_it_in_a_read_only_sandbox_of_its_own(bwrap):
+  import hashlib
+  task = next(t for t in SPEC.tasks("train", 40, 0) if t.payload["module"] == "textops.py")
+  env = SPEC.make()
+  env.reset(task, 0)
+  for action in SPEC.demo(task)[:-1]:
+    env.step(action)
+  v = env.verifier.score(task, env.root)
+  assert v.passed and v.evidence["sandbox"] == "bwrap" and v.evidence["tests"] == len(cr.split_tests("train")[1])
+  assert v.evidence["submitted"]["textops.py"] == hashlib.sha256((env.root / "textops.py").read_bytes()).hexdigest()[:16]
+  # A module that is a link (to the pristine file, which would pass) is not followed: the module is missing.
+  fixed = (env.root / "textops.py").read_text()
+  (env.root / "textops.py").unlink()
+  os.symlink(cr.PKG_DIR / "textops.py", env.root / "textops.py")
+  v = env.verifier.score(task, env.root)
+  assert not v.passed and "textops.py" not in v.evidence["submitted"] and v.evidence["import_error"]
+  # Code under test cannot write to what the verifier tests (its tree is read-only).
+  (env.root / "textops.py").unlink()
+  (env.root / "textops.py").write_text("open('textops.py', 'a').write('x')\n" + fixed)
+  v = env.verifier.score(task, env.root)
+  assert not v.passed and "Read-only file system" in v.evidence["report"], v.evidence["report"]
+  env.close()

@@ -1,5 +1,6 @@
 """Terminal env: real shell commands in the bubblewrap sandbox; the verifier checks the resulting state."""
 
+import os
 import time
 from pathlib import Path
 
@@ -74,4 +75,35 @@ def test_output_flood_is_capped_in_memory_and_flagged(box):
   r = env.step("sh yes | head -c 200000")
   assert r.info["exit"] == 0 and r.observation.truncated and r.observation.original_size >= 200_000
   assert len(r.observation.text.encode()) <= 1000
+  env.close()
+
+
+def test_the_verifier_reads_the_tree_from_outside_never_through_an_agents_links_or_fifos(tmp_path):
+  task = SPEC.tasks("eval", 1, 0)[0]   # count_lines: the line count of a file, written to count.txt
+  want = str(task.payload["files"][task.payload["target"]].count("\n"))
+  env = SPEC.make()
+  env.reset(task, 0)
+  # The right answer outside the agent's tree (a sibling's or the worker's file): a link to it is not followed.
+  (tmp_path / "answer.txt").write_text(want)
+  os.symlink(tmp_path / "answer.txt", env.root / "count.txt")
+  r = env.step("done")
+  assert r.verdict.passed is False and r.verdict.evidence["not_plain"] == ["count.txt"], r.verdict
+  assert "read" not in r.verdict.evidence
+  # A FIFO would block a reader forever: it is refused at once.
+  env.reset(task, 1)
+  assert env.step("sh mkfifo count.txt").info["exit"] == 0
+  t = time.monotonic()
+  r = env.step("done")
+  assert r.verdict.passed is False and r.verdict.evidence["not_plain"] == ["count.txt"]
+  assert time.monotonic() - t < 2
+  # The control: the same answer as a plain file passes, and the verdict keeps what it read.
+  env.reset(task, 2)
+  r = env.step(f"sh echo {want} > count.txt")
+  r = env.step("done")
+  assert r.verdict.passed is True and r.verdict.evidence["read"].strip() == want
+  # A tree too large to judge whole fails instead of being judged on part of it.
+  env.reset(task, 3)
+  env.step(f"sh echo {want} > count.txt; mkdir m; cd m; seq 5000 | xargs touch")
+  r = env.step("done")
+  assert r.verdict.passed is False and r.verdict.evidence["too_many_entries"] is True
   env.close()

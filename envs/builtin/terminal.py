@@ -22,6 +22,7 @@ from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, In
 SPLIT_TEMPLATES = {"train": ("create", "delete_logs"), "tune": ("rename",), "eval": ("count_lines",)}
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta")
 COMMAND_TIMEOUT_S = 5.0
+MAX_ENTRIES = 4096  # a final tree with more entries than this fails verification (the tasks need a handful)
 
 
 class TerminalVerifier(Verifier):
@@ -32,7 +33,9 @@ class TerminalVerifier(Verifier):
 
   def score(self, task: Task, final: Path) -> Verdict:
     p, root = task.payload, Path(final)
-    entries = listing(root)
+    entries = listing(root, MAX_ENTRIES + 1)
+    if len(entries) > MAX_ENTRIES:  # judged on a partial listing, a verdict could be wrong: refuse it
+      return Verdict(False, 0.0, dict(listing=sorted(entries)[:64], too_many_entries=True), self.version)
     t = p["template"]
     read = None
     if t in ("create", "count_lines"):
