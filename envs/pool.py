@@ -80,6 +80,9 @@ class WorkerConfig:
   reset_timeout_s: float = 30.0  # one reset's limit; the worker is restarted past it
   start_timeout_s: float = 30.0  # a worker's limit to start and answer hello
   max_retries: int = 2  # restarts a crashed step is retried on before retries_exhausted
+  # local/docker pools: workers started ahead and held ready; a crashed or hung worker is replaced by one at once
+  # (no start on the episode's path), and a new spare starts in the background
+  warm_spares: int = 0
   replay_on_crash: bool = True  # replay episodes on a restarted worker (else they end as worker_crash)
   max_obs_bytes: int = 4096  # observation cap in bytes; longer ones are truncated and flagged
   max_inflight: int = 64  # requests in flight per worker connection (backpressure)
@@ -103,6 +106,11 @@ class WorkerConfig:
         raise _invalid(self, name, "must be > 0")
     if self.max_retries < 0:
       raise _invalid(self, "max_retries", "must be >= 0")
+    if self.warm_spares < 0:
+      raise _invalid(self, "warm_spares", "must be >= 0")
+    if self.warm_spares and self.kind not in ("local", "docker"):
+      raise _invalid(self, "warm_spares", f"only local and docker pools start workers (kind={self.kind!r}); "
+                     "use 0")
     if not isinstance(self.addresses, tuple) or not all(isinstance(a, str) for a in self.addresses):
       raise _invalid(self, "addresses", "must be a tuple of str (unix:/path or tcp:host:port)")
     if self.kind == "remote" and not self.addresses:
@@ -442,6 +450,10 @@ class Worker(abc.ABC):
   def pid(self) -> int | None:
     return None
 
+  def alive(self) -> bool:
+    """The worker's process (container) still runs, as far as can be told without a call."""
+    return True
+
 
 class InProcessWorker(Worker):
   def start(self) -> None:
@@ -491,6 +503,9 @@ class LocalWorker(Worker):
 
   def pid(self) -> int | None:
     return self.proc.pid if self.proc else None
+
+  def alive(self) -> bool:
+    return self.proc is not None and self.proc.poll() is None
 
   def kill(self) -> None:
     super().kill()
@@ -569,6 +584,15 @@ class DockerWorker(Worker):
       time.sleep(0.05)
     self.conn = SocketConnection(f"unix:{sock}", self.cfg.start_timeout_s, self.cfg.max_inflight)
 
+  def alive(self) -> bool:
+    if self.container is None:
+      return False
+    try:
+      self.container.reload()
+    except Exception:  # pylint: disable=broad-except  (gone)
+      return False
+    return self.container.status == "running"
+
   def kill(self) -> None:
     super().kill()
     if self.container is not None:
@@ -617,6 +641,12 @@ class Pool:
       raise ValueError(f"num_slots={num_slots}: must be >= 1")
     self.cfg = cfg
     self.sandboxed = False
+    self.spare_swaps = 0  # restarts served by a warm spare (cfg.warm_spares)
+    self._spares: list[Worker] = []  # started, handshaken, ready to take a failed worker's place
+    self._spare_lock = threading.Lock()
+    self._spare_names = itertools.count(cfg.num_workers)
+    self._spare_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pool-spare")
+    self._closed = False
     self.workers = [self._make_worker(i) for i in range(cfg.num_workers)]
     self._worker_locks = [threading.Lock() for _ in self.workers]  # a worker's restart vs. its (generation, conn)
     self._count_lock = threading.Lock()
@@ -656,6 +686,8 @@ class Pool:
       self.close()
       raise
     self.version = hellos[0][1]["version"]
+    for _ in range(cfg.warm_spares):
+      self._spare_executor.submit(self._add_spare)
 
   def _unsandboxed(self, why: str) -> None:
     """An env whose actions run real programs never runs outside a sandbox unless sandbox='none' says so."""
@@ -715,8 +747,18 @@ class Pool:
       w = self.workers[index]
       if w.generation != seen_generation:
         return
-      log.warning("restarting env worker %d (%s)", index, self.cfg.kind)
       w.kill()
+      spare = self._take_spare()
+      if spare is not None:  # a warm spare takes the place (and the generation count) of the failed worker
+        log.warning("env worker %d (%s) replaced by a warm spare", index, self.cfg.kind)
+        spare.generation, spare.access = w.generation + 1, w.access
+        self.workers[index] = spare
+        self._discard(w)
+        with self._count_lock:
+          self.spare_swaps += 1
+        self._spare_executor.submit(self._add_spare)
+        return
+      log.warning("restarting env worker %d (%s)", index, self.cfg.kind)
       w.generation += 1
       w.start()
       if self.cfg.kind == "remote":  # a reconnect may reach another server (a new pod of a rolling update)
@@ -727,6 +769,47 @@ class Pool:
           w.conn.close()
           raise WorkerCrashed(f"worker {index} reconnected to a different server: {e}") from None
         w.hello = hello
+
+  def _add_spare(self) -> None:
+    """Starts one more warm spare (on the spare thread); one that fails to start or to match is dropped."""
+    if self._closed:
+      return
+    w = self._make_worker(next(self._spare_names))
+    try:
+      w.start()
+      hello = self._wait(w.conn.call("hello", {}, self.cfg.start_timeout_s), self.cfg.start_timeout_s)
+      check_handshake(self.workers[0].hello.get("env"), [("pool", self.workers[0].hello), ("spare", hello)])
+      if hello.get("episode_sandbox") != self.workers[0].hello.get("episode_sandbox"):
+        raise HandshakeError(f"spare's episode sandbox is {hello.get('episode_sandbox')!r}")
+      w.hello = hello
+    except Exception as e:  # pylint: disable=broad-except  (a restart without a spare still works)
+      log.error("warm spare worker did not start: %s", e)
+      self._discard(w)
+      return
+    with self._spare_lock:
+      if not self._closed:
+        self._spares.append(w)
+        return
+    self._discard(w)
+
+  @staticmethod
+  def _discard(w: Worker) -> None:
+    try:
+      w.kill()
+    except Exception as e:  # pylint: disable=broad-except
+      log.debug("kill worker: %s", e)
+    d = getattr(w, "dir", None)
+    if d:
+      shutil.rmtree(d, ignore_errors=True)
+
+  def _take_spare(self) -> Worker | None:
+    with self._spare_lock:
+      while self._spares:
+        w = self._spares.pop(0)
+        if w.alive():
+          return w
+        self._discard(w)  # a spare that died while it waited
+    return None
 
   def _restarts(self, s: _Slot) -> int:
     """Restarts of its worker that the episode lived through (info["worker_restarts"])."""
@@ -952,14 +1035,12 @@ class Pool:
     return [w.pid() for w in self.workers]
 
   def close(self) -> None:
-    for w in self.workers:
-      try:
-        w.kill()
-      except Exception as e:
-        log.debug("kill worker: %s", e)
-      d = getattr(w, "dir", None)
-      if d:
-        shutil.rmtree(d, ignore_errors=True)
+    with self._spare_lock:
+      self._closed = True
+      spares, self._spares = self._spares, []
+    for w in self.workers + spares:
+      self._discard(w)
+    self._spare_executor.shutdown(wait=False, cancel_futures=True)
     self._executor.shutdown(wait=False, cancel_futures=True)
     self._reset_executor.shutdown(wait=False, cancel_futures=True)
 

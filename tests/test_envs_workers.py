@@ -119,6 +119,33 @@ def test_worker_killed_mid_episode_is_replayed():
     assert [x.info["worker_restarts"] for x in r] == [1, 0, 1, 0]
 
 
+def _wait_for_spares(p, n: int, timeout_s: float = 30.0) -> list[int]:
+  deadline = time.monotonic() + timeout_s
+  while len(p._spares) < n:
+    assert time.monotonic() < deadline, f"no {n} warm spares within {timeout_s}s"
+    time.sleep(0.05)
+  return [w.pid() for w in p._spares]
+
+
+def test_a_warm_spare_takes_a_hung_workers_place_and_is_replaced_in_the_background():
+  with _pool("local", warm_spares=1, action_timeout_s=1.0) as p:
+    [spare] = _wait_for_spares(p, 1)
+    old = p.worker_pids()[0]
+    p.step_many(range(4), ["ok"] * 4)
+    r = p.step_many(range(4), ["hang", "ok", "ok", "ok"])   # worker 0 (slots 0, 2) hangs: it is killed
+    assert r[0].termination == "env_timeout"
+    assert p.worker_pids()[0] == spare != old and p.spare_swaps == 1
+    r = p.step_many([1, 2, 3], ["ok"] * 3)   # slot 2 is replayed on the spare, as on a restarted worker
+    assert [x.observation.text for x in r] == ["ok 3"] * 3 and r[1].info["worker_restarts"] == 1
+    assert (p.replays, p.replay_divergences) == (1, 0)
+    [fresh] = _wait_for_spares(p, 1)   # a new spare was started to take the next failure
+    assert fresh not in (old, spare)
+    _kill_worker(p, 0)
+    assert p.step(2, "ok").observation.text == "ok 4" and p.worker_pids()[0] == fresh and p.spare_swaps == 2
+  assert all(not os.path.exists(f"/proc/{pid}") or "\tZ" in open(f"/proc/{pid}/status").read()
+             for pid in (old, spare, fresh))
+
+
 def test_replay_is_checked_and_a_diverging_episode_ends_alone():
   with _pool("local") as p:
     p.step_many(range(4), ["ok", "ok", "random", "ok"])  # slot 2's env state cannot be reproduced
@@ -176,7 +203,9 @@ def test_pool_config_errors_name_the_value():
   for kwargs, message in [(dict(sandbox="docker"), r"^sandbox='docker': not one of \('auto', 'bwrap', 'none'\)$"),
                           (dict(num_workers=0), r"^num_workers=0: must be >= 1$"),
                           (dict(action_timeout_s=0.0), r"^action_timeout_s=0.0: must be > 0$"),
-                          (dict(max_retries=-1), r"^max_retries=-1: must be >= 0$")]:
+                          (dict(max_retries=-1), r"^max_retries=-1: must be >= 0$"),
+                          (dict(kind="inprocess", warm_spares=1),
+                           r"^warm_spares=1: only local and docker pools start workers \(kind='inprocess'\)")]:
     with pytest.raises(ValueError, match=message):
       WorkerConfig(**kwargs)
     with pytest.raises(ValueError, match=message):
