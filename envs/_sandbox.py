@@ -56,7 +56,7 @@ class Completed:
 
 
 def _probe_argv() -> list[str]:
-  return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", *_system_binds(),
+  return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", *system_binds(),
           "--dev", "/dev", "--remount-ro", "/", "true"]
 
 
@@ -89,7 +89,7 @@ def resolve(mode: str) -> str:
   return "none"
 
 
-def _system_binds() -> list[str]:
+def system_binds() -> list[str]:
   out: list[str] = []
   for d in _SYSTEM_DIRS:
     if os.path.islink(d):
@@ -148,7 +148,7 @@ class EpisodeSandbox:
     if self.mode == "none":
       return list(program)
     cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
-           *_system_binds(), "--dev", "/dev",
+           *system_binds(), "--dev", "/dev",
            "--ro-bind" if self.read_only else "--bind", str(self.work), "/work", "--bind", str(self.tmp), "/tmp"]
     for inside, host in self.binds.items():
       cmd += ["--ro-bind", host, inside]

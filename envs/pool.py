@@ -46,6 +46,7 @@ from typing import Any, Literal, Sequence
 
 from envs import _protocol as P
 from envs import _registry
+from envs import _sandbox
 from envs._api import (ACTION_SYNTAXES, CANCELLED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION_RULES, RETRIES_EXHAUSTED,
                        Observation, Outcome, StepResult, Task, Termination)
 
@@ -332,11 +333,8 @@ class InProcessConnection:
 
 
 def bwrap_available() -> bool:
-  if shutil.which("bwrap") is None:
-    return False
-  probe = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True,
-                         timeout=10)
-  return probe.returncode == 0
+  """bubblewrap can make sandboxes here (probed once per process)."""
+  return _sandbox.bwrap_error() is None
 
 
 def import_roots(module: str | None) -> list[tuple[str, str]]:
@@ -379,14 +377,8 @@ def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tup
   """
   import msgpack  # pylint: disable=g-import-not-at-top
   python = os.path.realpath(sys.executable)
-  cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
-  for d in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc/alternatives"):
-    if os.path.islink(d):
-      cmd += ["--symlink", os.readlink(d), d]
-    elif os.path.isdir(d):
-      cmd += ["--ro-bind", d, d]
-  cmd += ["--ro-bind", sys.base_prefix, sys.base_prefix,
-          "--ro-bind", str(ENVS_DIR), "/opt/jaxagent/envs",
+  cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", *_sandbox.system_binds()]
+  cmd += ["--ro-bind", str(ENVS_DIR), "/opt/jaxagent/envs",
           "--ro-bind", str(Path(msgpack.__file__).parent), "/opt/site/msgpack",
           "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", sock_dir, "/run/jaxagent"]
   pythonpath = ["/opt/jaxagent", "/opt/site"]

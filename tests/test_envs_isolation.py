@@ -49,8 +49,10 @@ def probe(kind: str, sandbox: str) -> dict[str, bool]:
     out["read_sibling"] = secret in p.step(0, f"sh {FIND} | xargs -r cat").observation.text
     p.step(0, f"sh for f in $({FIND}); do echo pwned-{secret} > \"${{f%/*}}/pwned.txt\"; done")
     out["write_sibling"] = f"pwned-{secret}" in p.step(1, "sh cat pwned.txt").observation.text
-    sock = "/run/jaxagent/w.sock" if kind == "docker" else f"{p.workers[0].dir}/w.sock"
-    out["worker_socket"] = f"'{sock}'" in p.step(0, f"sh {CONNECT}").observation.text
+    # The worker's socket as a sandboxed worker (docker, bubblewrap) or an unsandboxed one sees it.
+    socks = ["/run/jaxagent/w.sock"] + ([f"{p.workers[0].dir}/w.sock"] if kind == "local" else [])
+    connected = p.step(0, f"sh {CONNECT}").observation.text
+    out["worker_socket"] = any(f"'{sock}'" in connected for sock in socks)
   task = next(t for t in CODE_REPAIR.tasks("train", 40, 0) if t.payload["module"] == "textops.py")
   first_line = cr.pristine("search.py").splitlines()[0]
   with _pool(kind, "code_repair", sandbox, 1) as p:
