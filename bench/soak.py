@@ -1,6 +1,6 @@
 """Env pool soak: many concurrent episodes over local workers for a bounded time, with injected faults.
 
-    .venv/bin/python bench/soak.py [--slots 1000 --workers 8 --seconds 180 --seed 0] [--json out.json]
+    .venv/bin/python bench/soak.py [--slots 1000 --workers 8 --seconds 180 --seed 0 --spares 0] [--json out.json]
 
 Every slot runs episodes of the `faults` env back to back until `--seconds` have passed, then the open
 episodes finish (bounded by `--drain-seconds`). An episode is a seeded script of 3-12 harmless steps (`ok`,
@@ -118,12 +118,12 @@ def memory(pool: pool_lib.Pool) -> dict[str, float]:
 
 
 def soak(*, slots: int, workers: int, seconds: float, seed: int = 0, drain_seconds: float = 120.0,
-         rates: dict[str, float] | None = None, action_timeout_s: float = 2.0, echo=print) -> dict:
+         rates: dict[str, float] | None = None, action_timeout_s: float = 2.0, spares: int = 0, echo=print) -> dict:
   """Runs the soak; returns its report (see the module docstring)."""
   rates = rates or {"crash": 0.004, "hang": 0.004, "raise": 0.01, "big": 0.05}
   cfg = pool_lib.PoolConfig(kind="local", num_workers=workers, env="faults", action_timeout_s=action_timeout_s,
                             reset_timeout_s=30.0, episode_timeout_s=600.0, max_retries=2, max_obs_bytes=4096,
-                            max_inflight=256)
+                            max_inflight=256, warm_spares=spares)
   task = envs.get("faults").tasks("train", 1)[0]
   done: queue.Queue = queue.Queue()
   latencies = Latencies()
@@ -208,7 +208,7 @@ def soak(*, slots: int, workers: int, seconds: float, seed: int = 0, drain_secon
                       f"(at step {ep.step} of {ep.actions})")
     end = memory(pool)
     restarts = sum(w.generation for w in pool.workers)
-    replays, divergences = pool.replays, pool.replay_divergences
+    replays, divergences, swaps = pool.replays, pool.replay_divergences, pool.spare_swaps
   counts = dict(ended)
   episodes = sum(counts.values())
   total = base["driver_mb"] + base["workers_mb"]
@@ -217,6 +217,7 @@ def soak(*, slots: int, workers: int, seconds: float, seed: int = 0, drain_secon
       "episodes_per_s": episodes / wall, "steps": len(latencies), "steps_per_s": len(latencies) / wall,
       "step_ms_p50": latencies.percentile_ms(50), "step_ms_p99": latencies.percentile_ms(99),
       "terminations": counts, "restarts": restarts, "replays": replays, "replay_divergences": divergences,
+      "spares": spares, "spare_swaps": swaps,
       "warmup_episodes": warm, "lost": lost, "mis_terminated": len(problems) - lost, "problems": problems[:20],
       "memory_start_mb": base, "memory_end_mb": end,
       "memory_growth": (end["driver_mb"] + end["workers_mb"]) / max(total, 1e-9) - 1.0,
@@ -224,7 +225,7 @@ def soak(*, slots: int, workers: int, seconds: float, seed: int = 0, drain_secon
   echo(f"episodes: {report['episodes']} in {wall:.0f} s = {report['episodes_per_s']:.1f}/s; steps "
        f"{report['steps_per_s']:.0f}/s, latency p50 {report['step_ms_p50']:.1f} ms, p99 {report['step_ms_p99']:.0f} ms")
   echo(f"terminations: {counts}")
-  echo(f"worker restarts {restarts}, replays {replays}, replay divergences {divergences}")
+  echo(f"worker restarts {restarts} ({swaps} by a warm spare), replays {replays}, replay divergences {divergences}")
   echo(f"memory: driver {base['driver_mb']:.0f} -> {end['driver_mb']:.0f} MB, workers {base['workers_mb']:.0f} -> "
        f"{end['workers_mb']:.0f} MB (growth {100 * report['memory_growth']:+.1f} %)")
   echo(f"lost {lost}, mis-terminated {report['mis_terminated']}" + "".join(f"\n  {p}" for p in problems[:10]))
@@ -240,10 +241,11 @@ def main(argv=None) -> int:
   parser.add_argument("--seconds", type=float, default=180.0, help="admission time (then the open ones finish)")
   parser.add_argument("--drain-seconds", type=float, default=120.0)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--spares", type=int, default=0, help="warm spare workers (env.pool.warm_spares)")
   parser.add_argument("--json", help="also write the report here")
   args = parser.parse_args(argv)
   report = soak(slots=args.slots, workers=args.workers, seconds=args.seconds, seed=args.seed,
-                drain_seconds=args.drain_seconds)
+                drain_seconds=args.drain_seconds, spares=args.spares)
   if args.json:
     Path(args.json).write_text(json.dumps(report, indent=1))
   return 1 if report["lost"] or report["mis_terminated"] else 0

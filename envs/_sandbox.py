@@ -74,6 +74,16 @@ def bwrap_error() -> str | None:
   return None
 
 
+@functools.lru_cache(maxsize=None)
+def _userns_flags() -> tuple[str, ...]:
+  """`--disable-userns` where it works (bwrap >= 0.8, and a writable /proc/sys/user: not in a docker container):
+  a program in the sandbox cannot make user namespaces of its own (the kernel surface they open)."""
+  flags = ("--unshare-user", "--disable-userns")
+  probe = subprocess.run(["bwrap", "--unshare-all", *flags, *system_binds(), "--dev", "/dev", "true"],
+                         capture_output=True, timeout=10)
+  return flags if probe.returncode == 0 else ()
+
+
 def resolve(mode: str) -> str:
   """'auto' -> 'bwrap' when it works here, else 'none'; 'bwrap' -> 'bwrap' or SandboxUnavailable."""
   if mode not in MODES:
@@ -100,6 +110,16 @@ def system_binds() -> list[str]:
   if not any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS):
     out += ["--ro-bind", prefix, prefix]
   return out
+
+
+def _hide_envs() -> list[str]:
+  """An empty tmpfs over the envs package when a system bind holds it (installed into the interpreter's prefix):
+  env code and data (held-out material) are never inside an episode's sandbox."""
+  envs_dir = os.path.realpath(Path(__file__).parent)
+  bound = [a for flag, a in zip(system_binds(), system_binds()[1:]) if flag == "--ro-bind"]
+  if any(envs_dir == d or envs_dir.startswith(d.rstrip("/") + "/") for d in bound):
+    return ["--tmpfs", envs_dir]
+  return []
 
 
 def python() -> str:
@@ -147,8 +167,8 @@ class EpisodeSandbox:
     """The command line that runs `program` confined (mode bwrap) or as is (mode none)."""
     if self.mode == "none":
       return list(program)
-    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
-           *system_binds(), "--dev", "/dev",
+    cmd = ["bwrap", "--unshare-all", *_userns_flags(), "--die-with-parent", "--new-session", "--clearenv",
+           "--cap-drop", "ALL", *system_binds(), *_hide_envs(), "--dev", "/dev",
            "--ro-bind" if self.read_only else "--bind", str(self.work), "/work", "--bind", str(self.tmp), "/tmp"]
     for inside, host in self.binds.items():
       cmd += ["--ro-bind", host, inside]
@@ -175,13 +195,18 @@ class EpisodeSandbox:
 
 
 def rmtree(path: Path) -> None:
-  """Removes a tree whatever an agent did to its permissions (chmod 000 directories)."""
+  """Removes a tree whatever an agent did to its permissions (chmod 000 directories). Never follows links:
+  a permission is only ever changed on a directory of the tree itself."""
   def fix(func, p, _exc):
     try:
-      os.chmod(os.path.dirname(p), 0o700)
-      if os.path.isdir(p) and not os.path.islink(p):
-        os.chmod(p, 0o700)
-      func(p)
+      parent = os.path.dirname(p)
+      if not os.path.islink(parent):
+        os.chmod(parent, 0o700)
+      if func in (os.open, os.scandir, os.listdir) and os.path.isdir(p) and not os.path.islink(p):
+        os.chmod(p, 0o700)  # an unreadable directory: readable again, then removed whole
+        shutil.rmtree(p, onerror=fix)
+      else:
+        func(p)
     except OSError:
       pass
   shutil.rmtree(path, onerror=fix)
@@ -269,10 +294,16 @@ def read_artifact(root: Path, rel: str, max_bytes: int = ARTIFACT_CAP_BYTES) -> 
 
 
 def listing(root: Path, max_entries: int = 4096) -> dict[str, str]:
-  """{relative path: "file" | "dir" | "link" | "other"} of the tree under `root`, symlinks listed, never
-  followed; at most `max_entries` entries (an agent can make millions)."""
+  """{relative path: "file" | "dir" | "link" | "other" | "unreadable"} of the tree under `root`, symlinks
+  listed, never followed; a directory that cannot be read is listed as "unreadable" (a verifier must not judge
+  a tree it could not see whole); at most `max_entries` entries (an agent can make millions)."""
   out: dict[str, str] = {}
-  for top, dirs, files in os.walk(root, followlinks=False):
+
+  def unreadable(e: OSError) -> None:
+    if e.filename is not None:
+      out[os.path.relpath(e.filename, root)] = "unreadable"
+
+  for top, dirs, files in os.walk(root, followlinks=False, onerror=unreadable):
     for name in sorted(dirs) + sorted(files):
       path = os.path.join(top, name)
       try:

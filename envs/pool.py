@@ -201,6 +201,11 @@ def check_handshake(expected_env: str | None, hellos: Sequence[tuple[str, dict[s
     shown = "; ".join(f"{where}: {h.get('env')} {h.get('version')}" for where, h in hellos)
     raise HandshakeError(f"env workers serve different versions of the env ({shown}): episodes would differ by "
                          "worker; deploy one version everywhere")
+  modes = {h.get("episode_sandbox") for _, h in hellos}
+  if len(modes) > 1:  # observations differ between modes (paths, exit codes): a replay must not cross them
+    shown = "; ".join(f"{where}: {h.get('episode_sandbox')}" for where, h in hellos)
+    raise HandshakeError(f"env workers confine episodes differently ({shown}); run every server with the same "
+                         "--episode-sandbox")
 
 
 def _connect(address: str, timeout: float) -> socket.socket:
@@ -507,6 +512,8 @@ class LocalWorker(Worker):
       except ProcessLookupError:
         pass
       self.proc.wait(timeout=10)
+    if getattr(self, "log", None) is not None:
+      self.log.close()
 
 
 class RemoteWorker(Worker):
@@ -679,7 +686,7 @@ class Pool:
       raise
     self.version = hellos[0][1]["version"]
     for _ in range(cfg.warm_spares):
-      self._spare_executor.submit(self._add_spare)
+      self._submit_spare()
 
   def _unsandboxed(self, why: str) -> None:
     """An env whose actions run real programs never runs outside a sandbox unless sandbox='none' says so."""
@@ -739,6 +746,8 @@ class Pool:
       w = self.workers[index]
       if w.generation != seen_generation:
         return
+      if self._closed:
+        raise WorkerCrashed(f"worker {index}: the pool is closed")
       w.kill()
       spare = self._take_spare()
       if spare is not None:  # a warm spare takes the place (and the generation count) of the failed worker
@@ -748,7 +757,7 @@ class Pool:
         self._discard(w)
         with self._count_lock:
           self.spare_swaps += 1
-        self._spare_executor.submit(self._add_spare)
+        self._submit_spare()
         return
       log.warning("restarting env worker %d (%s)", index, self.cfg.kind)
       w.generation += 1
@@ -771,8 +780,6 @@ class Pool:
       w.start()
       hello = self._wait(w.conn.call("hello", {}, self.cfg.start_timeout_s), self.cfg.start_timeout_s)
       check_handshake(self.workers[0].hello.get("env"), [("pool", self.workers[0].hello), ("spare", hello)])
-      if hello.get("episode_sandbox") != self.workers[0].hello.get("episode_sandbox"):
-        raise HandshakeError(f"spare's episode sandbox is {hello.get('episode_sandbox')!r}")
       w.hello = hello
     except Exception as e:  # pylint: disable=broad-except  (a restart without a spare still works)
       log.error("warm spare worker did not start: %s", e)
@@ -795,13 +802,20 @@ class Pool:
       shutil.rmtree(d, ignore_errors=True)
 
   def _take_spare(self) -> Worker | None:
-    with self._spare_lock:
-      while self._spares:
+    while True:
+      with self._spare_lock:
+        if not self._spares:
+          return None
         w = self._spares.pop(0)
-        if w.alive():
-          return w
-        self._discard(w)  # a spare that died while it waited
-    return None
+      if w.alive():  # outside the lock: for docker, a call to the daemon
+        return w
+      self._discard(w)  # a spare that died while it waited
+
+  def _submit_spare(self) -> None:
+    try:
+      self._spare_executor.submit(self._add_spare)
+    except RuntimeError:  # the pool closed meanwhile
+      pass
 
   def _restarts(self, s: _Slot) -> int:
     """Restarts of its worker that the episode lived through (info["worker_restarts"])."""
@@ -1030,8 +1044,12 @@ class Pool:
     with self._spare_lock:
       self._closed = True
       spares, self._spares = self._spares, []
-    for w in self.workers + spares:
+    for w in spares:
       self._discard(w)
+    for i in range(len(getattr(self, "workers", []))):
+      lock = self._worker_locks[i] if hasattr(self, "_worker_locks") else threading.Lock()
+      with lock:  # after a restart that was under way (it installs its worker, or sees the pool closed)
+        self._discard(self.workers[i])
     self._spare_executor.shutdown(wait=False, cancel_futures=True)
     self._executor.shutdown(wait=False, cancel_futures=True)
     self._reset_executor.shutdown(wait=False, cancel_futures=True)

@@ -140,7 +140,14 @@ class Host:
       raise RequestError("too_many_instances", f"worker holds {self.max_instances} instances; close some")
     if old is not None:
       old[0].close()
-    obs = env.reset(task, seed)
+    try:
+      obs = env.reset(task, seed)
+    except BaseException:  # a failed reset holds no instance (nor its files): the client never learns its name
+      with self._lock:
+        if self._instances.get(instance, (None,))[0] is env:
+          del self._instances[instance]
+      env.close()
+      raise
     return dict(text=obs.text, truncated=obs.truncated, original_size=obs.original_size, version=self.version)
 
   def close_instances(self, names) -> None:

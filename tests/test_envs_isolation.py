@@ -1,13 +1,17 @@
 """Isolation between episodes, and against held-out material, for envs that run programs (DESIGN §2.8).
 
-Four probes, each an agent's action in one of two concurrent episodes on ONE worker:
+Five probes, each an agent's action in one of two concurrent episodes on ONE worker:
   read_sibling    terminal: read a file a sibling episode wrote in its own directory;
   write_sibling   terminal: write into the sibling's directory (the sibling then finds the file);
   worker_socket   terminal: connect to the worker's control socket (through which any episode can be driven);
   held_out_module code_repair, a train episode: print the pristine text of search.py (the eval split's module,
-                  the answer to every eval task) through a `test` action's exception report.
-Each must SUCCEED with sandbox='none' (the control: the probes can succeed, so a failure is isolation's doing)
-and FAIL with each episode in its own sandbox, in the local (bubblewrap) and the docker pool.
+                  the answer to every eval task) through a `test` action's exception report;
+  held_out_link   code_repair, a train episode: its code (run by `test`) replaces stack.py by a link to the
+                  worker's pristine search.py, then `show stack.py` (the env reading a file the agent planted).
+Each of the first four must SUCCEED with sandbox='none' (the control: the probes can succeed, so a failure is
+isolation's doing) and FAIL with each episode in its own sandbox, in the local (bubblewrap) and the docker pool.
+held_out_link fails in every mode: the env never reads a module through a link (it succeeded before that fix,
+which the control cannot show: the fix is in the env, not in the sandbox).
 """
 
 import secrets
@@ -62,6 +66,16 @@ def probe(kind: str, sandbox: str) -> dict[str, bool]:
     out["held_out_module"] = first_line in report and "def " in report
     # Either way the probe's code ran (a report of its import): a failed probe is no broken runner.
     assert report.startswith("cannot import the package") and ("IndexError" in report or first_line in report), report
+    # The pristine module where the worker has it (a docker or bubblewrap worker binds envs/ at /opt/jaxagent).
+    target = (f"{cr.PKG_DIR}/search.py" if kind == "local" and sandbox == "none" else
+              "/opt/jaxagent/envs/builtin/code_repair_pkg/search.py")
+    p.reset(0, task, 1)
+    p.step(0, f"replace textops.py:1 import os; os.symlink('{target}', 'l'); os.replace('l', 'stack.py')")
+    p.step(0, "test")
+    shown = p.step(0, "show stack.py").observation.text
+    out["held_out_link"] = first_line in shown
+    if not out["held_out_link"]:  # the link is there, and refused: the probe ran
+      assert "stack.py is not a regular file any more" in shown, shown
   print(f"isolation probes, {kind} pool, sandbox={sandbox}: {out}")
   return out
 
@@ -72,7 +86,6 @@ def test_isolation_probes_succeed_unconfined_and_fail_with_a_sandbox_per_episode
     _docker_or_skip()
   else:
     require_bwrap()
-  assert probe(kind, "none") == dict.fromkeys(("read_sibling", "write_sibling", "worker_socket", "held_out_module"),
-                                              True)
-  assert probe(kind, "bwrap") == dict.fromkeys(("read_sibling", "write_sibling", "worker_socket",
-                                                "held_out_module"), False)
+  probes = ("read_sibling", "write_sibling", "worker_socket", "held_out_module", "held_out_link")
+  assert probe(kind, "none") == dict(dict.fromkeys(probes, True), held_out_link=False)
+  assert probe(kind, "bwrap") == dict.fromkeys(probes, False)

@@ -107,3 +107,48 @@ def test_the_verifier_reads_the_tree_from_outside_never_through_an_agents_links_
   r = env.step("done")
   assert r.verdict.passed is False and r.verdict.evidence["too_many_entries"] is True
   env.close()
+
+
+def _without_privileges(code: str, cwd: Path) -> str:
+  """Runs python `code` as a user whom file modes bind (a worker is not root: docker runs it as uid 1000; here,
+  root without capabilities in a user namespace of bubblewrap's), this checkout importable; returns stdout."""
+  import subprocess
+  import sys
+  repo = Path(__file__).resolve().parent.parent
+  cmd = [sys.executable, "-c", code]
+  if os.geteuid() == 0:
+    require_bwrap()
+    cmd = ["bwrap", "--unshare-user", "--cap-drop", "ALL", "--ro-bind", "/", "/", "--bind", str(cwd), str(cwd),
+           "--dev", "/dev", "--proc", "/proc", "--chdir", str(cwd), "--"] + cmd
+  r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=60,
+                     env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin", "TMPDIR": str(cwd)})
+  assert r.returncode == 0, r.stderr
+  return r.stdout
+
+
+def test_a_tree_the_agent_made_unreadable_is_not_judged_and_is_still_removed(tmp_path):
+  # delete_logs: a log left in a directory made unreadable (chmod 000) must not pass as deleted.
+  code = """if 1:
+    import os, envs
+    from pathlib import Path
+    from envs import _sandbox
+    spec = envs.get("terminal")
+    task = next(t for t in spec.tasks("train", 4, 0) if t.payload["template"] == "delete_logs")
+    box = _sandbox.EpisodeSandbox("none", prefix="t-")
+    for rel, text in task.payload["files"].items():
+      (box.work / rel).parent.mkdir(parents=True, exist_ok=True)
+      (box.work / rel).write_text(text)
+    os.remove(box.work / "top.log")
+    hidden = next(p.parent for p in box.work.rglob("run.log"))
+    hidden.chmod(0)
+    v = spec.make().verifier.score(task, box.work)
+    print(v.passed, v.evidence.get("unreadable"))
+    os.makedirs(box.work / "a" / "b" / "c")
+    (box.work / "a" / "b" / "c" / "f").write_text("x")
+    (box.work / "a" / "b").chmod(0)
+    box.close()
+    print(box.base.exists())
+  """
+  out = _without_privileges(code, tmp_path).split("\n")
+  assert out[0].startswith("False [") and "unreadable" not in out[0].split("[")[0], out
+  assert out[1] == "False", out   # rmtree removed the tree, unreadable directories included

@@ -62,6 +62,7 @@ DATA_FILES = tuple(PKG_DIR / f for f in FILES) + (RUNNER,)
 
 PER_TEST_TIMEOUT_S = 1.0     # alarm per test function inside the runner
 RUN_BUDGET_S = 3.0           # tests still pending after this are reported as not run
+MAX_MODULE_BYTES = 1 << 17  # a module the episode's code grew past this is not shown or edited
 RUN_TIMEOUT_S = 6.0          # the runner subprocess itself (below the pool's default 10 s action timeout)
 GEN_PER_TEST_TIMEOUT_S = 0.3  # task generation: a mutant that makes any test this slow is dropped
 SAFE_NEW_NAMES = frozenset({"len", "range", "min", "max", "abs", "sorted", "reversed", "enumerate", "zip", "sum",
@@ -411,36 +412,42 @@ class CodeRepairVerifier(Verifier):
   sandbox_mode = "auto"  # the hosting env's episode_sandbox
 
   def score(self, task: Task, final: Path) -> Verdict:
-    modules = SPLIT_MODULES[task.split]
     source, names = split_tests(task.split)
-    box = _sandbox.EpisodeSandbox(self.sandbox_mode, read_only=True, prefix="crverify-",
-                                  binds={"/opt/run/runner.py": RUNNER, "/opt/run/pkg_tests.py": _tests_copy(source)})
+    tests_file = _tests_copy(source)
     try:
-      new_names: dict[str, list[str]] = {}
-      submitted: dict[str, str] = {}
-      for module in modules:
-        data = _sandbox.read_artifact(Path(final), module)
-        if data is None:
-          continue  # missing or not a regular file: the tests report the broken import
-        (box.work / module).write_bytes(data)
-        submitted[module] = hashlib.sha256(data).hexdigest()[:16]
-        try:
-          extra = _identifiers(data.decode("utf-8")) - _identifiers(pristine(module)) - SAFE_NEW_NAMES
-        except (SyntaxError, ValueError):
-          continue  # the tests report the broken module
-        if extra:
-          new_names[module] = sorted(extra)
-      evidence: dict[str, Any] = dict(failing_test=task.payload["failing_test"], new_names=new_names,
-                                      python=sys.version.split()[0], runner_timeout=False, submitted=submitted,
-                                      tests=len(names), sandbox=box.mode)
+      box = _sandbox.EpisodeSandbox(self.sandbox_mode, read_only=True, prefix="crverify-",
+                                    binds={"/opt/run/runner.py": RUNNER, "/opt/run/pkg_tests.py": tests_file})
       try:
-        report = run_in_sandbox(box, Path(box.binds["/opt/run/pkg_tests.py"]))
-      except RunnerTimeout as e:
-        evidence.update(runner_timeout=True, error=str(e))
-        return Verdict(False, 0.0, evidence, self.version)
+        return self._score_in(box, tests_file, task, Path(final), len(names))
+      finally:
+        box.close()
     finally:
-      box.close()
-      _sandbox.rmtree(Path(box.binds["/opt/run/pkg_tests.py"]).parent)
+      _sandbox.rmtree(tests_file.parent)
+
+  def _score_in(self, box: _sandbox.EpisodeSandbox, tests_file: Path, task: Task, final: Path,
+                tests: int) -> Verdict:
+    new_names: dict[str, list[str]] = {}
+    submitted: dict[str, str] = {}
+    for module in SPLIT_MODULES[task.split]:
+      data = _sandbox.read_artifact(final, module)
+      if data is None:
+        continue  # missing or not a regular file: the tests report the broken import
+      (box.work / module).write_bytes(data)
+      submitted[module] = hashlib.sha256(data).hexdigest()[:16]
+      try:
+        extra = _identifiers(data.decode("utf-8")) - _identifiers(pristine(module)) - SAFE_NEW_NAMES
+      except (SyntaxError, ValueError):
+        continue  # the tests report the broken module
+      if extra:
+        new_names[module] = sorted(extra)
+    evidence: dict[str, Any] = dict(failing_test=task.payload["failing_test"], new_names=new_names,
+                                    python=sys.version.split()[0], runner_timeout=False, submitted=submitted,
+                                    tests=tests, sandbox=box.mode)
+    try:
+      report = run_in_sandbox(box, tests_file)
+    except RunnerTimeout as e:
+      evidence.update(runner_timeout=True, error=str(e))
+      return Verdict(False, 0.0, evidence, self.version)
     results = report["results"]
     all_pass = bool(results) and not report.get("import_error") and all(v == "pass" for v in results.values())
     passed = all_pass and results.get(task.payload["failing_test"]) == "pass" and not new_names
@@ -508,14 +515,32 @@ class CodeRepairEnv(Env):
             f"Files: {' '.join(self.files)} ({TESTS_FILE} is read-only)\n"
             "Actions: show FILE | replace FILE:LINE TEXT | test | submit")
 
-  def _file(self, name: str) -> Path:
+  def _read(self, name: str) -> str:
+    """The text of file `name` of the episode. A module is read as `envs._sandbox.read_artifact` reads: the
+    agent's code may have replaced it by a link (to a pristine module on the worker's side), a FIFO or a
+    directory, and none of those is followed or read."""
     if name not in self.files:
       raise InvalidAction(f"unknown file {name[:40]!r}; files are {' '.join(self.files)}")
-    return self.tests_file if name == TESTS_FILE else self.root / name
+    if name == TESTS_FILE:
+      return self.tests_file.read_text()
+    data = _sandbox.read_artifact(self.root, name, MAX_MODULE_BYTES + 1)
+    if data is None:
+      raise InvalidAction(f"{name} is not a regular file any more (the package's code replaced it)")
+    if len(data) > MAX_MODULE_BYTES:
+      raise InvalidAction(f"{name} is over {MAX_MODULE_BYTES} bytes (the package's code grew it)")
+    return data.decode("utf-8", errors="replace")
+
+  def _write(self, name: str, text: str) -> None:
+    """Replaces module `name` by a new file (never writes through whatever the agent left at that name)."""
+    fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".edit-")
+    os.fchmod(fd, 0o644)
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, self.root / name)
 
   def _step(self, call: Call) -> StepResult:
     if call.name == "show":
-      lines = self._file(call.arg).read_text().splitlines()
+      lines = self._read(call.arg).splitlines()
       if call.arg != TESTS_FILE:
         self.current = call.arg
       return StepResult(Observation("\n".join(f"{i:3d}| {t}" for i, t in enumerate(lines, 1))), {}, False, None,
@@ -552,15 +577,14 @@ class CodeRepairEnv(Env):
       raise InvalidAction("replace LINE needs a file: replace FILE:LINE TEXT, or show FILE first")
     if name == TESTS_FILE:
       raise InvalidAction(f"{TESTS_FILE} is read-only: fix the package, not the tests")
-    path = self._file(name)
-    lines = path.read_text().splitlines()
+    lines = self._read(name).splitlines()
     if not 1 <= line_no <= len(lines):
       raise InvalidAction(f"{name} has lines 1..{len(lines)}, not {line_no}")
     if text and not text[0].isspace():
       old = lines[line_no - 1]
       text = old[:len(old) - len(old.lstrip())] + text
     lines[line_no - 1] = text.rstrip()
-    path.write_text("\n".join(lines) + "\n")
+    self._write(name, "\n".join(lines) + "\n")
     self.current, self.edits = name, self.edits + 1
     return StepResult(Observation(f"{name}:{line_no}| {lines[line_no - 1]}"), {}, False, None,
                       dict(file=name, line=line_no))

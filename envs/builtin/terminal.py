@@ -36,6 +36,9 @@ class TerminalVerifier(Verifier):
     entries = listing(root, MAX_ENTRIES + 1)
     if len(entries) > MAX_ENTRIES:  # judged on a partial listing, a verdict could be wrong: refuse it
       return Verdict(False, 0.0, dict(listing=sorted(entries)[:64], too_many_entries=True), self.version)
+    hidden = sorted(k for k, kind in entries.items() if kind == "unreadable")
+    if hidden:  # directories the agent made unreadable: the tree cannot be seen whole
+      return Verdict(False, 0.0, dict(listing=sorted(entries)[:64], unreadable=hidden[:64]), self.version)
     t = p["template"]
     read = None
     if t in ("create", "count_lines"):
