@@ -73,6 +73,10 @@ def test_handshake_refuses_mixed_versions_and_protocols():
     pool_lib.check_handshake("calculator", [("a", hello("v1")), ("b", hello("v2"))])
   with pytest.raises(pool_lib.HandshakeError, match="b speaks protocol 99.*this client speaks protocol"):
     pool_lib.check_handshake(None, [("a", hello("v1")), ("b", hello("v1", 99))])
+  # Observations differ between episode-sandbox modes (paths, exit codes): a replay must never cross them.
+  boxed = lambda mode: dict(hello("v1"), episode_sandbox=mode)
+  with pytest.raises(pool_lib.HandshakeError, match="confine episodes differently .*a: bwrap; b: none"):
+    pool_lib.check_handshake("calculator", [("a", boxed("bwrap")), ("b", boxed("none"))])
 
 
 def test_a_full_server_makes_resets_wait_until_an_episode_ends(servers):

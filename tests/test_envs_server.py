@@ -23,6 +23,8 @@ class _CountedEnv(envs.Env):
     self._open = True
 
   def _reset(self, task, seed):
+    if task.payload.get("fail"):
+      raise envs.EnvError("this reset fails")
     return "ready"
 
   def _step(self, call):
@@ -81,3 +83,14 @@ def test_reset_refused_for_too_many_instances_makes_no_env_and_leaks_none(host):
   assert _open() == 2
   host.close_all()
   assert _open() == 0
+
+
+def test_a_failed_reset_holds_no_instance_and_closes_its_env(host):
+  failing = dict(TASK, payload={"fail": True})
+  for name in ("a", "b", "c"):   # more failures than the table has places
+    with pytest.raises(envs.EnvError, match="this reset fails"):
+      host.handle("reset", {"instance": name, "task": failing, "seed": 0, "options": {}})
+  assert (_CountedEnv.made, _open()) == (3, 0)
+  _reset(host, "a")
+  _reset(host, "b")   # both places are free
+  assert _open() == 2

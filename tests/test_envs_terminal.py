@@ -152,3 +152,29 @@ def test_a_tree_the_agent_made_unreadable_is_not_judged_and_is_still_removed(tmp
   out = _without_privileges(code, tmp_path).split("\n")
   assert out[0].startswith("False [") and "unreadable" not in out[0].split("[")[0], out
   assert out[1] == "False", out   # rmtree removed the tree, unreadable directories included
+
+
+def test_the_envs_package_is_hidden_from_episodes_when_a_system_bind_holds_it(monkeypatch):
+  # As when jaxagent is installed into the interpreter's prefix: a read-only system bind holds envs/ and its
+  # data. (A stand-in prefix outside /work and /tmp, which episodes have as their own mounts.)
+  import shutil
+  import tempfile
+  require_bwrap()
+  prefix = Path(tempfile.mkdtemp(dir="/var/tmp"))
+  try:
+    (prefix / "envs" / "builtin" / "code_repair_pkg").mkdir(parents=True)
+    (prefix / "envs" / "builtin" / "code_repair_pkg" / "search.py").write_text("pristine\n")
+    (prefix / "README").write_text("readme\n")
+    binds = _sandbox.system_binds()
+    monkeypatch.setattr(_sandbox, "system_binds", lambda: binds + ["--ro-bind", str(prefix), str(prefix)])
+    monkeypatch.setattr(_sandbox, "__file__", str(prefix / "envs" / "_sandbox.py"))
+    box = _sandbox.EpisodeSandbox("bwrap")
+    try:
+      done = box.run(["/bin/sh", "-c", f"cat {prefix}/README; cat {prefix}/envs/builtin/code_repair_pkg/search.py"],
+                     timeout=5)
+    finally:
+      box.close()
+  finally:
+    shutil.rmtree(prefix)
+  text = done.output.decode()
+  assert text.startswith("readme\n") and "No such file" in text and "pristine" not in text, text
