@@ -79,8 +79,11 @@ def _userns_flags() -> tuple[str, ...]:
   """`--disable-userns` where it works (bwrap >= 0.8, and a writable /proc/sys/user: not in a docker container):
   a program in the sandbox cannot make user namespaces of its own (the kernel surface they open)."""
   flags = ("--unshare-user", "--disable-userns")
-  probe = subprocess.run(["bwrap", "--unshare-all", *flags, *system_binds(), "--dev", "/dev", "true"],
-                         capture_output=True, timeout=10)
+  try:
+    probe = subprocess.run(["bwrap", "--unshare-all", *flags, *system_binds(), "--dev", "/dev", "true"],
+                           capture_output=True, timeout=10)
+  except (OSError, subprocess.TimeoutExpired):
+    return ()
   return flags if probe.returncode == 0 else ()
 
 
@@ -118,7 +121,7 @@ def _hide_envs() -> list[str]:
   envs_dir = os.path.realpath(Path(__file__).parent)
   bound = [a for flag, a in zip(system_binds(), system_binds()[1:]) if flag == "--ro-bind"]
   if any(envs_dir == d or envs_dir.startswith(d.rstrip("/") + "/") for d in bound):
-    return ["--tmpfs", envs_dir]
+    return ["--tmpfs", envs_dir, "--remount-ro", envs_dir]
   return []
 
 
@@ -149,6 +152,7 @@ class EpisodeSandbox:
     self.tmp = self.base / "tmp"
     self.work.mkdir()
     self.tmp.mkdir()
+    self.closed = False
 
   def inside(self, path: str | os.PathLike) -> str:
     """Where a path of the worker's side is seen by a program in this sandbox."""
@@ -191,25 +195,45 @@ class EpisodeSandbox:
                       timeout=timeout)
 
   def close(self) -> None:
-    rmtree(self.base)
+    if not self.closed:
+      self.closed = True
+      rmtree(self.base)
 
 
 def rmtree(path: Path) -> None:
-  """Removes a tree whatever an agent did to its permissions (chmod 000 directories). Never follows links:
-  a permission is only ever changed on a directory of the tree itself."""
-  def fix(func, p, _exc):
+  """Removes a tree whatever an agent did to its permissions (chmod 000 or 400 directories), best effort,
+  never raising. A permission is only ever changed on a directory inside the tree (never through a link, never
+  on `path`'s parent), and each path is retried once."""
+  top = os.path.normpath(path)
+  retried: set[str] = set()
+
+  def inside(p: str) -> bool:
+    return os.path.normpath(p).startswith(top + os.sep)
+
+  def own_dir(p: str) -> None:
+    if (inside(p) or os.path.normpath(p) == top) and os.path.isdir(p) and not os.path.islink(p):
+      os.chmod(p, 0o700)
+
+  def fix(_func, p, _exc):
+    p = os.fsdecode(p)
+    if p in retried or not (inside(p) or os.path.normpath(p) == top):
+      return
+    retried.add(p)
     try:
-      parent = os.path.dirname(p)
-      if not os.path.islink(parent):
-        os.chmod(parent, 0o700)
-      if func in (os.open, os.scandir, os.listdir) and os.path.isdir(p) and not os.path.islink(p):
-        os.chmod(p, 0o700)  # an unreadable directory: readable again, then removed whole
+      if inside(p):
+        own_dir(os.path.dirname(p))  # the directory holding p: readable, searchable, writable again
+      if os.path.isdir(p) and not os.path.islink(p):
+        own_dir(p)
         shutil.rmtree(p, onerror=fix)
-      else:
-        func(p)
+      elif os.path.lexists(p):
+        os.unlink(p)
     except OSError:
       pass
-  shutil.rmtree(path, onerror=fix)
+
+  try:
+    shutil.rmtree(path, onerror=fix)
+  except Exception:  # pylint: disable=broad-except  (cleanup: never the reason an episode fails)
+    pass
 
 
 def run_capped(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin: bytes = b"",
@@ -308,7 +332,10 @@ def listing(root: Path, max_entries: int = 4096) -> dict[str, str]:
       path = os.path.join(top, name)
       try:
         mode = os.lstat(path).st_mode
-      except OSError:
+      except FileNotFoundError:
+        continue
+      except OSError:  # a directory that can be listed but not searched (chmod 400): its entries are hidden
+        out[os.path.relpath(path, root)] = "unreadable"
         continue
       out[os.path.relpath(path, root)] = ("link" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else
                                           "file" if stat.S_ISREG(mode) else "other")

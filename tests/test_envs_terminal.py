@@ -134,24 +134,31 @@ def test_a_tree_the_agent_made_unreadable_is_not_judged_and_is_still_removed(tmp
     from envs import _sandbox
     spec = envs.get("terminal")
     task = next(t for t in spec.tasks("train", 4, 0) if t.payload["template"] == "delete_logs")
-    box = _sandbox.EpisodeSandbox("none", prefix="t-")
-    for rel, text in task.payload["files"].items():
-      (box.work / rel).parent.mkdir(parents=True, exist_ok=True)
-      (box.work / rel).write_text(text)
-    os.remove(box.work / "top.log")
-    hidden = next(p.parent for p in box.work.rglob("run.log"))
-    hidden.chmod(0)
-    v = spec.make().verifier.score(task, box.work)
-    print(v.passed, v.evidence.get("unreadable"))
-    os.makedirs(box.work / "a" / "b" / "c")
-    (box.work / "a" / "b" / "c" / "f").write_text("x")
-    (box.work / "a" / "b").chmod(0)
-    box.close()
-    print(box.base.exists())
+    for mode in (0o000, 0o400):   # not listable; listable but not searchable
+      box = _sandbox.EpisodeSandbox("none", prefix="t-")
+      for rel, text in task.payload["files"].items():
+        (box.work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (box.work / rel).write_text(text)
+      os.remove(box.work / "top.log")
+      hidden = next(p.parent for p in box.work.rglob("run.log"))
+      hidden.chmod(mode)
+      v = spec.make().verifier.score(task, box.work)
+      print(v.passed, v.evidence.get("unreadable"))
+      for d in ("a/b/c", "x/y/z"):
+        os.makedirs(box.work / d)
+        (box.work / d / "f").write_text("x")
+      (box.work / "a" / "b").chmod(0)
+      (box.work / "x" / "y").chmod(0o400)
+      box.close()
+      print(box.base.exists())
+      _sandbox.rmtree(box.base / "work")   # twice: nothing left, nothing raised, the parent's mode untouched
+      print(oct(box.base.parent.stat().st_mode & 0o777) == oct(os.stat(os.environ["TMPDIR"]).st_mode & 0o777))
   """
   out = _without_privileges(code, tmp_path).split("\n")
-  assert out[0].startswith("False [") and "unreadable" not in out[0].split("[")[0], out
-  assert out[1] == "False", out   # rmtree removed the tree, unreadable directories included
+  for k in (0, 3):
+    assert out[k].startswith("False ['"), out   # not passed, and the evidence names the unreadable directory
+    assert out[k + 1] == "False", out   # rmtree removed the tree, unreadable directories included
+    assert out[k + 2] == "True", out
 
 
 def test_the_envs_package_is_hidden_from_episodes_when_a_system_bind_holds_it(monkeypatch):

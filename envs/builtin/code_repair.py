@@ -522,7 +522,8 @@ class CodeRepairEnv(Env):
     if name not in self.files:
       raise InvalidAction(f"unknown file {name[:40]!r}; files are {' '.join(self.files)}")
     if name == TESTS_FILE:
-      return self.tests_file.read_text()
+      return split_tests(self.task.split)[0]  # from memory: in mode none the agent could swap the file
+    self._own_root()
     data = _sandbox.read_artifact(self.root, name, MAX_MODULE_BYTES + 1)
     if data is None:
       raise InvalidAction(f"{name} is not a regular file any more (the package's code replaced it)")
@@ -532,11 +533,25 @@ class CodeRepairEnv(Env):
 
   def _write(self, name: str, text: str) -> None:
     """Replaces module `name` by a new file (never writes through whatever the agent left at that name)."""
-    fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".edit-")
-    os.fchmod(fd, 0o644)
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, self.root / name)
+    self._own_root()
+    try:
+      fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".edit-")
+    except OSError as e:
+      raise InvalidAction(f"cannot edit {name}: {e.strerror}") from None
+    try:
+      os.fchmod(fd, 0o644)
+      with os.fdopen(fd, "w") as f:
+        f.write(text)
+      os.replace(tmp, self.root / name)
+    except OSError as e:  # the package's code put a directory at that name
+      os.unlink(tmp)
+      raise InvalidAction(f"cannot edit {name}: {e.strerror}") from None
+
+  def _own_root(self) -> None:
+    """The episode's directory is the env's: whatever mode the package's code gave it, the env reads and
+    writes it (never through a link: it is the directory the env made, a mount point inside the sandbox)."""
+    if not self.root.is_symlink():
+      os.chmod(self.root, 0o755)
 
   def _step(self, call: Call) -> StepResult:
     if call.name == "show":
