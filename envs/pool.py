@@ -532,9 +532,11 @@ class DockerWorker(Worker):
 
   Envs that run programs get a sandbox per episode nested in the container (`envs._sandbox`: bubblewrap, which
   the env image has). Creating its namespaces needs system calls docker's default seccomp profile refuses, so
-  such a container runs with `seccomp=unconfined`; it keeps every other limit (no capabilities, no new
-  privileges, no network, read-only root, memory/CPU/pids limits). sandbox='none' keeps the default profile
-  and runs episodes unconfined in their container (the control).
+  such a container runs with `envs/docker/seccomp-episodes.json` instead: those calls allowed, and refused what
+  neither a worker nor an episode needs (kernel modules, keyrings, bpf, perf, io_uring, ptrace, setns, ...). It
+  keeps every other limit (no capabilities, no new privileges, no network, read-only root, memory/CPU/pids
+  limits). sandbox='none' keeps docker's default profile and runs episodes unconfined in their container (the
+  control).
 
   The container runs `python3 -m envs.server ENV` from `docker_image`; nothing of the host's Python path is
   mounted, so a user env reaches it through the image. Build one FROM the env image (envs/docker/setup.sh
@@ -565,7 +567,8 @@ class DockerWorker(Worker):
     if os.path.exists(sock):
       os.unlink(sock)
     boxes = "none" if self.cfg.sandbox == "none" else "bwrap"
-    security = ["no-new-privileges"] + (["seccomp=unconfined"] if boxes == "bwrap" and self.needs_boxes else [])
+    security = ["no-new-privileges"] + ([f"seccomp={SECCOMP_EPISODES.read_text()}"]
+                                        if boxes == "bwrap" and self.needs_boxes else [])
     self.container = self.client.containers.run(
         self.cfg.docker_image, [self.env_ref, "--socket", "/run/jaxagent/w.sock", "--episode-sandbox", boxes],
         detach=True, network_mode="none", read_only=True, tmpfs={"/tmp": "rw,size=64m,mode=1777"},
@@ -1072,6 +1075,9 @@ def reset_termination(error: Exception) -> Termination:
   if isinstance(error, WorkerCrashed):
     return RETRIES_EXHAUSTED
   return ENV_ERROR
+
+
+SECCOMP_EPISODES = ENVS_DIR / "docker" / "seccomp-episodes.json"  # docker workers that nest episode sandboxes
 
 
 def docker_host() -> str:

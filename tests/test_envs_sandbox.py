@@ -92,3 +92,21 @@ def test_docker_worker_limits_and_recovery():
     # the hung container was replaced; slot 1's episode was replayed into the new one (and says so)
     assert p.step(1, "ok").observation.text == "ok 3" and p.step(1, "ok").info["worker_restarts"] == 1
     assert (p.replays, p.replay_divergences) == (1, 0)
+
+
+def test_docker_workers_nesting_episode_sandboxes_refuse_what_neither_needs():
+  # A container whose episodes get bubblewrap sandboxes runs with envs/docker/seccomp-episodes.json, not
+  # unconfined: keyctl and io_uring_setup reach the kernel without it (EINVAL, EFAULT) and get EPERM with it.
+  import platform
+  client = _docker_or_skip()
+  if platform.machine() != "x86_64":
+    print(f"SKIP: the syscall numbers below are x86_64's, this is {platform.machine()}")
+    pytest.skip("x86_64 syscall numbers")
+  probe = ("sh python3 -c \"import ctypes; c = ctypes.CDLL(None, use_errno=True); "
+           "print([(c.syscall(n, 1, 0, 0), ctypes.get_errno()) for n in (250, 425)])\"")
+  with pool_lib.make_pool(1, env="terminal", kind="docker", num_workers=1, start_timeout_s=60) as p:
+    opts = client.containers.get(p.workers[0].container.id).attrs["HostConfig"]["SecurityOpt"]
+    assert "no-new-privileges" in opts and not any(o == "seccomp=unconfined" for o in opts), opts
+    p.reset(0, envs.get("terminal").tasks("train", 1, 0)[0], 0)
+    r = p.step(0, probe)
+    assert r.observation.text.startswith("[(-1, 1), (-1, 1)]"), r.observation.text
