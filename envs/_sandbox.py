@@ -119,7 +119,8 @@ def _hide_envs() -> list[str]:
   """An empty tmpfs over the envs package when a system bind holds it (installed into the interpreter's prefix):
   env code and data (held-out material) are never inside an episode's sandbox."""
   envs_dir = os.path.realpath(Path(__file__).parent)
-  bound = [a for flag, a in zip(system_binds(), system_binds()[1:]) if flag == "--ro-bind"]
+  binds = system_binds()
+  bound = [a for flag, a in zip(binds, binds[1:]) if flag == "--ro-bind"]
   if any(envs_dir == d or envs_dir.startswith(d.rstrip("/") + "/") for d in bound):
     return ["--tmpfs", envs_dir, "--remount-ro", envs_dir]
   return []
@@ -135,7 +136,8 @@ class EpisodeSandbox:
 
   Args:
     mode: "bwrap", "none" or "auto" (bwrap when it works here).
-    binds: read-only extras, {path inside: path on the worker} (a test runner, a test file).
+    binds: read-only extras, {path inside (under /opt/): path on the worker} (a test runner); `add_file` adds
+      files of the sandbox's own.
     read_only: `/work` is mounted read-only (a verifier's run over a copy of the agent's artifacts).
   """
 
@@ -154,18 +156,22 @@ class EpisodeSandbox:
     self.tmp.mkdir()
     self.closed = False
 
-  def inside(self, path: str | os.PathLike) -> str:
-    """Where a path of the worker's side is seen by a program in this sandbox."""
-    path = str(path)
-    if self.mode == "none":
-      return path
-    for root, name in ((self.work, "/work"), (self.tmp, "/tmp")):
-      if path == str(root) or path.startswith(str(root) + "/"):
-        return name + path[len(str(root)):]
-    for name, host in self.binds.items():
-      if path == host:
-        return name
-    raise ValueError(f"{path} is not visible inside the episode sandbox")
+  def add_file(self, inside: str, text: str) -> None:
+    """A read-only file at `inside` (under /opt/) for the sandbox's programs: written outside the agent's tree,
+    removed with the sandbox."""
+    if not inside.startswith("/opt/"):
+      raise ValueError(f"bind target {inside!r}: extras go under /opt/")
+    path = self.base / "files" / inside[len("/opt/"):].replace("/", "_")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    self.binds[inside] = str(path)
+
+  def path(self, inside: str) -> str:
+    """Where a program run by this sandbox finds `inside`: "/work", "/tmp" or a bind target (mode none: the
+    worker-side path, since nothing is mounted)."""
+    if self.mode == "bwrap":
+      return inside
+    return {"/work": str(self.work), "/tmp": str(self.tmp), **self.binds}[inside]
 
   def argv(self, program: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
     """The command line that runs `program` confined (mode bwrap) or as is (mode none)."""

@@ -688,6 +688,7 @@ class Pool:
       self.close()
       raise
     self.version = hellos[0][1]["version"]
+    self._first_hello = hellos[0][1]  # what restarted workers and spares must match
     for _ in range(cfg.warm_spares):
       self._submit_spare()
 
@@ -766,13 +767,19 @@ class Pool:
       w.generation += 1
       w.start()
       if self.cfg.kind == "remote":  # a reconnect may reach another server (a new pod of a rolling update)
-        hello = self._wait(w.conn.call("hello", {}, self.cfg.start_timeout_s), self.cfg.start_timeout_s)
         try:
-          check_handshake(w.hello.get("env"), [("before", w.hello), (w.conn.address, hello)])
+          self._greet(w, w.conn.address)
         except HandshakeError as e:
           w.conn.close()
           raise WorkerCrashed(f"worker {index} reconnected to a different server: {e}") from None
-        w.hello = hello
+
+  def _greet(self, w: Worker, where: str) -> None:
+    """Asks a (re)started worker hello and checks it against the pool's first worker as the pool started
+    (`check_handshake`: env, version, protocol, episode-sandbox mode)."""
+    hello = self._wait(w.conn.call("hello", {}, self.cfg.start_timeout_s), self.cfg.start_timeout_s)
+    first = self._first_hello
+    check_handshake(first.get("env"), [("the pool's workers", first), (where, hello)])
+    w.hello = hello
 
   def _add_spare(self) -> None:
     """Starts one more warm spare (on the spare thread); one that fails to start or to match is dropped."""
@@ -781,9 +788,7 @@ class Pool:
     w = self._make_worker(next(self._spare_names))
     try:
       w.start()
-      hello = self._wait(w.conn.call("hello", {}, self.cfg.start_timeout_s), self.cfg.start_timeout_s)
-      check_handshake(self.workers[0].hello.get("env"), [("pool", self.workers[0].hello), ("spare", hello)])
-      w.hello = hello
+      self._greet(w, "warm spare")
     except Exception as e:  # pylint: disable=broad-except  (a restart without a spare still works)
       log.error("warm spare worker did not start: %s", e)
       self._discard(w)

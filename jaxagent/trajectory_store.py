@@ -154,14 +154,11 @@ def shard_pattern(prefix: str = "trajectories") -> re.Pattern:
   return re.compile(re.escape(prefix) + r"-(\d+)" + re.escape(SUFFIX) + r"(\.partial)?$")
 
 
-def list_files(path: str | os.PathLike, prefix: str | None = None) -> list[Path]:
-  """A shard file, or the finished shards (`*.array_record`, sorted) of a directory (only those of the writer
-  with `prefix` when given)."""
+def list_files(path: str | os.PathLike) -> list[Path]:
+  """A shard file, or the finished shards (`*.array_record`, sorted) of a directory."""
   path = Path(path)
   if path.is_dir():
-    mine = None if prefix is None else shard_pattern(prefix)
-    return sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file()
-                  and (mine is None or mine.match(p.name)))
+    return sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
   if path.is_file():
     return [path]
   raise FileNotFoundError(f"{path}: no such trajectory file or directory")

@@ -33,8 +33,8 @@ def servers(tmp_path):
   """Starts loopback env servers: `servers(env, *flags) -> "tcp:127.0.0.1:PORT"`; all are killed at the end."""
   procs = []
 
-  def start(env="calculator", *flags):
-    port = _free_port()
+  def start(env="calculator", *flags, port=None):
+    port = port or _free_port()
     ready = tmp_path / f"ready-{port}"
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from envs import server; sys.exit(server.main())",
                              env, "--tcp", f"127.0.0.1:{port}", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -50,6 +50,7 @@ def servers(tmp_path):
         time.sleep(0.05)
     raise AssertionError(f"server on port {port} did not start")
 
+  start.procs = procs
   yield start
   for proc in procs:
     proc.kill()
@@ -64,6 +65,21 @@ def test_handshake_refuses_a_server_of_another_env_naming_it(servers):
   good, other = servers("calculator"), servers("faults")
   with pytest.raises(pool_lib.HandshakeError, match=f"{other} serves 'faults'"):
     pool_lib.Pool(_remote([good, other]), num_slots=2)
+
+
+def test_a_remote_worker_that_reconnects_to_a_server_of_another_env_is_refused(servers, caplog):
+  address = servers("faults")
+  task = envs.get("faults").tasks("train", 1)[0]
+  with pool_lib.Pool(_remote([address], env="faults", max_retries=1), num_slots=1) as pool:
+    pool.reset(0, task, 0)
+    assert pool.step(0, "ok").observation.text == "ok 1"
+    servers.procs[-1].kill()   # a rolling update puts a server of another env at the same address
+    servers.procs[-1].wait(timeout=10)
+    servers("calculator", port=int(address.rsplit(":", 1)[1]))
+    r = pool.step(0, "ok")
+  # Refused at the reconnect (not replayed there, which would end as env_error on the calculator).
+  assert r.termination == "retries_exhausted", r
+  assert "reconnected to a different server" in caplog.text and "serves 'calculator'" in caplog.text
 
 
 def test_handshake_refuses_mixed_versions_and_protocols():

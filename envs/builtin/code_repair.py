@@ -74,14 +74,18 @@ class RunnerTimeout(Exception):
   """The test runner process did not finish within RUN_TIMEOUT_S (killed)."""
 
 
-def _runner_argv(python: str, runner: str, pkg_dir: str, tests_file: str, names: Sequence[str],
-                 per_test_s: float | None, budget_s: float | None) -> list[str]:
+def _run_runner(launch, python: str, runner: str, pkg_dir: str, tests_file: str, names: Sequence[str],
+                per_test_s: float | None, budget_s: float | None, timeout_s: float | None) -> dict[str, Any]:
+  """Runs code_repair_runner.py by `launch(argv, stdin, timeout) -> Completed` and returns its report."""
   per_test_s = PER_TEST_TIMEOUT_S if per_test_s is None else per_test_s
   budget_s = RUN_BUDGET_S if budget_s is None else budget_s
-  return [python, "-s", "-S", "-B", runner, pkg_dir, tests_file, repr(per_test_s), repr(budget_s), *names]
-
-
-def _report(done: _sandbox.Completed, nonce: str, timeout_s: float) -> dict[str, Any]:
+  timeout_s = RUN_TIMEOUT_S if timeout_s is None else timeout_s
+  nonce = secrets.token_hex(16)
+  argv = [python, "-s", "-S", "-B", runner, pkg_dir, tests_file, repr(per_test_s), repr(budget_s), *names]
+  try:
+    done = launch(argv, (nonce + "\n").encode(), timeout_s)
+  except OSError as e:
+    raise EnvError(f"cannot start the test runner {python}: {e}") from None
   if done.code is None:
     raise RunnerTimeout(f"the tests did not finish within {timeout_s:g}s (killed)")
   for line in done.output.decode("utf-8", errors="replace").splitlines():
@@ -100,32 +104,27 @@ def run_tests(pkg_dir: Path, names: Sequence[str] = (), *, per_test_s: float | N
   Raises RunnerTimeout when the process outlives `timeout_s` (its whole process group is killed), EnvError
   when it cannot start. Defaults: the module's PER_TEST_TIMEOUT_S, RUN_BUDGET_S, RUN_TIMEOUT_S.
   """
-  timeout_s = RUN_TIMEOUT_S if timeout_s is None else timeout_s
-  nonce = secrets.token_hex(16)
-  argv = _runner_argv(sys.executable, str(RUNNER), str(pkg_dir), str(PKG_DIR / TESTS_FILE), names, per_test_s,
-                      budget_s)
   env = {"PATH": "/usr/bin:/bin", "HOME": str(pkg_dir), "LC_ALL": "C", "PYTHONHASHSEED": "0"}
-  try:
-    done = _sandbox.run_capped(argv, cwd=pkg_dir, env=env, stdin=(nonce + "\n").encode(), timeout=timeout_s)
-  except OSError as e:
-    raise EnvError(f"cannot start the test runner {sys.executable}: {e}") from None
-  return _report(done, nonce, timeout_s)
+  launch = lambda argv, stdin, timeout: _sandbox.run_capped(argv, cwd=pkg_dir, env=env, stdin=stdin, timeout=timeout)
+  return _run_runner(launch, sys.executable, str(RUNNER), str(pkg_dir), str(PKG_DIR / TESTS_FILE), names,
+                     per_test_s, budget_s, timeout_s)
 
 
-def run_in_sandbox(box: _sandbox.EpisodeSandbox, tests_file: Path, names: Sequence[str] = (), *,
-                   per_test_s: float | None = None, budget_s: float | None = None,
-                   timeout_s: float | None = None) -> dict[str, Any]:
-  """`run_tests` for an episode: the modules in `box.work` against `tests_file` (bound read-only in `box`),
-  inside the episode's sandbox."""
-  timeout_s = RUN_TIMEOUT_S if timeout_s is None else timeout_s
-  nonce = secrets.token_hex(16)
-  argv = _runner_argv(_sandbox.python(), box.inside(RUNNER), box.inside(box.work), box.inside(tests_file), names,
-                      per_test_s, budget_s)
-  try:
-    done = box.run(argv, timeout=timeout_s, stdin=(nonce + "\n").encode(), env={"PYTHONHASHSEED": "0"})
-  except OSError as e:
-    raise EnvError(f"cannot start the test runner: {e}") from None
-  return _report(done, nonce, timeout_s)
+def tests_sandbox(mode: str, split: str, **kwargs) -> _sandbox.EpisodeSandbox:
+  """A sandbox for `split`'s tests: the runner and the split's slice of the tests bound read-only at /opt/run
+  (`run_in_sandbox` runs them on the modules in its /work)."""
+  box = _sandbox.EpisodeSandbox(mode, binds={"/opt/run/runner.py": RUNNER}, **kwargs)
+  box.add_file("/opt/run/pkg_tests.py", split_tests(split)[0])
+  return box
+
+
+def run_in_sandbox(box: _sandbox.EpisodeSandbox, names: Sequence[str] = (), *, per_test_s: float | None = None,
+                   budget_s: float | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+  """`run_tests` for an episode: the modules in `box.work` against the tests of `box` (see `tests_sandbox`),
+  inside the sandbox."""
+  launch = lambda argv, stdin, timeout: box.run(argv, timeout=timeout, stdin=stdin, env={"PYTHONHASHSEED": "0"})
+  return _run_runner(launch, _sandbox.python(), box.path("/opt/run/runner.py"), box.path("/work"),
+                     box.path("/opt/run/pkg_tests.py"), names, per_test_s, budget_s, timeout_s)
 
 
 def format_report(report: Mapping[str, Any], only: Sequence[str] = ()) -> str:
@@ -412,20 +411,13 @@ class CodeRepairVerifier(Verifier):
   sandbox_mode = "auto"  # the hosting env's episode_sandbox
 
   def score(self, task: Task, final: Path) -> Verdict:
-    source, names = split_tests(task.split)
-    tests_file = _tests_copy(source)
+    box = tests_sandbox(self.sandbox_mode, task.split, read_only=True, prefix="crverify-")
     try:
-      box = _sandbox.EpisodeSandbox(self.sandbox_mode, read_only=True, prefix="crverify-",
-                                    binds={"/opt/run/runner.py": RUNNER, "/opt/run/pkg_tests.py": tests_file})
-      try:
-        return self._score_in(box, tests_file, task, Path(final), len(names))
-      finally:
-        box.close()
+      return self._score_in(box, task, Path(final))
     finally:
-      _sandbox.rmtree(tests_file.parent)
+      box.close()
 
-  def _score_in(self, box: _sandbox.EpisodeSandbox, tests_file: Path, task: Task, final: Path,
-                tests: int) -> Verdict:
+  def _score_in(self, box: _sandbox.EpisodeSandbox, task: Task, final: Path) -> Verdict:
     new_names: dict[str, list[str]] = {}
     submitted: dict[str, str] = {}
     for module in SPLIT_MODULES[task.split]:
@@ -442,9 +434,9 @@ class CodeRepairVerifier(Verifier):
         new_names[module] = sorted(extra)
     evidence: dict[str, Any] = dict(failing_test=task.payload["failing_test"], new_names=new_names,
                                     python=sys.version.split()[0], runner_timeout=False, submitted=submitted,
-                                    tests=tests, sandbox=box.mode)
+                                    tests=len(split_tests(task.split)[1]), sandbox=box.mode)
     try:
-      report = run_in_sandbox(box, tests_file)
+      report = run_in_sandbox(box)
     except RunnerTimeout as e:
       evidence.update(runner_timeout=True, error=str(e))
       return Verdict(False, 0.0, evidence, self.version)
@@ -455,13 +447,6 @@ class CodeRepairVerifier(Verifier):
                     failing_test_result=results.get(task.payload["failing_test"], "missing"),
                     report=format_report(report)[:2000])
     return Verdict(passed, 1.0 if passed else 0.0, evidence, self.version)
-
-
-def _tests_copy(source: str) -> Path:
-  """`source` as pkg_tests.py in a fresh directory outside any episode tree (bound read-only into sandboxes)."""
-  path = Path(tempfile.mkdtemp(prefix="crtests-")) / TESTS_FILE
-  path.write_text(source)
-  return path
 
 
 _REPLACE = re.compile(r"(?:([A-Za-z_][\w.]*):)?(\d+)(?: (.*))?", re.S)
@@ -482,8 +467,6 @@ class CodeRepairEnv(Env):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = CodeRepairVerifier()
     self.box: _sandbox.EpisodeSandbox | None = None
-    self.root: Path | None = None  # the episode's modules on the worker's side (/work inside its sandbox)
-    self.tests_file: Path | None = None  # the split's tests (/opt/run/pkg_tests.py inside, read-only)
     self.current: str | None = None
     self.files: tuple[str, ...] = ()
     self.edits = 0
@@ -498,14 +481,11 @@ class CodeRepairEnv(Env):
     # The episode's tree holds the task split's modules only, and its tests file only the split's tests: a
     # train episode's code never meets a held-out module (the pristine text is the answer to its mutations).
     self.files = tuple(sorted(SPLIT_MODULES[task.split] + (TESTS_FILE,)))
-    self.tests_file = _tests_copy(split_tests(task.split)[0])
-    self.box = _sandbox.EpisodeSandbox(self.episode_sandbox, prefix="crepair-",
-                                       binds={"/opt/run/runner.py": RUNNER, "/opt/run/pkg_tests.py": self.tests_file})
-    self.root = self.box.work
+    self.box = tests_sandbox(self.episode_sandbox, task.split, prefix="crepair-")
     self.verifier.sandbox_mode = self.episode_sandbox
     write_package(self.root, task_mutations(task), SPLIT_MODULES[task.split])
     try:
-      report = run_in_sandbox(self.box, self.tests_file, [p["failing_test"]])
+      report = run_in_sandbox(self.box, [p["failing_test"]])
     except RunnerTimeout as e:
       raise EnvError(f"task {task.id}: {e}") from None
     if report["results"].get(p["failing_test"]) != "fail":
@@ -566,7 +546,7 @@ class CodeRepairEnv(Env):
       if call.arg:
         raise InvalidAction("test takes no argument")
       try:
-        report = run_in_sandbox(self.box, self.tests_file)
+        report = run_in_sandbox(self.box)
       except RunnerTimeout as e:
         return StepResult(Observation(f"test: {e}"), {}, True, ENV_TIMEOUT, dict(error=str(e)))
       return StepResult(Observation(format_report(report)), {}, False, None,
@@ -604,13 +584,15 @@ class CodeRepairEnv(Env):
     return StepResult(Observation(f"{name}:{line_no}| {lines[line_no - 1]}"), {}, False, None,
                       dict(file=name, line=line_no))
 
+  @property
+  def root(self) -> Path | None:
+    """The episode's modules on the worker's side (/work inside its sandbox)."""
+    return None if self.box is None else self.box.work
+
   def close(self) -> None:
     if self.box is not None:
       self.box.close()
-      self.box, self.root = None, None
-    if self.tests_file is not None:
-      _sandbox.rmtree(self.tests_file.parent)
-      self.tests_file = None
+      self.box = None
 
 
 SPEC = EnvSpec(name="code_repair", description=CodeRepairEnv.description, make=CodeRepairEnv, tasks=tasks,

@@ -70,12 +70,10 @@ class TerminalEnv(Env):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = TerminalVerifier()
     self.box: EpisodeSandbox | None = None
-    self.root: Path | None = None  # the episode's directory on the worker's side (/work inside its sandbox)
 
   def _reset(self, task: Task, seed: int) -> str:
     self.close()
     self.box = EpisodeSandbox(self.episode_sandbox, prefix="term-")
-    self.root = self.box.work
     for rel, text in task.payload["files"].items():
       (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
       (self.root / rel).write_text(text)
@@ -98,10 +96,15 @@ class TerminalEnv(Env):
     info = dict(command_timeout=True) if done.code is None else dict(exit=done.code)
     return StepResult(obs, {}, False, None, info)
 
+  @property
+  def root(self) -> Path | None:
+    """The episode's directory on the worker's side (/work inside its sandbox)."""
+    return None if self.box is None else self.box.work
+
   def close(self) -> None:
     if self.box is not None:
       self.box.close()
-      self.box, self.root = None, None
+      self.box = None
 
 
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
