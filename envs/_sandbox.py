@@ -206,6 +206,23 @@ class EpisodeSandbox:
       rmtree(self.base)
 
 
+class SandboxedEpisodes:
+  """Mixin for envs whose episode owns an `EpisodeSandbox` in `self.box` (made in `_reset`): `root`, the
+  agent's tree on the worker's side, and `close`, which removes the sandbox and everything in it."""
+
+  box: EpisodeSandbox | None = None
+
+  @property
+  def root(self) -> Path | None:
+    """The episode's tree on the worker's side (/work inside its sandbox); None between episodes."""
+    return None if self.box is None else self.box.work
+
+  def close(self) -> None:
+    if self.box is not None:
+      self.box.close()
+      self.box = None
+
+
 def rmtree(path: Path) -> None:
   """Removes a tree whatever an agent did to its permissions (chmod 000 or 400 directories), best effort,
   never raising. A permission is only ever changed on a directory inside the tree (never through a link, never

@@ -452,7 +452,7 @@ class CodeRepairVerifier(Verifier):
 _REPLACE = re.compile(r"(?:([A-Za-z_][\w.]*):)?(\d+)(?: (.*))?", re.S)
 
 
-class CodeRepairEnv(Env):
+class CodeRepairEnv(_sandbox.SandboxedEpisodes, Env):
   name = "code_repair"
   description = ("repair a mutated Python package until its tests pass (sandboxed): show FILE, "
                  "replace FILE:LINE TEXT, test, submit")
@@ -466,7 +466,6 @@ class CodeRepairEnv(Env):
   def __init__(self, max_turns: int = 12, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = CodeRepairVerifier()
-    self.box: _sandbox.EpisodeSandbox | None = None
     self.current: str | None = None
     self.files: tuple[str, ...] = ()
     self.edits = 0
@@ -583,16 +582,6 @@ class CodeRepairEnv(Env):
     self.current, self.edits = name, self.edits + 1
     return StepResult(Observation(f"{name}:{line_no}| {lines[line_no - 1]}"), {}, False, None,
                       dict(file=name, line=line_no))
-
-  @property
-  def root(self) -> Path | None:
-    """The episode's modules on the worker's side (/work inside its sandbox)."""
-    return None if self.box is None else self.box.work
-
-  def close(self) -> None:
-    if self.box is not None:
-      self.box.close()
-      self.box = None
 
 
 SPEC = EnvSpec(name="code_repair", description=CodeRepairEnv.description, make=CodeRepairEnv, tasks=tasks,

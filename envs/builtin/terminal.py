@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from envs._sandbox import EpisodeSandbox, listing, read_artifact
+from envs._sandbox import EpisodeSandbox, SandboxedEpisodes, listing, read_artifact
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction, Observation,
                        StepResult, Task, Verdict, Verifier, source_version, Tool)
 
@@ -59,7 +59,7 @@ class TerminalVerifier(Verifier):
     return Verdict(passed, 1.0 if passed else 0.0, evidence, self.version)
 
 
-class TerminalEnv(Env):
+class TerminalEnv(SandboxedEpisodes, Env):
   name = "terminal"
   description = "shell tasks on a generated file tree (sandboxed): `sh CMD`, then `done`"
   parser = ActionParser(tools=(
@@ -69,7 +69,6 @@ class TerminalEnv(Env):
   def __init__(self, max_turns: int = 8, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = TerminalVerifier()
-    self.box: EpisodeSandbox | None = None
 
   def _reset(self, task: Task, seed: int) -> str:
     self.close()
@@ -95,16 +94,6 @@ class TerminalEnv(Env):
     obs = Observation(text + tail, done.total > len(done.output), done.total + len(tail))
     info = dict(command_timeout=True) if done.code is None else dict(exit=done.code)
     return StepResult(obs, {}, False, None, info)
-
-  @property
-  def root(self) -> Path | None:
-    """The episode's directory on the worker's side (/work inside its sandbox)."""
-    return None if self.box is None else self.box.work
-
-  def close(self) -> None:
-    if self.box is not None:
-      self.box.close()
-      self.box = None
 
 
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
