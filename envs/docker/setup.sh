@@ -12,6 +12,10 @@ ROOT="${JAXAGENT_DOCKER_ROOT:-/var/lib/jaxagent-docker}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE="${DEBIAN_SUITE:-bookworm}"
 export DOCKER_HOST="$HOST"
+for tool in docker dockerd debootstrap; do
+  command -v "$tool" >/dev/null || { echo "setup.sh: $tool is not on the PATH (Debian: .ci/provision installs" \
+    "docker.io and debootstrap, each only if missing)"; exit 1; }
+done
 
 if ! docker info >/dev/null 2>&1; then
   mkdir -p "$SOCK_DIR" "$ROOT/data" "$ROOT/exec"
