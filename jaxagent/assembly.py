@@ -35,6 +35,9 @@ class Batch:
     advantages: float32[B, T] per-token advantage on loss tokens; 0 elsewhere.
     policy_versions: int32[B, T] behavior policy version of sampled tokens; -1 elsewhere.
     trajectory_index: int32[B, T] index of the source trajectory in the input list; -1 at padding.
+    sampling_thresholds: float32[B, T] where truncated sampling cut each sampled token's tempered logits (NaN:
+      nothing cut, and everywhere else), or None when the batch was assembled without them (untruncated
+      sampling: the learner then compiles without the truncation at all).
   """
   tokens: np.ndarray
   positions: np.ndarray
@@ -45,6 +48,7 @@ class Batch:
   advantages: np.ndarray
   policy_versions: np.ndarray
   trajectory_index: np.ndarray
+  sampling_thresholds: np.ndarray | None = None
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -139,7 +143,8 @@ def _pack(lengths: Sequence[int], length: int) -> list[list[int]]:
 def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarray | None = None, *,
              level: Literal["trajectory", "turn", "token"] = "trajectory",
              buckets: Sequence[int] = DEFAULT_BUCKETS, length: int | None = None, rows: int | None = None,
-             pad_id: int = 0, pack: bool = False, train: Sequence[bool] | None = None) -> Batch:
+             pad_id: int = 0, pack: bool = False, train: Sequence[bool] | None = None,
+             thresholds: bool = False) -> Batch:
   """Copies recorded token streams into a padded `Batch`.
 
   Args:
@@ -154,6 +159,8 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
     pack: place several trajectories per row (segment ids 1, 2, …), first-fit decreasing.
     train: per trajectory, whether its loss tokens count (False: its tokens are in the batch, its loss mask
       and advantages are all zero; e.g. an episode ended by an infrastructure failure). Default: all True.
+    thresholds: carry the recorded `sampling_thresholds` (rollouts sampled with top-k / top-p); a static
+      choice, so that every process of a run builds batches of one structure.
   Returns:
     `Batch` of numpy arrays, shapes `[B, T]`.
   """
@@ -183,6 +190,8 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
       policy_versions=np.full((b, length), -1, np.int32),
       trajectory_index=np.full((b, length), -1, np.int32),
   )
+  if thresholds:
+    batch["sampling_thresholds"] = np.full((b, length), np.nan, np.float32)
   for r, members in enumerate(layout):
     offset = 0
     for seg, i in enumerate(members, start=1):
@@ -199,5 +208,7 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
         batch["advantages"][sl] = _token_advantages(t, None if advantages is None else advantages[i], level, i)
       batch["policy_versions"][sl] = _token_versions(t)
       batch["trajectory_index"][sl] = i
+      if thresholds:
+        batch["sampling_thresholds"][sl] = t.sampling_thresholds
       offset += len(t)
   return Batch(**batch)

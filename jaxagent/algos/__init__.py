@@ -13,7 +13,7 @@ from jaxagent.algos._losses import (AGGREGATIONS, KL_ESTIMATORS, AllMaskedError,
                                     importance_weighted_loss,
                                     loss_normalizer, next_token_entropy, next_token_logprobs, next_token_stats,
                                     policy_loss,
-                                    token_logprobs, value_loss)
+                                    token_logprobs, truncated_logits, value_loss)
 
 
 def policy_loss_kwargs(algo) -> dict:
@@ -29,7 +29,7 @@ def advantage_kwargs(algo) -> dict:
 
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "AdvantageOutput", "AllMaskedError", "KL_ESTIMATORS", "advantage_kwargs", "next_token_stats",
+    "ADVANTAGES", "AGGREGATIONS", "AdvantageOutput", "AllMaskedError", "KL_ESTIMATORS", "advantage_kwargs", "next_token_stats", "truncated_logits",
     "aggregate", "discounted_returns", "entropy", "gae", "get_advantage", "grpo_scalar",
     "importance_weighted_loss", "loss_normalizer",
     "next_token_entropy", "next_token_logprobs", "policy_loss", "policy_loss_kwargs", "register_advantage",

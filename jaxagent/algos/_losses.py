@@ -97,9 +97,24 @@ def next_token_entropy(logits_btv: jax.Array, mask_bt: jax.Array | None = None) 
   return entropy(logits_btv, mask_bt)
 
 
+def truncated_logits(logits_btv: jax.Array, tokens_bt: jax.Array, thresholds_bt: jax.Array) -> jax.Array:
+  """`logits` cut where the sampler cut them: entries below the recorded threshold of their position become
+  float32's lowest, except the recorded token itself (a token the behavior policy drew stays scoreable however
+  the logits moved since). A NaN threshold cuts nothing. No shift: position t's logits, token and threshold.
+
+  The kept set is a property of the recorded sample (`rollout.sampler.truncation_threshold`, midway between the
+  lowest kept and the highest cut logit), and the policy scored is the renormalised softmax over it: at the
+  behavior parameters it is the distribution the token was drawn from, so the on-policy ratio is 1.
+  """
+  keep_btv = (jnp.isnan(thresholds_bt)[..., None] | (logits_btv >= thresholds_bt[..., None])
+              | (jnp.arange(logits_btv.shape[-1]) == tokens_bt[..., None]))
+  return jnp.where(keep_btv, logits_btv, jnp.finfo(jnp.float32).min)
+
+
 def next_token_stats(x_btd: jax.Array, unembed_dv: jax.Array, tokens_bt: jax.Array, mask_bt: jax.Array, *,
-                     temperature: float = 1.0, chunk: int | None = None, with_entropy: bool = True
-                     ) -> tuple[jax.Array, jax.Array | None]:
+                     temperature: float = 1.0, chunk: int | None = None, with_entropy: bool = True,
+                     thresholds_bt: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """`next_token_logprobs` and `next_token_entropy` of the logits `(x_btd @ unembed_dv) / temperature`.
 
   `chunk=None` builds the float32 logits [B, T, V] once. With `chunk`, each row's positions are taken `chunk`
@@ -107,36 +122,61 @@ def next_token_stats(x_btd: jax.Array, unembed_dv: jax.Array, tokens_bt: jax.Arr
   the values and gradients are those of the direct path. Rows stay whole, so a batch sharded over rows needs no
   communication.
 
+  `thresholds_bt` (aligned with the tokens, like the mask): score each token under the truncated distribution
+  it was sampled from (`truncated_logits`); the entropy is that distribution's, and the third result is the
+  log of the mass the truncation kept, `logsumexp(kept) - logsumexp(all)`, per position.
+
   Returns:
-    (logp_bt, entropy_bt), float32[B, T] each; entropy None unless `with_entropy`.
+    (logp_bt, entropy_bt, log_kept_bt), float32[B, T] each; entropy None unless `with_entropy`, log_kept None
+    without thresholds.
   """
   logits = lambda x: jnp.einsum("btd,dv->btv", x, unembed_dv, preferred_element_type=jnp.float32)
   scaled = (lambda x: logits(x) / temperature) if temperature != 1.0 else logits
-  if chunk is None:
+  truncating = thresholds_bt is not None
+  if chunk is None and not truncating:
     logits_btv = scaled(x_btd)
     return (next_token_logprobs(logits_btv, tokens_bt, mask_bt),
-            next_token_entropy(logits_btv, mask_bt) if with_entropy else None)
+            next_token_entropy(logits_btv, mask_bt) if with_entropy else None, None)
   b, t, d = x_btd.shape
   # The hidden state at t-1 predicts token t; position 0 predicts nothing (zeros, masked: as `_shift`).
   x_btd = jnp.concatenate([jnp.zeros_like(x_btd[:, :1]), x_btd[:, :-1]], axis=1)
   mask_bt = mask_bt.at[:, 0].set(False)
+  if truncating:
+    thresholds_bt = jnp.where(mask_bt, thresholds_bt, jnp.nan)
+
+  def stats(x, tokens, mask, tau):
+    logits_v = scaled(x)
+    full = logits_v
+    if truncating:
+      logits_v = truncated_logits(jnp.where(mask[..., None], logits_v, 0.0), jnp.where(mask, tokens, 0), tau)
+    ent = entropy(logits_v, mask) if with_entropy else jnp.zeros(mask.shape, jnp.float32)
+    kept = jnp.zeros(mask.shape, jnp.float32)
+    if truncating:
+      safe = lambda z: jnp.where(mask[..., None], z, 0.0)
+      kept = jnp.where(mask, jax.nn.logsumexp(safe(logits_v), axis=-1) - jax.nn.logsumexp(safe(full), axis=-1), 0.0)
+    return token_logprobs(logits_v, tokens, mask), ent, kept
+
+  if chunk is None:
+    logp, ent, kept = stats(x_btd, tokens_bt, mask_bt, thresholds_bt)
+    return logp, (ent if with_entropy else None), (kept if truncating else None)
   n = -(-t // chunk)
   pad = n * chunk - t
+  tau_bt = thresholds_bt if truncating else jnp.zeros(mask_bt.shape, jnp.float32)
   if pad:
     x_btd = jnp.pad(x_btd, ((0, 0), (0, pad), (0, 0)))
     tokens_bt, mask_bt = jnp.pad(tokens_bt, ((0, 0), (0, pad))), jnp.pad(mask_bt, ((0, 0), (0, pad)))
+    tau_bt = jnp.pad(tau_bt, ((0, 0), (0, pad)), constant_values=jnp.nan)
   to_chunks = lambda a: jnp.moveaxis(a.reshape((b, n, chunk) + a.shape[2:]), 1, 0)  # [n, B, chunk, ...]
 
   @jax.checkpoint
   def body(carry, xs):
-    x_bcd, tokens_bc, mask_bc = xs
-    logits_bcv = scaled(x_bcd)
-    ent = entropy(logits_bcv, mask_bc) if with_entropy else jnp.zeros(mask_bc.shape, jnp.float32)
-    return carry, (token_logprobs(logits_bcv, tokens_bc, mask_bc), ent)
+    x_bcd, tokens_bc, mask_bc, tau_bc = xs
+    return carry, stats(x_bcd, tokens_bc, mask_bc, tau_bc if truncating else None)
 
-  _, (logp, ent) = jax.lax.scan(body, None, (to_chunks(x_btd), to_chunks(tokens_bt), to_chunks(mask_bt)))
+  _, (logp, ent, kept) = jax.lax.scan(body, None, tuple(map(to_chunks, (x_btd, tokens_bt, mask_bt, tau_bt))))
   from_chunks = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, n * chunk)[:, :t]
-  return from_chunks(logp), (from_chunks(ent) if with_entropy else None)
+  return (from_chunks(logp), (from_chunks(ent) if with_entropy else None),
+          (from_chunks(kept) if truncating else None))
 
 
 # ----------------------------------------------------------------------------------------------

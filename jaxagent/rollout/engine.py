@@ -59,16 +59,19 @@ HOLD_READY_FRACTION = 0.75
 
 @dataclasses.dataclass(frozen=True)
 class RowAction:
-  """One row's action: its tokens, their behavior log-probs and why it ended."""
+  """One row's action: its tokens, their behavior log-probs, the truncation thresholds they were sampled under
+  (NaN: none; `sampler.truncation_threshold`) and why it ended."""
   tokens: list[int]
   logprobs: list[float]
   finish: Finish
+  thresholds: list[float] | None = None
 
 
-def finished_actions(running, finish, n, tokens, logprobs) -> dict[int, RowAction]:
+def finished_actions(running, finish, n, tokens, logprobs, thresholds) -> dict[int, RowAction]:
   """The actions of the `running` rows that have finished (`SamplerState` fields as numpy arrays)."""
-  finish, n, tokens, logprobs = map(np.asarray, (finish, n, tokens, logprobs))
-  return {int(i): RowAction(tokens[i, :n[i]].tolist(), logprobs[i, :n[i]].tolist(), Finish(int(finish[i])))
+  finish, n, tokens, logprobs, thresholds = map(np.asarray, (finish, n, tokens, logprobs, thresholds))
+  return {int(i): RowAction(tokens[i, :n[i]].tolist(), logprobs[i, :n[i]].tolist(), Finish(int(finish[i])),
+                            thresholds[i, :n[i]].tolist())
           for i in np.flatnonzero(running) if finish[i] != Finish.NONE}
 
 
@@ -169,7 +172,8 @@ class SampledActions(Actor):
 
   def _actions(self, running):
     st = self.state
-    return finished_actions(running, *self.sampler.to_host((st.finish, st.n, st.tokens, st.logprobs)))
+    return finished_actions(running, *self.sampler.to_host((st.finish, st.n, st.tokens, st.logprobs,
+                                                            st.thresholds)))
 
   # -- the callback transport
 
@@ -387,9 +391,11 @@ class RolloutEngine:
     """Appends an action as sampled: its reasoning span (role REASONING) first, then the rest (POLICY)."""
     n = self.chat.reasoning_length(action.tokens)
     start = len(stream)
+    tau = action.thresholds
     if n:
-      stream.sampled(action.tokens[:n], action.logprobs[:n], role=tr.Role.REASONING, train=self.reasoning.trained)
-    stream.sampled(action.tokens[n:], action.logprobs[n:])
+      stream.sampled(action.tokens[:n], action.logprobs[:n], role=tr.Role.REASONING, train=self.reasoning.trained,
+                     thresholds=None if tau is None else tau[:n])
+    stream.sampled(action.tokens[n:], action.logprobs[n:], thresholds=None if tau is None else tau[n:])
     return start, len(stream)
 
   def _record_step(self, ep: _Episode, result: envs.StepResult, span, text: str, tokens: Sequence[int],
@@ -750,7 +756,7 @@ class _Scheduler:
         # briefly, then agree again (another process's env may have answered).
         self._wait(None if jax.process_count() == 1 else 0.005)
 
-  def exchange(self, finish, n, tokens, logprobs, ok):
+  def exchange(self, finish, n, tokens, logprobs, thresholds, ok):
     """The callback transport's host side: takes the program's finished actions and last feed's result,
     returns the next feed (numpy arrays, all rows) and whether the rollout is complete."""
     entered = time.perf_counter()
@@ -759,7 +765,7 @@ class _Scheduler:
     ok = np.asarray(ok)
     if self.last_feed:  # fed (and decoding from) when the program resumed after the last exchange
       self._after_feed(self.last_feed, ok, self.device_mark)
-    self._after_decode(finished_actions(self._running(), finish, n, tokens, logprobs))
+    self._after_decode(finished_actions(self._running(), finish, n, tokens, logprobs, thresholds))
     while True:
       f, plan = self._poll()
       if f is not None or self._running().any() or self.remaining == 0:

@@ -14,7 +14,9 @@ length buckets, the cache has a fixed size, and the per-turn output buffer has `
 
 Log-probs: `logprobs` are under the distribution actually sampled from (after temperature, top-k, top-p;
 0 for greedy, a point mass) — the behavior log-probs for importance ratios. `raw_logprobs` are the model's
-untempered `log_softmax` at the sampled token.
+untempered `log_softmax` at the sampled token. `thresholds` record where top-k / top-p cut each token's
+distribution (`truncation_threshold`): the learner scores the token under the same truncated, renormalised
+distribution (`algos.next_token_stats(thresholds_bt=...)`), so the on-policy ratio is 1 at any top-k / top-p.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class SamplerState:
     prompt_logits, prompt_length: the logits and length at the end of each row's prompt, kept while the row
       holds its episode: another row with the same prompt copies them and the prompt's slots (`Feed.fork`).
     running: bool[B], the row is decoding an action.
-    n: int32[B] tokens of the current action; tokens / logprobs / raw_logprobs: [B, M] its tokens so far;
+    n: int32[B] tokens of the current action; tokens / logprobs / raw_logprobs / thresholds: [B, M] its tokens
+      so far (thresholds: the truncation each token was drawn under, `truncation_threshold`; NaN: none);
       recent: int32[B, W] its last W tokens (stop-sequence matching); finish: int32[B] `Finish` (NONE while
       running or idle).
   """
@@ -113,6 +116,7 @@ class SamplerState:
   tokens: jax.Array
   logprobs: jax.Array
   raw_logprobs: jax.Array
+  thresholds: jax.Array
   finish: jax.Array
 
 
@@ -168,6 +172,7 @@ class TurnOutput:
   lengths: jax.Array       # int32[B]
   logprobs: jax.Array      # float32[B, M] under the sampled distribution
   raw_logprobs: jax.Array  # float32[B, M] untempered model log-prob
+  thresholds: jax.Array    # float32[B, M] truncation threshold on the tempered logits (NaN: none cut)
   finish: jax.Array        # int32[B] Finish codes
 
 
@@ -211,9 +216,43 @@ def pad_right(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[
 def sample_logits(logits_bv: jax.Array, key: jax.Array, config: SamplingConfig):
   """Samples one token per row; `key` draws one uniform per row (see `sample_with_uniform`).
 
-  Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B]).
+  Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B], thresholds float32[B]).
   """
   return sample_with_uniform(logits_bv, jax.random.uniform(key, logits_bv.shape[:1]), config)
+
+
+def truncation_threshold(scaled_bv: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """Per row, the threshold τ on the tempered logits that top-k then top-p truncation keeps: the kept set is
+  {v : scaled[v] >= τ}. NaN where nothing is cut (keep every token).
+
+  τ is the midpoint between the lowest kept and the highest dropped logit, not the lowest kept one: a learner
+  that recomputes the logits (another kernel, another rounding) and applies τ keeps the same set unless the
+  two logits are closer than its rounding error. Tied logits at the boundary are all kept (as top-k and top-p
+  keep every token at least as likely as the last one they keep).
+  """
+  v = scaled_bv.shape[-1]
+  k = top_k if top_k and top_k < v else v
+  if top_p >= 1.0 and k == v:
+    return jnp.full(scaled_bv.shape[:1], jnp.nan, jnp.float32)
+  # The k+1 largest logits, descending (a full sort only when top-p looks at the whole vocabulary).
+  width = min(k + 1, v)
+  head_bw = jax.lax.top_k(scaled_bv, width)[0] if k < v else jnp.sort(scaled_bv, axis=-1)[:, ::-1]
+  n_keep_b = jnp.full(scaled_bv.shape[:1], k, jnp.int32)
+  if top_p < 1.0:
+    # Over the top-k tokens renormalised (transformers' warpers: top-k, then top-p of the remainder): keep the
+    # smallest prefix whose mass reaches top_p, i.e. every token whose mass strictly before it is < top_p.
+    probs_bk = jax.nn.softmax(head_bw[:, :k], axis=-1)
+    before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
+    n_keep_b = jnp.maximum(jnp.sum(before_bk < top_p, axis=-1), 1).astype(jnp.int32)
+  last_b = jnp.take_along_axis(head_bw, (n_keep_b - 1)[:, None], axis=-1)[:, 0]
+  next_b = jnp.take_along_axis(head_bw, jnp.minimum(n_keep_b, width - 1)[:, None], axis=-1)[:, 0]
+  return jnp.where(n_keep_b < v, 0.5 * (last_b + next_b), jnp.nan).astype(jnp.float32)
+
+
+def truncate(scaled_bv: jax.Array, threshold_b: jax.Array) -> jax.Array:
+  """Tempered logits with every token below its row's threshold set to float32's lowest (NaN: none cut)."""
+  keep_bv = jnp.isnan(threshold_b)[..., None] | (scaled_bv >= threshold_b[..., None])
+  return jnp.where(keep_bv, scaled_bv, jnp.finfo(jnp.float32).min)
 
 
 def sample_with_uniform(logits_bv: jax.Array, uniform_b: jax.Array, config: SamplingConfig):
@@ -225,27 +264,24 @@ def sample_with_uniform(logits_bv: jax.Array, uniform_b: jax.Array, config: Samp
   probability reaches x = (1 - u) * total, x in (0, total]: a truncated token (probability 0) is never
   taken, however the cumulative sum rounds (if rounding leaves no such token, the likeliest one is taken).
 
-  Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B]).
+  Returns (tokens int32[B], logprobs float32[B], raw_logprobs float32[B], thresholds float32[B]): logprobs
+  under the distribution sampled from, raw_logprobs under the untempered model, thresholds the
+  `truncation_threshold` that distribution was cut at (NaN: none), which the learner applies to score the
+  token under the same distribution.
   """
   logits_bv = logits_bv.astype(jnp.float32)
   raw_logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
   take = lambda x, tokens_b: jnp.take_along_axis(x, tokens_b[:, None], axis=-1)[:, 0]
+  no_threshold_b = jnp.full(logits_bv.shape[:1], jnp.nan, jnp.float32)
   if config.temperature == 0:
     tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     raw_b = take(raw_logp_bv, tokens_b)
-    return tokens_b, jnp.zeros_like(raw_b), raw_b
+    return tokens_b, jnp.zeros_like(raw_b), raw_b, no_threshold_b
   scaled_bv = logits_bv if config.temperature == 1.0 else logits_bv / config.temperature
-  neg_inf = jnp.finfo(jnp.float32).min
-  if config.top_k and config.top_k < logits_bv.shape[-1]:
-    kth_b = jax.lax.top_k(scaled_bv, config.top_k)[0][:, -1:]
-    scaled_bv = jnp.where(scaled_bv < kth_b, neg_inf, scaled_bv)
-  if config.top_p < 1.0:
-    sorted_bv = jnp.sort(scaled_bv, axis=-1)[:, ::-1]
-    probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
-    before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # mass strictly before each sorted token
-    keep_bv = before_bv < config.top_p
-    cutoff_b = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
-    scaled_bv = jnp.where(scaled_bv < cutoff_b, neg_inf, scaled_bv)
+  threshold_b = no_threshold_b
+  if (config.top_k and config.top_k < logits_bv.shape[-1]) or config.top_p < 1.0:
+    threshold_b = truncation_threshold(scaled_bv, config.top_k, config.top_p)
+    scaled_bv = truncate(scaled_bv, threshold_b)
   # Untempered and untruncated: the sampled distribution is the model's, one log_softmax serves both.
   logp_bv = raw_logp_bv if scaled_bv is logits_bv else jax.nn.log_softmax(scaled_bv, axis=-1)
   probs_bv = jnp.exp(logp_bv)
@@ -254,7 +290,7 @@ def sample_with_uniform(logits_bv: jax.Array, uniform_b: jax.Array, config: Samp
   hit_bv = (cdf_bv >= x_b[:, None]) & (probs_bv > 0)
   tokens_b = jnp.argmax(hit_bv, axis=-1).astype(jnp.int32)
   tokens_b = jnp.where(take(hit_bv, tokens_b), tokens_b, jnp.argmax(probs_bv, axis=-1).astype(jnp.int32))
-  return tokens_b, take(logp_bv, tokens_b), take(raw_logp_bv, tokens_b)
+  return tokens_b, take(logp_bv, tokens_b), take(raw_logp_bv, tokens_b), threshold_b
 
 
 def _stop_table(config: SamplingConfig) -> tuple[np.ndarray, int]:
@@ -271,7 +307,7 @@ def _stop_table(config: SamplingConfig) -> tuple[np.ndarray, int]:
 _STATE_AXES = dict(next_logits=("batch", None), next_position=("batch",), row_key=("batch", None),
                    prompt_logits=("batch", None), prompt_length=("batch",), running=("batch",), n=("batch",),
                    recent=("batch", None), tokens=("batch", None), logprobs=("batch", None),
-                   raw_logprobs=("batch", None), finish=("batch",))
+                   raw_logprobs=("batch", None), thresholds=("batch", None), finish=("batch",))
 
 
 def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rules) -> models.KVCache:
@@ -309,6 +345,7 @@ def init_state(model: models.Transformer, rows: int, cache_size: int, config: Sa
       running=jnp.zeros((rows,), bool), n=jnp.zeros((rows,), jnp.int32),
       recent=jnp.full((rows, window), -2, jnp.int32), tokens=jnp.full((rows, m), pad_id, jnp.int32),
       logprobs=jnp.zeros((rows, m), jnp.float32), raw_logprobs=jnp.zeros((rows, m), jnp.float32),
+      thresholds=jnp.full((rows, m), jnp.nan, jnp.float32),
       finish=jnp.zeros((rows,), jnp.int32))
 
 
@@ -399,6 +436,7 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
       tokens=jnp.where(start[:, None], pad_id, state.tokens),
       logprobs=jnp.where(start[:, None], 0.0, state.logprobs),
       raw_logprobs=jnp.where(start[:, None], 0.0, state.raw_logprobs),
+      thresholds=jnp.where(start[:, None], jnp.nan, state.thresholds),
       finish=jnp.where(start, Finish.NONE, state.finish))
   return _constrain_state(state, mesh, rules), ok
 
@@ -430,7 +468,7 @@ def decode(model: models.Transformer, state: SamplerState, config: SamplingConfi
     step, st = c
     full = st.cache.index >= size
     running = st.running & ~full
-    token, logp, raw = sample_with_uniform(st.next_logits, uniforms(st.row_key, st.next_position), config)
+    token, logp, raw, tau = sample_with_uniform(st.next_logits, uniforms(st.row_key, st.next_position), config)
     at = running[:, None] & (jnp.arange(m)[None, :] == st.n[:, None])
     n = st.n + running
     recent = jnp.where(running[:, None], jnp.concatenate([st.recent[:, 1:], token[:, None]], 1), st.recent)
@@ -447,6 +485,7 @@ def decode(model: models.Transformer, state: SamplerState, config: SamplingConfi
                     tokens=jnp.where(at, token[:, None], st.tokens),
                     logprobs=jnp.where(at, logp[:, None], st.logprobs),
                     raw_logprobs=jnp.where(at, raw[:, None], st.raw_logprobs),
+                    thresholds=jnp.where(at, tau[:, None], st.thresholds),
                     n=n, recent=recent, finish=finish.astype(jnp.int32), running=running & ~stopped & ~budget)
     return step + 1, st
 
@@ -460,6 +499,7 @@ def turn_output(state: SamplerState, active_b: jax.Array, pad_id: int) -> TurnOu
   return TurnOutput(tokens=jnp.where(keep, state.tokens, pad_id), lengths=jnp.where(active_b, state.n, 0),
                     logprobs=jnp.where(keep, state.logprobs, 0.0),
                     raw_logprobs=jnp.where(keep, state.raw_logprobs, 0.0),
+                    thresholds=jnp.where(keep, state.thresholds, jnp.nan),
                     finish=jnp.where(active_b, state.finish, Finish.NONE).astype(jnp.int32))
 
 
@@ -562,7 +602,7 @@ class Sampler:
     """A whole rollout as one jitted program: decode `chunk` steps -> `exchange` through io_callback ->
     feed, until the exchange says stop.
 
-    `exchange(finish, n, tokens, logprobs, ok)` gets numpy arrays of every row (the running actions' state and
+    `exchange(finish, n, tokens, logprobs, thresholds, ok)` gets numpy arrays of every row (the running actions' state and
     the last feed's `ok`) and returns the next `Feed`'s fields (tokens [B, width], lengths, reset, episode,
     prompt_done, fork, start) and `stop`. One compiled program per (rows, width, chunk); the callback is looked
     up at run time, so the program outlives one rollout's host scheduler. The state is donated.
@@ -582,8 +622,8 @@ class Sampler:
         def body(c):
           state, ok, _, i = c
           state = decode(model, state, self.config, chunk, **shard)
-          *fields, stop = io_callback(trampoline, shapes, state.finish, state.n, state.tokens, state.logprobs, ok,
-                                      ordered=True)
+          *fields, stop = io_callback(trampoline, shapes, state.finish, state.n, state.tokens, state.logprobs,
+                                      state.thresholds, ok, ordered=True)
           state, ok = feed(model, state, Feed(*fields), pad_id=self.pad_id, attention=self.attention, **shard)
           return state, ok, stop, i + 1
 

@@ -136,7 +136,8 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
   train = trained_rows(run, trajectories)
   rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
   mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
-  layout = dict(length=cfg.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id)
+  layout = dict(length=cfg.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id,
+                thresholds=config_lib.truncates(cfg.rollout))
   values_ns = bootstrap_n = value_targets = None
   if cfg.algo.name == "ppo":
     # V(s_t) is read at the token before action t; V(s_T) of a cut-off episode at its last token (unpacked

