@@ -187,7 +187,10 @@ class Attention(nnx.Module):
       out_btkgh = jnp.sum(probs_bkgts[:, :, :, 0, :, None].astype(f32) * values_bksh[:, :, None].astype(f32),
                           axis=-2)[:, None].astype(x_btd.dtype)
     else:
-      logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh, keys_bkhs.astype(q_btkgh.dtype),
+      # XLA:CPU has no batched bf16 x bf16 -> f32 dot ("Unsupported element type for DotThunk::Execute", seen at
+      # B=8 prefill of SmolLM2): there the operands are widened first, the same products and f32 accumulation.
+      operand = f32 if jax.default_backend() == "cpu" else q_btkgh.dtype
+      logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh.astype(operand), keys_bkhs.astype(operand),
                                 preferred_element_type=f32) * (h ** -0.5)
       probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
       out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts, values_bksh.astype(x_btd.dtype))
