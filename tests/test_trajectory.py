@@ -14,10 +14,11 @@ from tests import _trajectories
 
 
 def _same(a: tj.Trajectory, b: tj.Trajectory) -> None:
-  for name in ("tokens", "roles", "loss_mask", "behavior_logprobs"):
+  arrays = ("tokens", "roles", "loss_mask", "behavior_logprobs", "sampling_thresholds")
+  for name in arrays:  # bytes: NaN (no threshold) compares equal to itself
     assert getattr(a, name).tobytes() == getattr(b, name).tobytes(), name
   for f in dataclasses.fields(tj.Trajectory):
-    if f.name not in ("tokens", "roles", "loss_mask", "behavior_logprobs"):
+    if f.name not in arrays:
       assert getattr(a, f.name) == getattr(b, f.name), f.name
 
 
