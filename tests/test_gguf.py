@@ -188,3 +188,13 @@ def test_cli_convert_writes_an_hf_directory_from_a_gguf_file(tmp_path, capsys):
   assert cli.main(["convert", str(path), str(tmp_path / "hf")]) == 0
   assert "hf, llama" in capsys.readouterr().out
   assert models.read_config(tmp_path / "hf").num_hidden_layers == 2
+
+
+def test_a_gguf_path_resolves_to_one_cached_conversion(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXAGENT_CACHE", str(tmp_path / "cache"))
+  path = _tiny_gguf(tmp_path / "tiny.gguf")
+  first = models.resolve(path)
+  assert models.read_config(first).num_hidden_layers == 2 and path.is_file()  # the user's file is left alone
+  stamp = (first / "model.safetensors").stat().st_mtime_ns
+  assert models.resolve(str(path)) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+  assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [first.name]  # no staging left behind
