@@ -21,6 +21,8 @@ import yaml
 import envs
 import envs.pool
 import models
+from jaxagent import algos
+from jaxagent.mesh_rules import RULE_TABLES
 
 T = TypeVar("T")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "launch" / "configs"
@@ -113,17 +115,15 @@ class DcnAxes(MeshAxes):
   data: int = field(-1, ge=-1)
 
 
-def _rules_names() -> list[str]:
-  from jaxagent.sharding import RULE_TABLES  # pylint: disable=g-import-not-at-top
-  return sorted(RULE_TABLES)
+RULE_NAMES = tuple(sorted(RULE_TABLES))
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshRules:
-  """The rules table (jaxagent/sharding.py `RULE_TABLES`) each role places its parameters with."""
-  rollout: str = field("tensor_parallel", choices=_rules_names, help="decode: weights split over tensor only")
-  learner: str = field("fsdp_tp", choices=_rules_names, help="training: FSDP over fsdp, TP over tensor")
-  reference: str = field("fsdp_tp", choices=_rules_names)
+  """The rules table (jaxagent/mesh_rules.py `RULE_TABLES`) each role places its parameters with."""
+  rollout: str = field("tensor_parallel", choices=RULE_NAMES, help="decode: weights split over tensor only")
+  learner: str = field("fsdp_tp", choices=RULE_NAMES, help="training: FSDP over fsdp, TP over tensor")
+  reference: str = field("fsdp_tp", choices=RULE_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,13 +164,7 @@ class GenerateConfig:
 
 
 def _advantage_names() -> list[str]:
-  from jaxagent.algos import ADVANTAGES  # pylint: disable=g-import-not-at-top
-  return sorted(ADVANTAGES)
-
-
-def _kl_names() -> list[str]:
-  from jaxagent.algos import KL_ESTIMATORS  # pylint: disable=g-import-not-at-top
-  return sorted(KL_ESTIMATORS)
+  return sorted(algos.ADVANTAGES)  # read when checked: an estimator registered after import counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +182,7 @@ class AlgoConfig:
   dual_clip: float | None = field(None, gt=1.0, help="dual-clip c (arXiv:1912.09729); null: off")
   aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = field("token-mean")
   norm_length: int | None = field(None, ge=1, help="L of seq-mean-token-sum-norm; null: the batch length")
-  kl_estimator: str = field("k3", choices=_kl_names, help="reference-KL estimator (k1, k2, k3)")
+  kl_estimator: str = field("k3", choices=lambda: sorted(algos.KL_ESTIMATORS), help="reference-KL estimator (k1, k2, k3)")
   kl_coef: float = field(0.0, ge=0.0, help="reference-KL coefficient; 0: no reference model")
   entropy_coef: float = field(0.0, ge=0.0)
   value_coef: float = field(0.5, ge=0.0, help="value-loss coefficient (gae only)")

@@ -6,7 +6,7 @@ be -1 (inferred). With DCN sizes all 1 the mesh is `mesh_utils.create_device_mes
 otherwise `mesh_utils.create_hybrid_device_mesh`, so that only the DCN axes cross slow links.
 
 A role (rollout, learner, reference) maps logical axes to mesh axes through a named rules table
-(`RULE_TABLES`), chosen in `mesh.rules.<role>`.
+(`RULE_TABLES`, data in jaxagent/mesh_rules.py), chosen in `mesh.rules.<role>`.
 """
 
 from __future__ import annotations
@@ -23,38 +23,9 @@ from jax.sharding import Mesh
 
 import models
 from jaxagent.config import MeshAxes, MeshConfig
+from jaxagent.mesh_rules import (FSDP_TP_RULES, MESH_AXES, REPLICATED_RULES, ROLES, RULE_TABLES,  # noqa: F401
+                                 TENSOR_PARALLEL_RULES)
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# Training: parameters FSDP over `fsdp`, tensor parallelism over `tensor`; `batch` is for activations and data.
-FSDP_TP_RULES: models.Rules = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("norm", None),
-    ("length", None),
-)
-
-# Decode: weights split over `tensor` only (no all-gather per generated token), the batch over the rest.
-TENSOR_PARALLEL_RULES: models.Rules = tuple((name, None if name == "embed" else target)
-                                            for name, target in FSDP_TP_RULES)
-
-# Everything replicated but the batch: small models, debugging; the replication guard rejects it on a
-# multi-device learner mesh unless mesh.max_replicated_fraction allows it.
-REPLICATED_RULES: models.Rules = tuple((name, ("data", "fsdp") if name == "batch" else None)
-                                       for name, _ in FSDP_TP_RULES)
-
-RULE_TABLES: dict[str, models.Rules] = {
-    "fsdp_tp": FSDP_TP_RULES,
-    "tensor_parallel": TENSOR_PARALLEL_RULES,
-    "replicated": REPLICATED_RULES,
-}
-
-ROLES = ("rollout", "learner", "reference")
 
 
 def rules_for(role: str, config: MeshConfig) -> models.Rules:

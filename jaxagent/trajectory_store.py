@@ -149,6 +149,12 @@ def discard_from(directory: str | os.PathLike, index: int, *, prefix: str = "tra
   return moved
 
 
+def shard_prefix(process: int, process_count: int) -> str:
+  """The shard-name prefix process `process` of `process_count` writes a run's trajectories under (one writer per
+  process: `trajectories` alone, `trajectories-p<i>` in a multi-process run)."""
+  return "trajectories" if process_count == 1 else f"trajectories-p{process}"
+
+
 def shard_pattern(prefix: str = "trajectories") -> re.Pattern:
   """The names of a writer's shards: `<prefix>-<index>.array_record`, group 1 the index, group 2 `.partial`."""
   return re.compile(re.escape(prefix) + r"-(\d+)" + re.escape(SUFFIX) + r"(\.partial)?$")

@@ -17,7 +17,7 @@ from flax import nnx
 
 import envs
 import models
-from jaxagent import algos, checkpoint
+from jaxagent import algos, checkpoint, seeds
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
@@ -227,7 +227,7 @@ def test_sft_stage_trains_on_the_assistant_tokens_of_its_batches(tmp_path):
   logged = [r["sft/loss_tokens"] for r in rows if "sft/loss_tokens" in r]
   chat = make_chat(models.load_tokenizer("byte"))
   per_chat = [sum(len(chat.action_tokens(a)) for a in actions) for actions in CALC_ACTIONS]
-  examples = stored.Examples(lambda i: i, 2, seed=loop.stable_seed(cfg.run.seed, "data", 0))
+  examples = stored.Examples(lambda i: i, 2, seed=seeds.data_order(cfg.run.seed, 0))
   assert logged == [sum(per_chat[p] for p in examples.positions(s, cfg.train.bc_batch_size)) for s in range(3)]
   assert all(np.isfinite(r["sft/nll"]) for r in rows if "sft/nll" in r)
 

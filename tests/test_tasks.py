@@ -262,14 +262,14 @@ def test_generate_filter_cli_writes_the_solvable_tasks(tmp_path, capsys):
 
 
 def test_filter_with_a_policy_keeps_the_tasks_it_sometimes_solves(tmp_path, capsys):
-  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
+  from jaxagent.train import loop, rollouts  # pylint: disable=g-import-not-at-top
   from tests.test_train import TINY  # pylint: disable=g-import-not-at-top
   tiny = TINY + ["train.iterations=0", "train.eval_episodes=0", "train.plots=false", f"run.root={tmp_path}"]
   loop.train(config_lib.load("tiny_cpu", tiny), run_dir=tmp_path / "run")
   tasks = calculator.tasks("train", 6, 0)
-  wins = pipeline.policy_outcomes(tmp_path / "run", tasks, 4)
+  wins = rollouts.policy_outcomes(tmp_path / "run", tasks, 4)
   assert wins.shape == (6,) and ((0 <= wins) & (wins <= 4)).all()
-  np.testing.assert_array_equal(pipeline.policy_outcomes(tmp_path / "run" / "checkpoints", tasks, 4), wins)
+  np.testing.assert_array_equal(rollouts.policy_outcomes(tmp_path / "run" / "checkpoints", tasks, 4), wins)
   pipeline.write_jsonl(tmp_path / "t.jsonl", "calculator", tasks)
   args = ["filter", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "kept.jsonl"), "--pool", "inprocess",
           "--policy", str(tmp_path / "run"), "--samples", "4", "--report", str(tmp_path / "r.json"), "--quiet"]
@@ -281,7 +281,7 @@ def test_filter_with_a_policy_keeps_the_tasks_it_sometimes_solves(tmp_path, caps
   assert report["always_solved"] + report["never_solved"] + len(kept) == 6
   assert "never solved" in capsys.readouterr().out
   with pytest.raises(config_lib.ConfigError, match="--samples 3: must divide the run's 8"):
-    pipeline.policy_outcomes(tmp_path / "run", tasks, 3)
+    rollouts.policy_outcomes(tmp_path / "run", tasks, 3)
 
 
 def test_frontier_retires_a_task_after_max_draws():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import envs
 from envs import pool as pool_lib
+from jaxagent import seeds
 from jaxagent.tasks import contamination, pipeline
 
 
@@ -87,7 +88,8 @@ def _cmd_filter(args) -> int:
             "infrastructure": [{"id": r.task.id, "reason": r.reason, "detail": r.detail} for r in unknown]}
   if args.policy:
     t0 = time.perf_counter()
-    wins = pipeline.policy_outcomes(args.policy, kept, args.samples, seed=args.seed)
+    from jaxagent.train import rollouts  # pylint: disable=g-import-not-at-top  (JAX and the trainer: only here)
+    wins = rollouts.policy_outcomes(args.policy, kept, args.samples, seed=args.seed)
     seconds = time.perf_counter() - t0
     always, never = int((wins == args.samples).sum()), int((wins == 0).sum())
     print(pipeline.throughput_line(f"sampled the policy {args.samples}x", len(kept), seconds))
@@ -102,11 +104,6 @@ def _cmd_filter(args) -> int:
   return 0
 
 
-def _eval_seed(seed: int, split: str) -> int:
-  from jaxagent.train.run import stable_seed  # pylint: disable=g-import-not-at-top  (imports JAX: only here)
-  return stable_seed(seed, "eval", split)
-
-
 def _cmd_check(args) -> int:
   env = _env(args.env)
   spec = envs.get(env)
@@ -114,7 +111,7 @@ def _cmd_check(args) -> int:
            else spec.tasks("train", args.n, args.seed, **_options(args.option)))
   # The held-out tasks `jaxagent train` with run.seed=--seed evaluates on (the same seed derivation).
   held = (_read(args.eval)[1] if args.eval
-          else spec.tasks(args.split, args.n_eval, _eval_seed(args.seed, args.split), **_options(args.option)))
+          else spec.tasks(args.split, args.n_eval, seeds.held_out(args.seed, args.split), **_options(args.option)))
   t0 = time.perf_counter()
   report = contamination.check(train, held, threshold=args.threshold, describe=spec.describe)
   print(f"{env}: {report.line()} [{time.perf_counter() - t0:.1f} s]")

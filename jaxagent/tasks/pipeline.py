@@ -5,9 +5,11 @@
   pool (sandboxed like training) with a slot per in-flight episode; a slot takes the next task as soon as its
   episode ends. A task the reference does not solve is *broken* (it does not reproduce, its verifier rejects the
   reference, or the env fails) and is reported with the reason, never trained on.
-* `policy_outcomes`: k samples per task from a trained run's latest checkpoint (the rollout engine, the run's
-  own sampling temperature); the filter drops tasks the policy always or never solves (p = 0 or 1: no GRPO
-  signal).
+* the policy filter (`jaxagent tasks filter --policy`) samples a trained run k times per task with
+  `jaxagent/train/rollouts.py:policy_outcomes` (a layer above this one: it needs the trainer) and drops tasks
+  the policy always or never solves (p = 0 or 1: no GRPO signal).
+
+Needs no JAX and nothing of the trainer (docs/design.md, "Layers").
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
 
 import envs
 from envs import pool as pool_lib
@@ -177,48 +178,6 @@ def execute(env: str, tasks: Sequence[envs.Task], *, kind: str = "local", worker
   if bar is not None:
     bar.close()
   return out  # type: ignore[return-value]
-
-
-# ----------------------------------------------------------------------------------------------
-# The current policy's outcomes.
-
-
-def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: int, *, seed: int = 0,
-                    overrides: Sequence[str] = ()) -> np.ndarray:
-  """Successes of `samples` policy samples on each task ([len(tasks)] ints), from the latest checkpoint of the
-  run in `run_dir`, with the run's rollout sampling (its temperature) and env settings."""
-  import jax  # pylint: disable=g-import-not-at-top  (the generate/execute/check verbs need no JAX)
-
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.run import build_run, stable_seed  # pylint: disable=g-import-not-at-top
-
-  run_dir = Path(run_dir)
-  if run_dir.name == "checkpoints":
-    run_dir = run_dir.parent
-  saved = run_dir / "config.yaml"
-  if not saved.is_file():
-    raise config_lib.ConfigError(f"--policy {run_dir}: expected a run directory with config.yaml")
-  run = build_run(config_lib.load(saved, list(overrides)), run_dir, purpose="eval", echo=False)
-  try:
-    if samples < 1 or run.rows % samples:
-      raise config_lib.ConfigError(f"--samples {samples}: must divide the run's {run.rows} rollout rows "
-                                   "(train.tasks_per_iteration x train.group_size)")
-    progress, _ = loop.restore(run)
-    state, per_call = progress.state, run.rows // samples
-    wins = np.zeros(len(tasks), np.int64)
-    for start in range(0, len(tasks), per_call):
-      chunk = list(tasks[start:start + per_call])
-      real = len(chunk)
-      chunk += chunk[:1] * (per_call - real)  # pad the last call; padding is not counted
-      seeds = [stable_seed(seed, "policy-filter", start + i) for i in range(run.rows)]
-      state, trajs, _ = loop.collect(run, state, chunk, seeds, group_size=samples,
-                                     rng=jax.random.key(stable_seed(seed, "policy-filter-rng", start)))
-      passed = np.asarray([bool(t.verifier.passed) for t in trajs]).reshape(per_call, samples).sum(axis=1)
-      wins[start:start + real] = passed[:real]
-    return wins
-  finally:
-    run.close()
 
 
 def throughput_line(what: str, n: int, seconds: float) -> str:

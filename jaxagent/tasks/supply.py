@@ -36,7 +36,7 @@ import grain
 import numpy as np
 
 import envs
-from jaxagent import multihost
+from jaxagent import multihost, seeds
 from jaxagent.config import ConfigError, TasksConfig
 
 
@@ -205,8 +205,7 @@ class FrontierTasks:
     return (1 - eps) * w / w.sum() + eps / len(w)
 
   def draw(self, iteration: int, round_: int) -> list[envs.Task]:
-    from jaxagent.train.run import stable_seed  # pylint: disable=g-import-not-at-top  (no cycle at import time)
-    rng = np.random.default_rng(stable_seed(self.seed, "frontier", iteration, round_))
+    rng = np.random.default_rng(seeds.frontier(self.seed, iteration, round_))
     picks = rng.choice(len(self.active), size=self._batch, replace=False, p=self.probabilities())
     self._last = [int(i) for i in picks]
     mine = self._last[self._process * self._local:(self._process + 1) * self._local]

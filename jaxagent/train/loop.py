@@ -1,13 +1,12 @@
 """`jaxagent train CONFIG`: behavior-cloning cold start, then GRPO/PPO over multi-turn env episodes.
 
 Stage functions over the parts of a `Run` (jaxagent/train/run.py); each takes the train state and returns the
-new one, nothing holds it:
+new one, nothing holds it. Rollouts (`collect`, `evaluate`) are jaxagent/train/rollouts.py; checkpoints and
+resuming (`save`, `restore`) jaxagent/train/resume.py; both are re-exported here.
 
-  collect(run, state, tasks, seeds, ...)      -> state, trajectories, stats   (reshard, roll out, reshard back)
   prepare_batch(run, state, trajectories)     -> Prepared                      (assembly + advantages, value targets)
   update(run, state, prepared)                -> state, metrics                (the jitted step)
   behavior_cloning(run, state, logger)        -> state                         (scripted demos through the engine)
-  evaluate(run, state, split, episodes)       -> state, EvalResult
   rl_iteration(run, progress, writer)         -> progress, metrics
   train(config, run_dir, resume)              the loop: restore, stages, checkpoints, logs
 
@@ -21,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -31,59 +29,25 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import envs
-import models
-from jaxagent import algos, multihost
-from jaxagent import sharding as sharding_lib
+from jaxagent import algos, multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
 from jaxagent.assembly import Batch, advantage_inputs, assemble
 from jaxagent.config import Config
-from jaxagent.rollout.engine import RolloutStats, SampledActions, ScriptedActions
+from jaxagent.rollout.engine import ScriptedActions
 from jaxagent.tasks import supply as task_supply
-from jaxagent.train import checkpointing
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import paradigms
-from jaxagent.train.run import Run, build_run, held_out_tasks, stable_seed
-from jaxagent.train.state import TrainState
+from jaxagent.train.resume import EnvChangedError, check_env_versions, lora_settings, restore, save  # noqa: F401
+from jaxagent.train.rollouts import EvalResult, collect, evaluate, record_outcomes, trained_rows  # noqa: F401
+from jaxagent.train.run import Run, build_run
+from jaxagent.train.state import LoopState, TrainState
 from jaxagent.train.value import ValueTargets
 
 # Episodes cut off before the task ended: their last state is not terminal, so GAE bootstraps from its value.
 TRUNCATIONS = (envs.Termination.MAX_TURNS, envs.Termination.TURN_BUDGET_EXHAUSTED,
                envs.Termination.CONTEXT_EXHAUSTED)
-
-
-class EnvChangedError(config_lib.ConfigError):
-  """A resume would train on a different env, parser or verifier than the checkpoint's."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalResult:
-  split: str
-  episodes: int
-  successes: int
-  ci: tuple[float, float]
-  terminations: dict[str, int]
-  mean_reward: float
-
-  @property
-  def success_rate(self) -> float:
-    return self.successes / max(self.episodes, 1)
-
-  def line(self) -> str:
-    lo, hi = self.ci
-    return (f"{self.split} success {self.success_rate:.3f} ({self.successes}/{self.episodes}, "
-            f"95% CI [{lo:.3f}, {hi:.3f}]), mean reward {self.mean_reward:.3f}")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopState:
-  """The loop's host-side state besides the train state: iteration and the cumulative counters (x-axes)."""
-  state: TrainState
-  iteration: int = 0
-  counters: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(metrics_lib.X_AXES, 0))
-  stage: int = 0           # the curriculum stage (index into config.stages) the next step belongs to
-  stage_start: int = 0     # the iteration at which that stage began (an rl stage ends steps later, or promoted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,26 +63,6 @@ class Prepared:
 
 # ------------------------------------------------------------------------------------------------
 # Stages.
-
-
-def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], seeds: Sequence[int], *, group_size: int,
-            rng: jax.Array, evaluation: bool = False) -> tuple[TrainState, list[tr.Trajectory], RolloutStats]:
-  """Reshards the policy into the rollout layout, rolls out, reshards back (donating each time)."""
-  policy = run.layout.to_rollout(state.params)
-  try:
-    source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, rng,
-                            decode_chunk=run.config.rollout.decode_chunk)
-    trajs, stats = run.engine.run(source, tasks, seeds, group_size=group_size,
-                                  policy_version=int(state.policy_version))
-  finally:
-    state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy, state.params["policy"])})
-  return state, trajs, stats
-
-
-def trained_rows(run: Run, trajectories: Sequence[tr.Trajectory]) -> np.ndarray:
-  """Which trajectories the learner uses: not those ended by an infrastructure failure (stored, counted)."""
-  excluded = set(run.config.train.exclude_terminations)
-  return np.asarray([t.termination.value not in excluded for t in trajectories], bool)
 
 
 def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, bootstrap_n=None
@@ -233,7 +177,7 @@ def demonstrations(run: Run, n: int, seed: int, options: Mapping[str, Any] | Non
   """
   cfg = run.config
   options = cfg.env.options if options is None else options
-  tasks = run.env_spec.tasks("train", n, stable_seed(seed, "demo"), **dict(options or {}))
+  tasks = run.env_spec.tasks("train", n, seeds.demos(seed), **dict(options or {}))
   out = []
   for start in range(0, n, run.rows):
     chunk = tasks[start:start + run.rows]
@@ -259,8 +203,8 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
     return state
   spec = config_lib.stages(cfg)[stage]
   demos = demonstrations(run, max((end - begin) * train.bc_batch_size // 4, train.bc_batch_size),
-                         cfg.run.seed if stage == 0 else stable_seed(cfg.run.seed, "stage", stage), spec.env_options)
-  rng = np.random.default_rng(stable_seed(cfg.run.seed, "bc", start_step))
+                         seeds.stage(cfg.run.seed, stage, first=0), spec.env_options)
+  rng = np.random.default_rng(seeds.bc_order(cfg.run.seed, start_step))
   label = "cold start (BC)" if not cfg.curriculum.stages else f"stage {spec.name} (BC)"
   progress = metrics_lib.Progress(end - start_step, label, run.echo)
   local = train.bc_batch_size // jax.process_count()
@@ -277,51 +221,6 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
       shown = step + 1
   progress.close()
   return state
-
-
-def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: int | None = None,
-             options: Mapping[str, Any] | None = None) -> tuple[TrainState, EvalResult]:
-  """Held-out success over `episodes` tasks of `split` (task options: env.options unless given), with Wilson
-  intervals (eval sampling temperature)."""
-  cfg = run.config
-  split = split or cfg.train.eval_split
-  episodes = cfg.train.eval_episodes if episodes is None else episodes
-  tasks = held_out_tasks(cfg, run.env_spec, split, episodes, options)
-  names = [t.value for t in envs.Termination]
-  passed, rewards, terms = 0, 0.0, np.zeros(len(names), np.int64)
-  process = jax.process_index()
-  for start in range(0, episodes, run.global_rows):
-    chunk = tasks[start:start + run.global_rows]
-    chunk += chunk[:1] * (run.global_rows - len(chunk))  # pad the last chunk; padding is not counted
-    mine = range(process * run.rows, (process + 1) * run.rows)
-    seeds = [stable_seed(cfg.run.seed, "eval", split, start + i) for i in mine]
-    state, trajs, _ = collect(run, state, [chunk[i] for i in mine], seeds, group_size=1, evaluation=True,
-                              rng=jax.random.key(stable_seed(cfg.run.seed, "eval-rng", start)))
-    for i, t in zip(mine, trajs):
-      if start + i < episodes:
-        passed += bool(t.verifier.passed)
-        rewards += t.reward.total
-        terms[names.index(t.termination.value)] += 1
-  passed, rewards, terms = multihost.host_sum(passed), multihost.host_sum(rewards), multihost.host_sum(terms)
-  return state, EvalResult(split, episodes, int(passed), metrics_lib.wilson_interval(int(passed), episodes),
-                           {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
-
-
-def current_supply(run: Run, stage: int) -> task_supply.TaskSupply | None:
-  """The task supply of curriculum stage `stage` (the first rl stage's for a bc stage, the last one's once
-  every stage is done; None without an rl stage)."""
-  rl = [i for i, t in enumerate(run.stage_tasks) if t is not None]
-  if not rl:
-    return run.tasks
-  return run.stage_tasks[stage] if stage in rl else run.stage_tasks[rl[0] if stage < rl[0] else rl[-1]]
-
-
-def record_outcomes(run: Run, supply: task_supply.TaskSupply, tasks: Sequence[envs.Task],
-                    trajectories: Sequence[tr.Trajectory]) -> dict[str, float]:
-  """Tells the task supply how each task's group did (verifier passes among the trained samples)."""
-  shape = (len(tasks), run.config.train.group_size)
-  passed = np.asarray([bool(t.verifier.passed) for t in trajectories]).reshape(shape)
-  return supply.record(tasks, passed, trained_rows(run, trajectories).reshape(shape))
 
 
 def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list[tr.Trajectory], stats,
@@ -352,9 +251,8 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
   while rounds < cfg.train.dynamic_sampling_rounds and multihost.host_sum(np.asarray(sum(flat))) > 0:
     rounds += 1
     tasks = supply.draw(iteration, rounds)
-    seeds = [stable_seed(cfg.run.seed, "env", iteration, "refill", rounds, process * run.rows + i)
-             for i in range(run.rows)]
-    state, more, more_stats = collect(run, state, tasks, seeds, group_size=g,
+    env_seeds = seeds.episodes(cfg.run.seed, iteration, run.rows, process, kind="refill", round_=rounds)
+    state, more, more_stats = collect(run, state, tasks, env_seeds, group_size=g,
                                       rng=run.rollout_key(state.rng, iteration, rounds))
     curriculum = record_outcomes(run, supply, tasks, more)
     stats = stats + more_stats
@@ -378,15 +276,15 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   on the tasks of the current curriculum stage."""
   cfg = run.config
   it, state = progress.iteration, progress.state
-  supply = current_supply(run, progress.stage)
+  supply = run.supply(progress.stage)
   timer = metrics_lib.StageTimer()
   wall0 = time.perf_counter()
   tasks = supply.draw(it, 0)  # this process's slice of the global batch of tasks
   process = jax.process_index()
-  seeds = [stable_seed(cfg.run.seed, "env", it, process * run.rows + i) for i in range(run.rows)]
+  env_seeds = seeds.episodes(cfg.run.seed, it, run.rows, process)
   rng = run.rollout_key(state.rng, it, 0)
   with timer("rollout"):
-    state, sampled, stats = collect(run, state, tasks, seeds, group_size=cfg.train.group_size, rng=rng)
+    state, sampled, stats = collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size, rng=rng)
     curriculum = record_outcomes(run, supply, tasks, sampled)
     trajs, extra, refill = sampled, [], {}
     if cfg.train.dynamic_sampling:
@@ -445,91 +343,6 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
 # Checkpoints.
 
 
-def _shard_prefix() -> str:
-  return "trajectories" if jax.process_count() == 1 else f"trajectories-p{jax.process_index()}"
-
-
-def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
-         env_change: Mapping[str, Any] | None = None) -> None:
-  """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously)."""
-  shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
-  supply = current_supply(run, progress.stage)
-  meta = {"iteration": progress.iteration, "data_iterator": None if supply is None else supply.get_state(),
-          "curriculum": {"stage": progress.stage, "stage_start": progress.stage_start},
-          "counters": dict(progress.counters), "versions": checkpointing.versions(),
-          "env": dict(run.env_versions), "policy_version": int(progress.state.policy_version),
-          "trajectory_shards": {("trajectories" if jax.process_count() == 1 else f"trajectories-p{p}"): int(n)
-                                for p, n in enumerate(shards)}, "lora": lora_settings(run.config)}
-  if env_change:
-    meta["env_change_allowed"] = dict(env_change)
-  run.checkpointer.save(progress.iteration, progress.state, meta, run.model_config, config_lib.to_dict(run.config))
-
-
-def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, Any] | None:
-  """Refuses to resume on a changed env, parser or verifier unless `train.allow_env_change` (then recorded).
-
-  Returns the change to record in the checkpoint metadata (None when nothing changed).
-  """
-  if not stored:
-    return None
-  now = run.env_versions
-  diff = {k: (stored.get(k), now.get(k)) for k in ("name", "version", "parser", "verifier")
-          if k in stored and stored.get(k) != now.get(k)}
-  if not diff:
-    return None
-  detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-  if not run.config.train.allow_env_change:
-    raise EnvChangedError(f"the environment changed since the checkpoint ({detail}); resuming would train the "
-                          "policy on other tasks or rewards than it was trained on so far. To resume anyway, pass "
-                          "--set train.allow_env_change=true (recorded in the checkpoint metadata)")
-  warnings.warn(f"resuming on a changed environment ({detail}): allowed by train.allow_env_change, recorded",
-                RuntimeWarning, stacklevel=2)
-  return {"from": dict(stored), "to": dict(now)}
-
-
-def lora_settings(config: Config) -> dict[str, Any] | None:
-  """The LoRA settings a checkpoint's state depends on (None: full fine-tuning), stored in its meta."""
-  m = config.model
-  return None if not m.lora_rank else {"rank": m.lora_rank, "alpha": m.lora_alpha, "targets": list(m.lora_targets)}
-
-
-def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
-  """The newest intact checkpoint of the run as `LoopState`, and its metadata (the task iterator continues from
-  it when the run has one). Raises `models.CheckpointError` if there is none."""
-  # Restored straight into the learner layout: no train state is initialized first (one copy in memory).
-  restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config,
-                                             require={"lora": lora_settings(run.config)})
-  if restored is None:
-    raise models.CheckpointError(f"{run.run_dir}: no complete checkpoint under {run.run_dir / 'checkpoints'}")
-  iteration, state, meta = restored
-  missing = [k for k in run.abstract_state.params if k not in state.params]
-  if missing:  # frozen parameters (LoRA's base policy) are not in checkpoints: from model.path or the seed
-    base = run.init_state().params
-    state = state.replace(params={**state.params, **{k: base[k] for k in missing}})
-  state = jax.jit(lambda x: x, out_shardings=run.layout.state_shardings, donate_argnums=0)(state)  # pinned
-  sharding_lib.check_replication(state.params, run.config.mesh.max_replicated_fraction)
-  change = check_env_versions(run, meta.get("env"))
-  if change:
-    meta = {**meta, "env_change_allowed": change}
-  stages = config_lib.stages(run.config)
-  where = meta.get("curriculum")
-  if where is None:  # a checkpoint from before curriculum stages: the implicit cold start + rl schedule
-    bc = int(state.step) < run.config.train.bc_steps
-    where = {"stage": 0 if bc else next((i for i, st in enumerate(stages) if st.paradigm == "rl"), len(stages)),
-             "stage_start": 0}
-  if not 0 <= int(where["stage"]) <= len(stages):
-    raise config_lib.ConfigError(f"the checkpoint is in curriculum stage {where['stage']}, this config has "
-                                 f"{len(stages)} stage(s): resume with the run's own config")
-  if run.tasks is not None and meta.get("data_iterator") is not None:
-    current_supply(run, int(where["stage"])).set_state(meta["data_iterator"])
-  skipped = meta.get("_skipped_steps") or []
-  note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""
-  run.print(f"resumed from {run.run_dir / 'checkpoints' / str(iteration)} (iteration {iteration}, step "
-            f"{int(state.step)}, policy version {int(state.policy_version)}{note})")
-  return LoopState(state=state, iteration=iteration, counters=meta["counters"], stage=int(where["stage"]),
-                   stage_start=int(where["stage_start"])), meta
-
-
 # ------------------------------------------------------------------------------------------------
 # The loop.
 
@@ -578,13 +391,14 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
                                      resume_step=int(progress.state.step) if resumed else None)
   writer = None
   if cfg.train.save_trajectories:
+    prefix = trajectory_store.shard_prefix(jax.process_index(), jax.process_count())
     if resumed:
-      shards = int(resume_meta.get("trajectory_shards", {}).get(_shard_prefix(), 0))
-      moved = trajectory_store.discard_from(run.run_dir / "trajectories", shards, prefix=_shard_prefix())
+      shards = int(resume_meta.get("trajectory_shards", {}).get(prefix, 0))
+      moved = trajectory_store.discard_from(run.run_dir / "trajectories", shards, prefix=prefix)
       if moved:
         run.print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
                   "(trajectories/discarded/): their iterations are replayed")
-    writer = trajectory_store.TrajectoryWriter(run.run_dir / "trajectories", prefix=_shard_prefix())
+    writer = trajectory_store.TrajectoryWriter(run.run_dir / "trajectories", prefix=prefix)
   start_wall = time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS]
   before = after = None
   stages = config_lib.stages(cfg)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent import algos, multihost
+from jaxagent import algos, multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
@@ -39,7 +39,9 @@ from jaxagent.assembly import assemble
 from jaxagent.data import chats
 from jaxagent.data import trajectories as stored
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train.run import Run, stable_seed
+from jaxagent.train import rollouts
+from jaxagent.train.run import Run
+from jaxagent.train.state import LoopState
 
 RFT_KEY = "rft"  # trajectory metadata: {"stage": name, "kept": bool} on every rft sample in the store
 
@@ -63,11 +65,10 @@ def _read_back_kept(run: Run, stage: config_lib.StageConfig, data: StageData) ->
   """A resumed rft stage's kept set: this process's samples marked kept in the run's store, in write order (the
   store holds exactly the restored checkpoint's timeline). Refuses a resume on another process count: each
   process keeps its own samples, so the sets cannot be redistributed."""
-  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
   directory = run.run_dir / "trajectories"
   if not directory.is_dir():
     return
-  prefix = loop._shard_prefix()  # pylint: disable=protected-access
+  prefix = trajectory_store.shard_prefix(jax.process_index(), jax.process_count())
   writers = set()
   for path in trajectory_store.list_files(directory):
     for t in trajectory_store.read_file(path):
@@ -79,7 +80,7 @@ def _read_back_kept(run: Run, stage: config_lib.StageConfig, data: StageData) ->
       if writer == prefix and mark.get("kept"):
         data.kept.append(t)
         data.seen.add(_sample_key(t))
-  now = {"trajectories"} if jax.process_count() == 1 else {f"trajectories-p{i}" for i in range(jax.process_count())}
+  now = {trajectory_store.shard_prefix(i, jax.process_count()) for i in range(jax.process_count())}
   if writers - now:
     raise config_lib.ConfigError(
         f"stage {stage.name!r} (rft) ran on other processes ({sorted(writers)}) than this resume ({sorted(now)}): "
@@ -87,7 +88,7 @@ def _read_back_kept(run: Run, stage: config_lib.StageConfig, data: StageData) ->
         "number of processes")
 
 
-def _check_unchanged(run: Run, progress, stage: config_lib.StageConfig, fingerprint: dict) -> None:
+def _check_unchanged(run: Run, progress: LoopState, stage: config_lib.StageConfig, fingerprint: dict) -> None:
   """Records what a stage's data was when the stage began (`<run>/data/<stage>.json`); a resumed stage refuses
   data that changed since, whose batches would differ from the run's."""
   record = run.run_dir / "data" / f"{stage.name}.json"
@@ -111,11 +112,11 @@ def _digest(paths) -> str:
   return h.hexdigest()[:16]
 
 
-def prepare(run: Run, progress, index: int) -> StageData:
+def prepare(run: Run, progress: LoopState, index: int) -> StageData:
   """The data of stage `index` (printing what was selected); rft: its kept set so far, from the run's store."""
   cfg = run.config
   stage = config_lib.stages(cfg)[index]
-  seed = stable_seed(cfg.run.seed, "data", index)
+  seed = seeds.data_order(cfg.run.seed, index)
   if stage.paradigm == "rft":
     data = StageData(index)
     if progress.iteration > progress.stage_start:  # resumed inside the stage: the rounds so far are in the store
@@ -192,7 +193,7 @@ def loss_normalizer(run: Run, batch) -> float:
                                                         norm_length=cfg.algo.norm_length, allow_empty=True)))
 
 
-def supervised_iteration(run: Run, progress, data: StageData) -> tuple[Any, dict[str, Any]]:
+def supervised_iteration(run: Run, progress: LoopState, data: StageData) -> tuple[LoopState, dict[str, Any]]:
   """One optimizer step of an sft or offline stage on its batch for this iteration."""
   cfg = run.config
   stage = config_lib.stages(cfg)[progress.stage]
@@ -221,27 +222,26 @@ def supervised_iteration(run: Run, progress, data: StageData) -> tuple[Any, dict
   return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1), out
 
 
-def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[str, Any]]:
+def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[LoopState, dict[str, Any]]:
   """One rft round: sample, keep the new verified samples (all samples go to `writer`, marked kept or not),
   fine-tune on everything kept so far. Returns the new progress and the round's metrics."""
-  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
   cfg = run.config
   stage = config_lib.stages(cfg)[progress.stage]
   it, state = progress.iteration, progress.state
-  supply = loop.current_supply(run, progress.stage)
+  supply = run.supply(progress.stage)
   process = jax.process_index()
   samples: list[tr.Trajectory] = []
   env_steps = tokens = 0
   decode_s = 0.0
   for r in range(stage.rollouts):
     tasks = supply.draw(it, r)
-    seeds = [stable_seed(cfg.run.seed, "env", it, "rft", r, process * run.rows + i) for i in range(run.rows)]
-    state, trajs, stats = loop.collect(run, state, tasks, seeds, group_size=cfg.train.group_size,
-                                       rng=run.rollout_key(state.rng, it, r))
-    loop.record_outcomes(run, supply, tasks, trajs)
+    env_seeds = seeds.episodes(cfg.run.seed, it, run.rows, process, kind="rft", round_=r)
+    state, trajs, stats = rollouts.collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size,
+                                           rng=run.rollout_key(state.rng, it, r))
+    rollouts.record_outcomes(run, supply, tasks, trajs)
     samples += trajs
     env_steps, tokens, decode_s = env_steps + stats.env_steps, tokens + stats.action_tokens, decode_s + stats.decode_s
-  usable = loop.trained_rows(run, samples)
+  usable = rollouts.trained_rows(run, samples)
   marked = []
   new = 0
   for t, ok in zip(samples, usable):
@@ -257,7 +257,7 @@ def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[st
     writer.flush()
   local = cfg.train.bc_batch_size // jax.process_count()
   nll = []
-  examples = (stored.Examples(data.kept.__getitem__, len(data.kept), stable_seed(cfg.run.seed, "rft", it))
+  examples = (stored.Examples(data.kept.__getitem__, len(data.kept), seeds.rft_order(cfg.run.seed, it))
               if data.kept else None)
   for u in range(stage.updates):
     # Nothing kept yet (on this process): an empty batch, whose step is skipped when no process has one.
@@ -277,7 +277,7 @@ def rft_round(run: Run, progress, data: StageData, writer) -> tuple[Any, dict[st
   return progress, out
 
 
-def iteration(run: Run, progress, data: StageData, writer, start_wall: float) -> tuple[Any, dict[str, Any]]:
+def iteration(run: Run, progress: LoopState, data: StageData, writer, start_wall: float) -> tuple[LoopState, dict[str, Any]]:
   """One iteration of the current non-rl stage, with the counters every iteration logs."""
   stage = config_lib.stages(run.config)[progress.stage]
   wall0 = time.perf_counter()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
@@ -30,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import envs
 import envs.pool
 import models
-from jaxagent import checkpoint, multihost
+from jaxagent import checkpoint, multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import sharding as sharding_lib
 from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateError, make_chat
@@ -46,12 +45,6 @@ from jaxagent.train.value import ValueHead
 
 NUM_TRAIN_TASKS = 100_000
 Purpose = Literal["train", "eval"]
-
-
-def stable_seed(*parts: Any) -> int:
-  """A stable 31-bit seed from any parts (independent of Python's hash randomization)."""
-  digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-  return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 def rollout_key(key: jax.Array, iteration: jax.Array, round_: jax.Array) -> jax.Array:
@@ -132,6 +125,14 @@ class Run:
   global_rows: int
   echo: bool
 
+  def supply(self, stage: int) -> task_supply.TaskSupply | None:
+    """The task supply of curriculum stage `stage` (the first rl stage's for a bc stage, the last one's once
+    every stage is done; `tasks` without an rl stage)."""
+    rl = [i for i, t in enumerate(self.stage_tasks) if t is not None]
+    if not rl:
+      return self.tasks
+    return self.stage_tasks[stage] if stage in rl else self.stage_tasks[rl[0] if stage < rl[0] else rl[-1]]
+
   def print(self, *args) -> None:
     if self.echo:
       print(*args, flush=True)
@@ -210,7 +211,7 @@ def held_out_tasks(cfg: Config, env_spec: envs.EnvSpec, split: str | None = None
   split = split or cfg.train.eval_split
   episodes = cfg.train.eval_episodes if episodes is None else episodes
   options = cfg.env.options if options is None else options
-  return env_spec.tasks(split, episodes, stable_seed(cfg.run.seed, "eval", split), **dict(options or {}))
+  return env_spec.tasks(split, episodes, seeds.held_out(cfg.run.seed, split), **dict(options or {}))
 
 
 def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply, *, iterations: int | None = None,
@@ -284,8 +285,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       if key not in lists:
         lists[key] = train_tasks(cfg, env_spec, None if stage.env_options is None else options)
       sampler = dataclasses.replace(cfg.tasks, sampler=stage.sampler or cfg.tasks.sampler)
-      supply = task_supply.make_supply(lists[key], sampler, seed=cfg.run.seed if i == first_rl else
-                                       stable_seed(cfg.run.seed, "stage", i), batch=cfg.train.tasks_per_iteration,
+      supply = task_supply.make_supply(lists[key], sampler, seed=seeds.stage(cfg.run.seed, i, first=first_rl),
+                                       batch=cfg.train.tasks_per_iteration,
                                        process=process, num_processes=num_processes)
       report = check_contamination(cfg, env_spec, lists[key], supply, iterations=stage.steps,
                                    rounds=stage.rollouts if stage.paradigm == "rft" else None)
@@ -338,7 +339,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       params["value"] = nnx.split(make_value())[1]
     if lora:
       params["lora"] = models.lora_init(params["policy"], rank=cfg.model.lora_rank, targets=cfg.model.lora_targets,
-                                        key=jax.random.key(stable_seed(cfg.run.seed, "lora")))
+                                        key=jax.random.key(seeds.lora(cfg.run.seed)))
     # The frozen reference starts as the initial policy; the loop re-points it after the cold start.
     ref = params["policy"] if cfg.algo.kl_coef > 0 else None
     trained = {k: v for k, v in params.items() if k not in frozen}

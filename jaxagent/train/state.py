@@ -1,14 +1,17 @@
-"""Train state and optimizer: one immutable pytree that a jitted step maps to the next one."""
+"""Train state and optimizer: one immutable pytree that a jitted step maps to the next one; the loop's
+host-side state (`LoopState`) around it."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Mapping
 
 import flax.struct
 import jax
 import optax
 
 from jaxagent.config import OptimConfig
+from jaxagent.train.metrics import X_AXES
 
 
 @flax.struct.dataclass
@@ -52,3 +55,13 @@ def make_optimizer(config: OptimConfig, schedule: optax.Schedule) -> optax.Gradi
   return optax.chain(
       optax.clip_by_global_norm(config.max_grad_norm),
       optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """The loop's host-side state besides the train state: iteration and the cumulative counters (x-axes)."""
+  state: TrainState
+  iteration: int = 0
+  counters: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(X_AXES, 0))
+  stage: int = 0           # the curriculum stage (index into config.stages) the next step belongs to
+  stage_start: int = 0     # the iteration at which that stage began (an rl stage ends steps later, or promoted)

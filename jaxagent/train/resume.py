@@ -1,0 +1,112 @@
+"""Checkpoints of a run and resuming from them: what a checkpoint's metadata holds besides the train state
+(iteration, curriculum stage, counters, task-iterator state, env and library versions, trajectory shards,
+LoRA settings), and the checks a resume makes (env unchanged, same LoRA settings, stage in range).
+
+  save(run, progress, writer)   -> None                    (asynchronous; `run.checkpointer` waits on close)
+  restore(run)                  -> LoopState, metadata     (the newest intact checkpoint)
+
+The Orbax layer under it (integrity digests, retries, topology changes) is jaxagent/train/checkpointing.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+import models
+from jaxagent import config as config_lib
+from jaxagent import multihost
+from jaxagent import sharding as sharding_lib
+from jaxagent import trajectory_store
+from jaxagent.config import Config
+from jaxagent.train import checkpointing
+from jaxagent.train.run import Run
+from jaxagent.train.state import LoopState
+
+
+class EnvChangedError(config_lib.ConfigError):
+  """A resume would train on a different env, parser or verifier than the checkpoint's."""
+
+
+def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
+         env_change: Mapping[str, Any] | None = None) -> None:
+  """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously)."""
+  shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
+  supply = run.supply(progress.stage)
+  meta = {"iteration": progress.iteration, "data_iterator": None if supply is None else supply.get_state(),
+          "curriculum": {"stage": progress.stage, "stage_start": progress.stage_start},
+          "counters": dict(progress.counters), "versions": checkpointing.versions(),
+          "env": dict(run.env_versions), "policy_version": int(progress.state.policy_version),
+          "trajectory_shards": {trajectory_store.shard_prefix(p, len(shards)): int(n) for p, n in enumerate(shards)},
+          "lora": lora_settings(run.config)}
+  if env_change:
+    meta["env_change_allowed"] = dict(env_change)
+  run.checkpointer.save(progress.iteration, progress.state, meta, run.model_config, config_lib.to_dict(run.config))
+
+
+def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, Any] | None:
+  """Refuses to resume on a changed env, parser or verifier unless `train.allow_env_change` (then recorded).
+
+  Returns the change to record in the checkpoint metadata (None when nothing changed).
+  """
+  if not stored:
+    return None
+  now = run.env_versions
+  diff = {k: (stored.get(k), now.get(k)) for k in ("name", "version", "parser", "verifier")
+          if k in stored and stored.get(k) != now.get(k)}
+  if not diff:
+    return None
+  detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+  if not run.config.train.allow_env_change:
+    raise EnvChangedError(f"the environment changed since the checkpoint ({detail}); resuming would train the "
+                          "policy on other tasks or rewards than it was trained on so far. To resume anyway, pass "
+                          "--set train.allow_env_change=true (recorded in the checkpoint metadata)")
+  warnings.warn(f"resuming on a changed environment ({detail}): allowed by train.allow_env_change, recorded",
+                RuntimeWarning, stacklevel=2)
+  return {"from": dict(stored), "to": dict(now)}
+
+
+def lora_settings(config: Config) -> dict[str, Any] | None:
+  """The LoRA settings a checkpoint's state depends on (None: full fine-tuning), stored in its meta."""
+  m = config.model
+  return None if not m.lora_rank else {"rank": m.lora_rank, "alpha": m.lora_alpha, "targets": list(m.lora_targets)}
+
+
+def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
+  """The newest intact checkpoint of the run as `LoopState`, and its metadata (the task iterator continues from
+  it when the run has one). Raises `models.CheckpointError` if there is none."""
+  # Restored straight into the learner layout: no train state is initialized first (one copy in memory).
+  restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config,
+                                             require={"lora": lora_settings(run.config)})
+  if restored is None:
+    raise models.CheckpointError(f"{run.run_dir}: no complete checkpoint under {run.run_dir / 'checkpoints'}")
+  iteration, state, meta = restored
+  missing = [k for k in run.abstract_state.params if k not in state.params]
+  if missing:  # frozen parameters (LoRA's base policy) are not in checkpoints: from model.path or the seed
+    base = run.init_state().params
+    state = state.replace(params={**state.params, **{k: base[k] for k in missing}})
+  state = jax.jit(lambda x: x, out_shardings=run.layout.state_shardings, donate_argnums=0)(state)  # pinned
+  sharding_lib.check_replication(state.params, run.config.mesh.max_replicated_fraction)
+  change = check_env_versions(run, meta.get("env"))
+  if change:
+    meta = {**meta, "env_change_allowed": change}
+  stages = config_lib.stages(run.config)
+  where = meta.get("curriculum")
+  if where is None:  # a checkpoint from before curriculum stages: the implicit cold start + rl schedule
+    bc = int(state.step) < run.config.train.bc_steps
+    where = {"stage": 0 if bc else next((i for i, st in enumerate(stages) if st.paradigm == "rl"), len(stages)),
+             "stage_start": 0}
+  if not 0 <= int(where["stage"]) <= len(stages):
+    raise config_lib.ConfigError(f"the checkpoint is in curriculum stage {where['stage']}, this config has "
+                                 f"{len(stages)} stage(s): resume with the run's own config")
+  if run.tasks is not None and meta.get("data_iterator") is not None:
+    run.supply(int(where["stage"])).set_state(meta["data_iterator"])
+  skipped = meta.get("_skipped_steps") or []
+  note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""
+  run.print(f"resumed from {run.run_dir / 'checkpoints' / str(iteration)} (iteration {iteration}, step "
+            f"{int(state.step)}, policy version {int(state.policy_version)}{note})")
+  return LoopState(state=state, iteration=iteration, counters=meta["counters"], stage=int(where["stage"]),
+                   stage_start=int(where["stage_start"])), meta

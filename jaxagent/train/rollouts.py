@@ -1,0 +1,153 @@
+"""Rollouts of the current policy through the engine: a training round's episodes, and a fixed task list's
+(held-out evaluation, `jaxagent tasks filter --policy`), with the trained-row rule and task-supply feedback.
+
+  collect(run, state, tasks, env_seeds, ...)   -> state, trajectories, stats  (reshard, roll out, reshard back)
+  trained_rows(run, trajectories)              -> bool[n]   rows the learner uses (not infrastructure failures)
+  record_outcomes(run, supply, tasks, trajs)   -> metrics   the task supply learns each group's passes
+  evaluate(run, state, split, episodes)        -> state, EvalResult   (Wilson intervals)
+  policy_outcomes(run_dir, tasks, samples)     -> int[len(tasks)]     successes per task, from a checkpoint
+
+`evaluate` and `policy_outcomes` are one rule (`over_tasks`): a task list that every process holds whole, in
+calls of the run's rows, the last call padded with its first task (padding never counted), env seeds and
+sampling keys a function of (seed, first task of the call) (jaxagent/seeds.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+import envs
+from jaxagent import config as config_lib
+from jaxagent import multihost, seeds
+from jaxagent import trajectory as tr
+from jaxagent.rollout.engine import RolloutStats, SampledActions
+from jaxagent.tasks import supply as task_supply
+from jaxagent.train import metrics as metrics_lib
+from jaxagent.train import resume
+from jaxagent.train.run import Run, build_run, held_out_tasks
+from jaxagent.train.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+  split: str
+  episodes: int
+  successes: int
+  ci: tuple[float, float]
+  terminations: dict[str, int]
+  mean_reward: float
+
+  @property
+  def success_rate(self) -> float:
+    return self.successes / max(self.episodes, 1)
+
+  def line(self) -> str:
+    lo, hi = self.ci
+    return (f"{self.split} success {self.success_rate:.3f} ({self.successes}/{self.episodes}, "
+            f"95% CI [{lo:.3f}, {hi:.3f}]), mean reward {self.mean_reward:.3f}")
+
+
+def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], env_seeds: Sequence[int], *, group_size: int,
+            rng: jax.Array, evaluation: bool = False) -> tuple[TrainState, list[tr.Trajectory], RolloutStats]:
+  """Reshards the policy into the rollout layout, rolls out, reshards back (donating each time)."""
+  policy = run.layout.to_rollout(state.params)
+  try:
+    source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, rng,
+                            decode_chunk=run.config.rollout.decode_chunk)
+    trajs, stats = run.engine.run(source, tasks, env_seeds, group_size=group_size,
+                                  policy_version=int(state.policy_version))
+  finally:
+    state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy, state.params["policy"])})
+  return state, trajs, stats
+
+
+def trained_rows(run: Run, trajectories: Sequence[tr.Trajectory]) -> np.ndarray:
+  """Which trajectories the learner uses: not those ended by an infrastructure failure (stored, counted)."""
+  excluded = set(run.config.train.exclude_terminations)
+  return np.asarray([t.termination.value not in excluded for t in trajectories], bool)
+
+
+def record_outcomes(run: Run, supply: task_supply.TaskSupply, tasks: Sequence[envs.Task],
+                    trajectories: Sequence[tr.Trajectory]) -> dict[str, float]:
+  """Tells the task supply how each task's group did (verifier passes among the trained samples)."""
+  shape = (len(tasks), run.config.train.group_size)
+  passed = np.asarray([bool(t.verifier.passed) for t in trajectories]).reshape(shape)
+  return supply.record(tasks, passed, trained_rows(run, trajectories).reshape(shape))
+
+
+def over_tasks(run: Run, state: TrainState, tasks: Sequence[envs.Task], *, samples: int,
+               env_seeds: Callable[[int, range], Sequence[int]], rng_seed: Callable[[int], int],
+               evaluation: bool = False) -> tuple[TrainState, list[tuple[int, list[tr.Trajectory]]]]:
+  """`samples` episodes of every task in `tasks` (the same list on every process).
+
+  Calls of `run.global_rows // samples` tasks, this process running its `run.rows // samples` of them; the last
+  call padded with copies of its first task, which are never returned. `env_seeds(start, rows)`: the env seeds of
+  this process's global rows `rows` in the call whose first task is `start`; `rng_seed(start)`: its sampling seed.
+  Returns the state and, for each of this process's real tasks, (its index in `tasks`, its `samples` episodes).
+  """
+  per_call, local = run.global_rows // samples, run.rows // samples
+  process = jax.process_index()
+  mine = range(process * local, (process + 1) * local)
+  rows = range(process * run.rows, (process + 1) * run.rows)
+  out = []
+  for start in range(0, len(tasks), per_call):
+    chunk = list(tasks[start:start + per_call])
+    chunk += chunk[:1] * (per_call - len(chunk))  # pad the last call; padding is not counted
+    state, trajs, _ = collect(run, state, [chunk[i] for i in mine], env_seeds(start, rows), group_size=samples,
+                              evaluation=evaluation, rng=jax.random.key(rng_seed(start)))
+    out += [(start + i, trajs[j * samples:(j + 1) * samples]) for j, i in enumerate(mine) if start + i < len(tasks)]
+  return state, out
+
+
+def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: int | None = None,
+             options: Mapping[str, Any] | None = None) -> tuple[TrainState, EvalResult]:
+  """Held-out success over `episodes` tasks of `split` (task options: env.options unless given), with Wilson
+  intervals (eval sampling temperature)."""
+  cfg = run.config
+  split = split or cfg.train.eval_split
+  episodes = cfg.train.eval_episodes if episodes is None else episodes
+  tasks = held_out_tasks(cfg, run.env_spec, split, episodes, options)
+  state, done = over_tasks(run, state, tasks, samples=1, evaluation=True,
+                           env_seeds=lambda start, rows: seeds.eval_episodes(cfg.run.seed, split, start, rows),
+                           rng_seed=lambda start: seeds.eval_rng(cfg.run.seed, start))
+  names = [t.value for t in envs.Termination]
+  passed, rewards, terms = 0, 0.0, np.zeros(len(names), np.int64)
+  for _, (t,) in done:
+    passed += bool(t.verifier.passed)
+    rewards += t.reward.total
+    terms[names.index(t.termination.value)] += 1
+  passed, rewards, terms = multihost.host_sum(passed), multihost.host_sum(rewards), multihost.host_sum(terms)
+  return state, EvalResult(split, episodes, int(passed), metrics_lib.wilson_interval(int(passed), episodes),
+                           {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
+
+
+def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: int, *, seed: int = 0,
+                    overrides: Sequence[str] = ()) -> np.ndarray:
+  """Successes of `samples` policy samples on each task ([len(tasks)] ints), from the latest checkpoint of the
+  run in `run_dir`, with the run's rollout sampling (its temperature) and env settings."""
+  run_dir = Path(run_dir)
+  if run_dir.name == "checkpoints":
+    run_dir = run_dir.parent
+  saved = run_dir / "config.yaml"
+  if not saved.is_file():
+    raise config_lib.ConfigError(f"--policy {run_dir}: expected a run directory with config.yaml")
+  run = build_run(config_lib.load(saved, list(overrides)), run_dir, purpose="eval", echo=False)
+  try:
+    if samples < 1 or run.rows % samples:
+      raise config_lib.ConfigError(f"--samples {samples}: must divide the run's {run.rows} rollout rows "
+                                   "(train.tasks_per_iteration x train.group_size)")
+    progress, _ = resume.restore(run)
+    _, done = over_tasks(run, progress.state, tasks, samples=samples,
+                         env_seeds=lambda start, rows: seeds.policy_filter(seed, start, rows),
+                         rng_seed=lambda start: seeds.policy_filter_rng(seed, start))
+    wins = np.zeros(len(tasks), np.int64)
+    for index, trajs in done:
+      wins[index] = sum(bool(t.verifier.passed) for t in trajs)
+    return np.asarray(multihost.host_sum(wins), np.int64)
+  finally:
+    run.close()
