@@ -11,9 +11,9 @@ Public API:
 from envs._api import (CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION,
                        INVALID_ACTION_RULES, MAX_TURNS, OUTCOME_CODES, OUTCOMES, PARSER_REJECTED,
                        RETRIES_EXHAUSTED, SPLITS, TERMINATIONS, TURN_BUDGET_EXHAUSTED, ACTION_SYNTAXES,
-                       JSON_PARSER_VERSION, ActionParser, Call, Env,
+                       JSON_PARSER_VERSION, ActionParser, Call, Env, EnvAPIError,
                        EnvError, EnvSpec, InvalidAction, InvalidActionRule, Observation, Outcome, ParseError,
-                       StepResult, Task, Termination, Tool, Verdict, Verifier, source_version)
+                       StepResult, Task, Termination, Tool, Verdict, Verifier, source_version, ENV_API_VERSION)
 from envs._registry import (ENTRY_POINT_GROUP, UnknownEnvError, check_name, get, is_valid_name, names,
                             register)
 from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 
 class Termination(str, enum.Enum):
-  """Why an episode ended (DESIGN.md §2.1), recorded with the trajectory, never inferred later.
+  """Why an episode ended (docs/design.md §2.1), recorded with the trajectory, never inferred later.
 
   A `str` enum: members compare and hash equal to their value (`Termination.COMPLETED == "completed"`), and
   `str()` / f-strings give the value. Use `.value` when writing to the wire or logs.
@@ -515,7 +515,7 @@ class ActionParser:
 
 @dataclasses.dataclass(frozen=True)
 class InvalidActionRule:
-  """What happens to an action the parser or env rejects (DESIGN.md §2.3); recorded in the step's info.
+  """What happens to an action the parser or env rejects (docs/design.md §2.3); recorded in the step's info.
 
   Attributes:
     rule: "error_observation" (reply with the error, continue, no reward change), "terminate" (end the
@@ -651,6 +651,13 @@ class Env(abc.ABC):
 # ----------------------------------------------------------------------------------------------
 # Versions.
 
+# The version of the contract every env runs under (`Env.step`'s invalid-action rule, turn and observation caps,
+# what a termination means). An env's version is its own source plus this number, not the source of this file:
+# editing a docstring here changes no env's version. Bump it when a change here changes what any env does for the
+# same actions; every env's version changes with it, and resuming a run refuses (docs/design.md §2.8) unless
+# `train.allow_env_change` (recorded in the checkpoint).
+ENV_API_VERSION = 1
+
 
 def source_version(*objs: Any, data: Iterable[Path] = (), extra: str = "") -> str:
   """A short hash of the source files defining `objs`, the files in `data` and `extra`.
@@ -666,6 +673,38 @@ def source_version(*objs: Any, data: Iterable[Path] = (), extra: str = "") -> st
     h.update(body)
   h.update(extra.encode())
   return h.hexdigest()[:12]
+
+
+class EnvAPIError(TypeError):
+  """An `EnvSpec` whose functions cannot be called the way the trainer calls them (e.g. written for an older API)."""
+
+
+# How the trainer calls an EnvSpec's functions: (attribute, positional args, keyword args, the expected signature).
+_CALLS = (
+    ("make", (), {"max_turns": 1}, "make(**kwargs) -> Env (the trainer passes max_turns and env.options)"),
+    ("tasks", ("train", 1, 0), {}, "tasks(split, n, seed, **options) -> list[Task]"),
+    ("demo", (None, 0), {}, "demo(task, seed, **options) -> list[str]"),
+    ("describe", (None,), {}, "describe(task) -> str"),
+)
+# What changed in the API, by function, for the error a stale user env gets.
+_CHANGES = {"demo": "demo gained the episode's `seed` after `task` (a seeded env, like guess, needs it to solve "
+                    "the task it was reset with): add it, e.g. `def demo(task, seed, **options)`"}
+
+
+def _check_callable(name: str, attr: str, fn: Any, args: tuple, kwargs: dict, expected: str) -> None:
+  if not callable(fn):
+    raise EnvAPIError(f"EnvSpec {name!r}: {attr} is {type(fn).__name__!r}, not a function; expected {expected}")
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+    return
+  try:
+    signature.bind(*args, **kwargs)
+  except TypeError as e:
+    hint = f"; {_CHANGES[attr]}" if attr in _CHANGES else ""
+    where = getattr(fn, "__qualname__", attr)
+    raise EnvAPIError(f"EnvSpec {name!r}: {attr} = {where}{signature} cannot be called as {expected} ({e})"
+                      f"{hint}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -696,6 +735,15 @@ class EnvSpec:
   needs_sandbox: bool = False
   describe: Callable[[Task], str] | None = None
 
+  def __post_init__(self):
+    for attr, args, kwargs, expected in _CALLS:
+      fn = getattr(self, attr)
+      if fn is None and attr == "describe":
+        continue
+      _check_callable(self.name, attr, fn, args, kwargs, expected)
+
   @property
   def version(self) -> str:
-    return source_version(*(self.version_sources or (self.make,)), Env, data=self.data_files)
+    """The env's own source files (`version_sources`, else `make`'s), its data files and `ENV_API_VERSION`."""
+    return source_version(*(self.version_sources or (self.make,)), data=self.data_files,
+                          extra=f"env-api-{ENV_API_VERSION}")

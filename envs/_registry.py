@@ -21,7 +21,7 @@ import importlib.metadata
 import threading
 import warnings
 
-from envs._api import EnvSpec
+from envs._api import EnvAPIError, EnvSpec
 
 ENTRY_POINT_GROUP = "jaxagent.envs"
 
@@ -91,6 +91,8 @@ def _import_spec(name: str) -> EnvSpec:
     raise UnknownEnvError(f"environment {name!r}: not of the form 'package.module:ATTR'; {_valid()}")
   try:
     mod = importlib.import_module(module)
+  except EnvAPIError as e:  # an EnvSpec in it written for another API: say which function and what changed
+    raise UnknownEnvError(f"environment {name!r}: {e}") from e
   except Exception as e:  # pylint: disable=broad-except  (ImportError or whatever the user module raised)
     raise UnknownEnvError(f"environment {name!r}: cannot import module {module!r} ({type(e).__name__}: {e}); "
                           f"{_valid()}") from e

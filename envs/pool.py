@@ -123,7 +123,7 @@ class PoolConfig(WorkerConfig):
   """A pool: how its workers run (`WorkerConfig`) plus what each episode is (env and its reset options)."""
   env: str = "calculator"  # registered name, `jaxagent.envs` entry point, or package.module:ATTR
   max_turns: int | None = None  # per-episode turn limit (None: the env's default)
-  invalid_action: str = "error_observation"  # DESIGN.md §2.3: one of INVALID_ACTION_RULES
+  invalid_action: str = "error_observation"  # docs/design.md §2.3: one of INVALID_ACTION_RULES
   penalty: float = 0.1  # validity penalty under the "penalty" rule
   action_syntax: str = "line"  # how actions are written: one of ACTION_SYNTAXES (line `NAME ARG`, json calls)
 

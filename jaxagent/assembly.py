@@ -1,6 +1,6 @@
 """Token assembly: trajectories -> one fixed-shape, padded, masked `Batch` (host side, numpy).
 
-Token-in, token-out (DESIGN.md §2.1): the batch is made of the recorded stream `Trajectory.tokens` — the
+Token-in, token-out (docs/design.md §2.1): the batch is made of the recorded stream `Trajectory.tokens` — the
 tokens the sampler produced and the observation tokens it appended — copied, never re-tokenized. Lengths are
 padded up to one of a few bucket sizes (and rows up to a fixed count) so jitted consumers see a handful of
 shapes and do not recompile every step. A trajectory longer than the largest bucket is an error, never
@@ -75,7 +75,7 @@ def advantage_inputs(trajectories: Sequence[Trajectory], *, steps: int | None = 
   """Per-step rewards for the registered estimators: `(rewards_ns float32, mask_ns bool, group_ids_n int32)`.
 
   Step t is turn t with reward `turns[t].reward`; the terminal reward `r_T^term` is added to the last step
-  as `γ · r_T^term`, so the discounted return at step 0 is `Σ γ^t r_t + γ^T r_T^term` (DESIGN.md §2.1).
+  as `γ · r_T^term`, so the discounted return at step 0 is `Σ γ^t r_t + γ^T r_T^term` (docs/design.md §2.1).
   A trajectory without turns has no valid step. `steps` pads S to a fixed size (default: the max turn count).
   """
   n_turns = [len(t.turns) for t in trajectories]

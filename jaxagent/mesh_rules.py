@@ -2,7 +2,7 @@
 mapping logical axes (models' `batch`, `vocab`, `embed`, `mlp`, heads, ...) to mesh axes.
 
 `mesh.rules.<role>` (jaxagent/config.py) chooses a table by name from `RULE_TABLES`; jaxagent/sharding.py
-builds meshes and places parameters with them. Imports nothing of jaxagent (docs/design.md, "Layers").
+builds meshes and places parameters with them. Imports nothing of jaxagent (docs/design.md §3.1).
 """
 
 from __future__ import annotations

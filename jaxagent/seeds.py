@@ -19,7 +19,7 @@ Streams, by name (the first part after the run seed):
               `jaxagent tasks filter --policy`: env seeds and sampling keys of the policy's samples
 
 The rollout's JAX sampling key is `train/run.py:rollout_key` (folds of the train state's key), not a seed here.
-This module imports nothing of jaxagent (DESIGN: docs/design.md, "Layers").
+This module imports nothing of jaxagent (docs/design.md §3.1).
 """
 
 from __future__ import annotations

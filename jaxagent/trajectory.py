@@ -1,4 +1,4 @@
-"""Trajectory records: the contract between the sampler, the environments and the learner (DESIGN.md §2.1).
+"""Trajectory records: the contract between the sampler, the environments and the learner (docs/design.md §2.1).
 
 A trajectory `τ = (x, o_0, a_0, …, a_{T-1}, o_T)` is stored as ONE flat token stream `z` (what the sampler
 actually fed the model and produced) with a role, a loss-mask bit and a behavior log-prob per token, plus
@@ -76,7 +76,7 @@ class EnvInfo:
   seed: int
   clock: str = "host"                  # clock policy ("host": the real clock; no pool freezes it yet)
   network: str = "host"                # network policy ("none" inside a sandbox pool)
-  invalid_action_rule: str = "error_observation"  # DESIGN.md §2.3: one of envs.INVALID_ACTION_RULES
+  invalid_action_rule: str = "error_observation"  # docs/design.md §2.3: one of envs.INVALID_ACTION_RULES
 
   def __post_init__(self):
     if self.invalid_action_rule not in INVALID_ACTION_RULES:
@@ -218,7 +218,7 @@ class Trajectory:
     return int(self.tokens.shape[0])
 
   def validate(self) -> None:
-    """Checks the invariants of DESIGN.md §2.1; raises `TrajectoryFormatError`."""
+    """Checks the invariants of docs/design.md §2.1; raises `TrajectoryFormatError`."""
     if self.schema not in READABLE_SCHEMAS:
       raise TrajectoryFormatError(f"schema version {self.schema!r}: this build reads {READABLE_SCHEMAS}")
     n = len(self)
@@ -249,7 +249,7 @@ class Trajectory:
         self._check_span(turn.observation.span, f"turns[{i}].observation", OBSERVATION_ROLES)
     if not math.isfinite(self.reward.total):
       raise TrajectoryFormatError(f"reward.total={self.reward.total}: not finite")
-    # The return is the per-turn rewards' discounted sum plus the discounted terminal reward (DESIGN §2.1).
+    # The return is the per-turn rewards' discounted sum plus the discounted terminal reward (docs/design.md §2.1).
     g = self.reward.gamma
     expected = sum(t.reward * g ** k for k, t in enumerate(self.turns)) + g ** len(self.turns) * self.reward.terminal
     if not math.isclose(self.reward.total, expected, rel_tol=1e-6, abs_tol=1e-6):

@@ -210,3 +210,20 @@ def test_typed_fields_round_trip_the_wire_exactly():
     wire = P.msgpack.unpackb(P.pack(host.handle("step", {"instance": "a", "action": action}))[4:], raw=False)
     assert envs.StepResult.from_wire(wire) == env.step(action)
   assert envs.StepResult.from_wire(wire).verdict.passed is True
+
+
+def test_an_env_version_hashes_its_own_code_and_the_api_version_not_the_api_file(monkeypatch, tmp_path):
+  """Editing envs/_api.py (a docstring) changes no env's version; bumping ENV_API_VERSION changes every one."""
+  import envs._api as api  # pylint: disable=g-import-not-at-top
+  spec = envs.get("calculator")
+  before = {n: envs.get(n).version for n in ("calculator", "guess", "gridworld")}
+  real = api.inspect.getsourcefile
+  edited = tmp_path / "_api.py"
+  edited.write_text(pathlib.Path(api.__file__).read_text() + "\n# an edited comment\n")
+  monkeypatch.setattr(api.inspect, "getsourcefile",
+                      lambda o: str(edited) if real(o) == api.__file__ else real(o))
+  assert {n: envs.get(n).version for n in before} == before
+  assert spec.version == envs.source_version(*spec.version_sources, extra=f"env-api-{envs.ENV_API_VERSION}")
+  monkeypatch.setattr(api, "ENV_API_VERSION", envs.ENV_API_VERSION + 1)
+  after = {n: envs.get(n).version for n in before}
+  assert all(after[n] != before[n] for n in before)

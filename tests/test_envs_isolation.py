@@ -1,4 +1,4 @@
-"""Isolation between episodes, and against held-out material, for envs that run programs (DESIGN §2.8).
+"""Isolation between episodes, and against held-out material, for envs that run programs (docs/design.md §2.8).
 
 Five probes, each an agent's action in one of two concurrent episodes on ONE worker:
   read_sibling    terminal: read a file a sibling episode wrote in its own directory;

@@ -2,6 +2,7 @@
 workers that import it (local pool, with and without bubblewrap), and clear errors for names that resolve to
 nothing."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -216,3 +217,33 @@ def test_bad_names_raise_one_clear_error(name, says, capsys):
 def test_valid_names():
   assert envs.is_valid_name("calculator") and envs.is_valid_name("envs.builtin.calculator:SPEC")
   envs.check_name("envs.builtin.guess:SPEC")
+
+
+STALE_MODULE = """
+from envs.builtin import calculator
+import dataclasses
+
+def demo(task):  # written before demo() took the episode's seed
+  return calculator.demo(task, 0)
+
+SPEC = dataclasses.replace(calculator.SPEC, name="stale", demo=demo)
+"""
+
+
+def test_a_user_env_written_for_the_old_demo_signature_gets_a_clear_error(tmp_path, monkeypatch, capsys):
+  (tmp_path / "stale_pkg").mkdir()
+  (tmp_path / "stale_pkg" / "__init__.py").write_text("")
+  (tmp_path / "stale_pkg" / "mod.py").write_text(STALE_MODULE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, "stale_pkg.mod", raising=False)
+  with pytest.raises(envs.UnknownEnvError) as err:
+    envs.get("stale_pkg.mod:SPEC")
+  message = str(err.value)
+  assert isinstance(err.value.__cause__, envs.EnvAPIError)
+  for says in ("'stale_pkg.mod:SPEC'", "demo = demo(task)", "cannot be called as demo(task, seed, **options)",
+               "demo gained the episode's `seed`"):
+    assert says in message, message
+  assert cli.main(["check", "stale_pkg.mod:SPEC"]) == 2
+  assert capsys.readouterr().err.splitlines() == [f"envs: error: {message}"]
+  with pytest.raises(envs.EnvAPIError, match=r"EnvSpec 'x': tasks is 'int', not a function"):
+    dataclasses.replace(envs.get("calculator"), name="x", tasks=3)

@@ -1,7 +1,7 @@
 """The import graph, built from the source: no cycle, and every import goes to its own layer or one below.
 
 Every `import` statement counts, the ones inside functions too: a function-local import may defer loading (the
-CLIs load JAX only for the verbs that need it), never hide a cycle. The layers are docs/design.md's "Layers";
+CLIs load JAX only for the verbs that need it), never hide a cycle. The layers are docs/design.md §3.1;
 a new module must be placed in one (the test names it otherwise).
 """
 

@@ -311,3 +311,20 @@ def test_a_bad_key_in_the_text_is_caught(bad, says):
   assert problems(good) == []
   found = problems(good + bad)
   assert len(found) == 1 and says in found[0], found
+
+
+def test_every_design_section_the_code_cites_exists_in_docs_design():
+  """Comments cite the design as `docs/design.md §2.3`; each cited section is a heading of docs/design.md, and
+  the README links the in-repo page, not one outside the checkout."""
+  headings = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)[. ]", (REPO / "docs" / "design.md").read_text(), re.M))
+  assert {"2.1", "2.11", "3.1", "4"} <= headings
+  cited = {}
+  for path in [*REPO.glob("*/**/*.py"), README]:
+    if ".venv" in path.parts:
+      continue
+    for section in re.findall(r"docs/design\.md §(\d+(?:\.\d+)?)", path.read_text(errors="replace")):
+      cited.setdefault(section, path.relative_to(REPO))
+  assert len(cited) >= 5
+  missing = {s: str(p) for s, p in cited.items() if s not in headings}
+  assert not missing, f"cited sections that docs/design.md lacks: {missing}"
+  assert "../shared" not in README.read_text()

@@ -319,7 +319,8 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
 
 
 def test_all_masked_batch_is_an_explicit_skip(tmp_path):
-  """DESIGN 2.2: nothing to learn from -> skipped=1 and the state unchanged (no AdamW decay, same versions)."""
+  """docs/design.md §2.2: nothing to learn from -> skipped=1 and the state unchanged (no AdamW decay, same
+  versions)."""
   run, progress = _run(tmp_path, "train.bc_steps=0", "train.eval_episodes=0", "optim.weight_decay=0.1")
   try:
     prepared = loop.prepare_batch(run, progress.state, loop.demonstrations(run, run.rows, seed=0))

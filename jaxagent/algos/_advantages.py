@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN.md §2.6): pure jittable functions, registered by name.
+"""Advantage estimators (docs/design.md §2.6): pure jittable functions, registered by name.
 
 Every registered estimator has the signature
 

@@ -1,4 +1,4 @@
-"""Masked policy-gradient / PPO losses (DESIGN.md §2.2), value loss, and token log-prob helpers.
+"""Masked policy-gradient / PPO losses (docs/design.md §2.2), value loss, and token log-prob helpers.
 
 Shape letters: B rows, T tokens, V vocab. Everything is aligned with the token stream: position `t` of
 `logp_bt` is `log π(z_t | z_<t)` (use `next_token_logprobs` to get it from a model's logits).

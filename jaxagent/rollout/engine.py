@@ -1,6 +1,6 @@
 """Multi-turn rollout: a quota of episodes through a fixed set of decode slots, each paused while its env works.
 
-The unit of scheduling is an episode that pauses between turns (DESIGN §2.9). The engine owns `slots` rows of
+The unit of scheduling is an episode that pauses between turns (docs/design.md §2.9). The engine owns `slots` rows of
 the sampler and as many env-pool slots (slot i of one is slot i of the other). An episode goes through
 
     admitted (env reset, asynchronous) -> prompt fed (or copied from a resident row of the same prompt) ->

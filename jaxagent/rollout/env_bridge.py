@@ -3,7 +3,7 @@
 `EnvBridge.step(action_tokens_ba, action_lengths_b)` is traceable (usable under `jit`, `lax.while_loop`,
 `lax.scan`). It runs `io_callback` inside `shard_map` over the batch axis, so each shard — on every host —
 calls only its own pool with only its own rows; outside `shard_map` the callback would gather the whole batch
-to one device (DESIGN.md §4).
+to one device (docs/design.md §4).
 
 Outcome codes (int32) are `envs.OUTCOME_CODES`:
   0 ok, 1 completed, 2 max_turns, 3 context_exhausted, 4 turn_budget_exhausted, 5 invalid_action,

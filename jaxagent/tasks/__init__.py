@@ -1,4 +1,4 @@
-"""Task supply (DESIGN §2.7): what train tasks a run draws (`supply`: uniform stream or frontier curriculum),
+"""Task supply (docs/design.md §2.7): what train tasks a run draws (`supply`: uniform stream or frontier curriculum),
 near-duplicate checks between splits (`contamination`), and the generate → execute → filter pipeline
 (`pipeline`, the `jaxagent tasks` verbs)."""
 

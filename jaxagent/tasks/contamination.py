@@ -1,4 +1,4 @@
-"""Near-duplicate tasks between splits (DESIGN §2.7: check contamination beyond exact match).
+"""Near-duplicate tasks between splits (docs/design.md §2.7: check contamination beyond exact match).
 
 A task's text is what its env's `EnvSpec.describe` gives, else its payload as `path=value` lines in key order. Two tasks are near-duplicates when the Jaccard similarity of their character 5-gram sets
 reaches a threshold, estimated with MinHash and found with an LSH index (`datasketch`), so checking M held-out

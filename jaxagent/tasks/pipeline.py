@@ -1,4 +1,5 @@
-"""Generate → execute → filter (DESIGN §2.7), for any registered env; the `jaxagent tasks` verbs call these.
+"""Generate → execute → filter (docs/design.md §2.7), for any registered env; the `jaxagent tasks` verbs call
+these.
 
 * `generate`: the env's own task generator (`EnvSpec.tasks`), written one task per line (JSONL).
 * `execute`: the env's scripted reference solution (`EnvSpec.demo`) of every task, run through an env worker
@@ -9,7 +10,7 @@
   `jaxagent/train/rollouts.py:policy_outcomes` (a layer above this one: it needs the trainer) and drops tasks
   the policy always or never solves (p = 0 or 1: no GRPO signal).
 
-Needs no JAX and nothing of the trainer (docs/design.md, "Layers").
+Needs no JAX and nothing of the trainer (docs/design.md §3.1).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ a resumed run draws the same task sequence as an uninterrupted one.
 The source of tasks is one grain pipeline over the train split's task indices, shuffled and repeated: the uniform
 supply batches it, the frontier refills its active set from it (one index at a time).
 
-Frontier (DESIGN §2.7: tasks always or never solved give GRPO no signal). Each active task i keeps a Beta
+Frontier (docs/design.md §2.7: tasks always or never solved give GRPO no signal). Each active task i keeps a Beta
 posterior of its success rate under the current policy:
 
     a_i = a0 + Σ decayed successes,  b_i = b0 + Σ decayed failures,  p_i = a_i / (a_i + b_i)

@@ -319,7 +319,7 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   counters[metrics_lib.DEVICE_SECONDS] += stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0)
   counters[metrics_lib.WALL_SECONDS] = time.perf_counter() - start_wall
   # Like reward_mean, the group statistics describe the first-round sample (what the policy does; the "echo
-  # trap" diagnostic of DESIGN 2.6), with the estimator's grouping.
+  # trap" diagnostic of docs/design.md §2.6), with the estimator's grouping.
   spread = group_statistics(run, sampled, prepared.estimate if trajs is sampled else None)
   out = {
       metrics_lib.REWARD_MEAN: float(totals.mean()), metrics_lib.SUCCESS_RATE: float(passed.mean()), **spread,

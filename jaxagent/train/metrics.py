@@ -9,7 +9,7 @@ Each jsonl line is `{"step": int, "iteration": int | null, "time": unix seconds,
 `"nonfinite": [keys]` when a value was NaN/Inf (stored as null, since JSON has no NaN). Every line is flushed
 as soon as it is written, so a crashed run keeps all lines but at most a torn last one, which readers skip.
 
-Learning curves are drawn against the four x-axes of DESIGN §2.11, which the loop logs as cumulative metrics
+Learning curves are drawn against the four x-axes of docs/design.md §2.11, which the loop logs as cumulative metrics
 on every line: `env_interactions`, `action_tokens`, `device_seconds`, `wall_seconds`.
 
 Only one process of a multi-host job should write: build the logger with `enabled=jax.process_index() == 0`.
@@ -44,7 +44,7 @@ ZERO_VARIANCE_GROUP_FRACTION = "zero_variance_group_fraction"
 EXCLUDED_TRAJECTORIES = "excluded_trajectories"                 # infrastructure failures, never trained
 ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS = (
     "env_interactions", "action_tokens", "device_seconds", "wall_seconds")
-# Cumulative x-axes of DESIGN §2.11, in subplot order.
+# Cumulative x-axes of docs/design.md §2.11, in subplot order.
 X_AXES = (ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS)
 # Metrics that get a learning-curve figure when present.
 Y_METRICS = (REWARD_MEAN, SUCCESS_RATE, EVAL_SUCCESS_RATE, "grad_norm", "entropy", "kl", "approx_kl",
