@@ -56,8 +56,7 @@ class Completed:
 
 
 def _probe_argv() -> list[str]:
-  return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", *system_binds(),
-          "--dev", "/dev", "--remount-ro", "/", "true"]
+  return [*bwrap_base(nests=False), *system_binds(), "--dev", "/dev", "--remount-ro", "/", "true"]  # as episodes
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +84,20 @@ def _userns_flags() -> tuple[str, ...]:
   except (OSError, subprocess.TimeoutExpired):
     return ()
   return flags if probe.returncode == 0 else ()
+
+
+def bwrap_base(*, nests: bool) -> list[str]:
+  """The flags every bubblewrap sandbox here starts with (the one home of that rule): every namespace unshared (no
+  network), killed with its parent, its own session (no TIOCSTI into the caller's terminal), an empty environment.
+
+  nests=False (a program an episode runs): also every capability dropped and, where bwrap supports it, no user
+  namespace of its own. nests=True (an env worker, envs/pool.py): keeps both, on purpose, because the worker makes
+  each episode's sandbox inside itself, and a nested bwrap must write its uid map and create a user namespace:
+  under `--cap-drop ALL` it fails with "setting up uid map: Operation not permitted", under `--disable-userns`
+  with ENOSPC (measured, bubblewrap 0.8). Every episode inside the worker still gets the nests=False flags.
+  """
+  flags = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  return flags if nests else [*flags, *_userns_flags(), "--cap-drop", "ALL"]
 
 
 def resolve(mode: str) -> str:
@@ -177,8 +190,7 @@ class EpisodeSandbox:
     """The command line that runs `program` confined (mode bwrap) or as is (mode none)."""
     if self.mode == "none":
       return list(program)
-    cmd = ["bwrap", "--unshare-all", *_userns_flags(), "--die-with-parent", "--new-session", "--clearenv",
-           "--cap-drop", "ALL", *system_binds(), *_hide_envs(), "--dev", "/dev",
+    cmd = [*bwrap_base(nests=False), *system_binds(), *_hide_envs(), "--dev", "/dev",
            "--ro-bind" if self.read_only else "--bind", str(self.work), "/work", "--bind", str(self.tmp), "/tmp"]
     for inside, host in self.binds.items():
       cmd += ["--ro-bind", host, inside]

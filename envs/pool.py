@@ -382,7 +382,7 @@ def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tup
   """
   import msgpack  # pylint: disable=g-import-not-at-top
   python = os.path.realpath(sys.executable)
-  cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", *_sandbox.system_binds()]
+  cmd = [*_sandbox.bwrap_base(nests=True), *_sandbox.system_binds()]  # it nests each episode's sandbox
   cmd += ["--ro-bind", str(ENVS_DIR), "/opt/jaxagent/envs",
           "--ro-bind", str(Path(msgpack.__file__).parent), "/opt/site/msgpack",
           "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", sock_dir, "/run/jaxagent"]

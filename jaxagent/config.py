@@ -319,11 +319,6 @@ class TasksConfig:
                                 "5-grams of the task's payload values) at which two tasks are near-duplicates")
 
 
-PARADIGMS = ("bc", "sft", "rft", "offline", "rl")
-# Paradigms whose stages count iterations (train.iterations); bc stages count optimizer steps (train.bc_steps).
-ITERATION_PARADIGMS = ("sft", "rft", "offline", "rl")
-
-
 @dataclasses.dataclass(frozen=True)
 class DataFilter:
   """Which stored trajectories a stage learns from (jaxagent/data/trajectories.py). Episodes ended by an
@@ -339,14 +334,35 @@ class DataFilter:
 
 
 @dataclasses.dataclass(frozen=True)
+class Paradigm:
+  """A data paradigm (docs/design.md §2.4): the one table the stage rules derive from."""
+  name: str
+  help: str
+  samples: bool = False            # rolls out the current policy on tasks it draws (a task supply per stage)
+  data: bool = False               # learns from `stage.data` (stored chats or trajectories)
+  cold_start: bool = False         # comes first; its steps count against train.bc_steps (the others' against
+                                   # train.iterations)
+  options: tuple[str, ...] = ()    # the StageConfig fields only this paradigm reads (and others refuse)
+
+
+PARADIGMS: dict[str, Paradigm] = {p.name: p for p in (
+    Paradigm("bc", "behavior cloning on the env's scripted demonstrations", cold_start=True),
+    Paradigm("sft", "supervised fine-tuning on `data` (a JSONL file of chats, or stored trajectories)", data=True,
+             options=("filter",)),
+    Paradigm("rft", "rejection-sampling fine-tuning (sample, keep the verified, fine-tune; per round)",
+             samples=True, options=("rollouts", "updates")),
+    Paradigm("offline", "learn from another policy's stored trajectories (`method`)", data=True,
+             options=("filter", "method", "max_ratio", "min_negative_ratio")),
+    Paradigm("rl", "the configured algorithm (algo.name) on sampled episodes", samples=True),
+)}
+ParadigmName = Literal[tuple(PARADIGMS)]  # type: ignore[valid-type]  (the names, from the table)
+
+
+@dataclasses.dataclass(frozen=True)
 class StageConfig:
   """One stage of a curriculum: a data paradigm on a task mix for at most `steps`, then the next stage."""
   name: str = field("stage", help="shown in logs and metrics")
-  paradigm: Literal["bc", "sft", "rft", "offline", "rl"] = field(
-      "rl", help="bc: behavior cloning on the env's scripted demonstrations; sft: supervised fine-tuning on `data` "
-      "(a JSONL file of chats, or stored trajectories); rft: rejection-sampling fine-tuning (sample, keep the "
-      "verified, fine-tune; per round); offline: learn from another policy's stored trajectories (`method`); "
-      "rl: the configured algorithm (algo.name) on sampled episodes")
+  paradigm: ParadigmName = field("rl", help="; ".join(f"{p.name}: {p.help}" for p in PARADIGMS.values()))
   steps: int = field(1, ge=1, help="bc: optimizer steps; rl: iterations (fewer when promoted early); sft and "
                      "offline: optimizer steps, one iteration each; rft: rounds, one iteration each")
   env_options: dict[str, Any] | None = field(None, help="the task generator's options in this stage (e.g. "
@@ -374,6 +390,15 @@ class StageConfig:
                         "train.group_size samples (k)")
   updates: int = field(8, ge=1, help="rft: fine-tuning steps per round (batches of train.bc_batch_size, drawn "
                        "from every verified sample kept so far in the stage)")
+
+  @property
+  def kind(self) -> Paradigm:
+    return PARADIGMS[self.paradigm]
+
+  @property
+  def importance_weighted(self) -> bool:
+    """offline iw_pg: a policy gradient weighted by π_θ/μ (its own jitted step), not supervised learning."""
+    return self.paradigm == "offline" and self.method == "iw_pg"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,7 +445,7 @@ def updates_per_iteration(config: Config, stage: StageConfig) -> int:
 
 def planned_updates(config: Config) -> int:
   """Optimizer steps after the bc stages, as planned (the learning-rate schedule's length)."""
-  return sum(s.steps * updates_per_iteration(config, s) for s in stages(config) if s.paradigm != "bc")
+  return sum(s.steps * updates_per_iteration(config, s) for s in stages(config) if not s.kind.cold_start)
 
 
 def truncates(rollout: RolloutConfig) -> bool:
@@ -465,31 +490,37 @@ def check_combinations(config: Config, num_processes: int) -> None:
   stages = config.curriculum.stages
   if stages:
     kinds = [s.paradigm for s in stages]
-    first = next((i for i, k in enumerate(kinds) if k != "bc"), len(kinds))
-    if "bc" in kinds[first:]:
+    first = next((i for i, s in enumerate(stages) if not s.kind.cold_start), len(stages))
+    if any(s.kind.cold_start for s in stages[first:]):
       raise ConfigError(f"curriculum.stages paradigms {kinds}: bc stages come first (a cold start on scripted "
                         "demonstrations); for supervised learning later in a curriculum use paradigm sft")
     for counted, bc, total, key in (("bc stages' steps", True, train.bc_steps, "train.bc_steps"),
                                     ("other stages' steps (iterations)", False, train.iterations, "train.iterations")):
-      planned = sum(s.steps for s in stages if (s.paradigm == "bc") == bc)
+      planned = sum(s.steps for s in stages if s.kind.cold_start == bc)
       if planned != total:
         raise ConfigError(f"curriculum.stages: the {counted} add up to {planned}, but {key}={total}; "
                           f"set {key}={planned} (schedules and checkpoints are planned on it)")
     for i, s in enumerate(stages):
       where = f"curriculum.stages[{i}] ({s.name!r}, paradigm {s.paradigm})"
-      if s.paradigm == "bc" and (s.promote_at is not None or s.sampler is not None):
-        raise ConfigError(f"{where}: promote_at and sampler do not apply to bc stages")
-      if s.paradigm in ("sft", "offline") and s.sampler is not None:
-        raise ConfigError(f"{where}: sampler applies to stages that sample tasks (rl, rft)")
-      if s.paradigm in ("sft", "offline") and not s.data:
+      sampling = [p.name for p in PARADIGMS.values() if p.samples]
+      with_data = [p.name for p in PARADIGMS.values() if p.data]
+      if s.kind.cold_start and (s.promote_at is not None or s.sampler is not None):
+        raise ConfigError(f"{where}: promote_at and sampler do not apply to {s.paradigm} stages")
+      if not s.kind.samples and not s.kind.cold_start and s.sampler is not None:
+        raise ConfigError(f"{where}: sampler applies to stages that sample tasks ({', '.join(sampling)})")
+      if s.kind.data and not s.data:
         raise ConfigError(f"{where}: needs `data` (sft: a JSONL chat file or stored trajectories; offline: "
                           "stored trajectories, e.g. another run's trajectories/ directory)")
-      if s.paradigm not in ("sft", "offline") and s.data:
-        raise ConfigError(f"{where}: data={s.data!r} applies to sft and offline stages")
+      if not s.kind.data and s.data:
+        raise ConfigError(f"{where}: data={s.data!r} applies to {' and '.join(with_data)} stages")
       defaults = StageConfig()
-      for names, paradigms in ((("filter",), ("sft", "offline")),
-                               (("method", "max_ratio", "min_negative_ratio"), ("offline",)),
-                               (("rollouts", "updates"), ("rft",))):
+      groups: dict[tuple[str, ...], list[str]] = {}  # option fields grouped by the paradigms that read them
+      for p in PARADIGMS.values():
+        for n in p.options:
+          readers = tuple(q.name for q in PARADIGMS.values() if n in q.options)
+          if n not in groups.setdefault(readers, []):
+            groups[readers].append(n)
+      for paradigms, names in groups.items():
         changed = [n for n in names if getattr(s, n) != getattr(defaults, n)]
         if changed and s.paradigm not in paradigms:
           raise ConfigError(f"{where}: {', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
@@ -503,7 +534,7 @@ def check_combinations(config: Config, num_processes: int) -> None:
         raise ConfigError(f"{where}: filter.splits={list(s.filter.splits)} trains on episodes of the {held_out!r} "
                           f"split the run evaluates on (train.eval_split): held-out success would measure "
                           "memorized tasks. Drop it, or set tasks.contamination=off to train on it anyway")
-      if s.paradigm == "offline" and s.method == "iw_pg" and algo.advantage not in ("grpo", "rloo"):
+      if s.importance_weighted and algo.advantage not in ("grpo", "rloo"):
         raise ConfigError(f"{where}: method iw_pg uses group-relative advantages of the stored returns; "
                           f"algo.advantage={algo.advantage!r} needs values the records do not have: use grpo or "
                           "rloo, or method filtered_bc")
@@ -513,7 +544,7 @@ def check_combinations(config: Config, num_processes: int) -> None:
       if s.promote_at is not None and s.promote_every >= s.steps:
         raise ConfigError(f"{where}: promote_every={s.promote_every} >= steps={s.steps}: the stage would end "
                           "before its first promotion check")
-      if s.env_options is not None and config.tasks.train_file is not None and s.paradigm in ("rl", "rft"):
+      if s.env_options is not None and config.tasks.train_file is not None and s.kind.samples:
         raise ConfigError(f"{where}: env_options with tasks.train_file={config.tasks.train_file!r}: the stage "
                           "would draw from the generator, not the file; use one or the other")
     names = [s.name for s in stages]

@@ -110,3 +110,22 @@ def test_docker_workers_nesting_episode_sandboxes_refuse_what_neither_needs():
     p.reset(0, envs.get("terminal").tasks("train", 1, 0)[0], 0)
     r = p.step(0, probe)
     assert r.observation.text.startswith("[(-1, 1), (-1, 1)]"), r.observation.text
+
+
+def test_worker_and_episode_sandboxes_share_one_base_and_differ_only_where_a_worker_must_nest(tmp_path):
+  """envs/_sandbox.py bwrap_base: the worker sandbox keeps capabilities and user namespaces because it creates
+  the episodes' sandboxes inside itself; each episode drops both."""
+  from envs import _sandbox  # pylint: disable=g-import-not-at-top
+  worker = pool_lib.bwrap_command(str(tmp_path), ["-c", "pass"])
+  if _sandbox.bwrap_error() is None:  # the argv an episode's program really gets
+    box = _sandbox.EpisodeSandbox("bwrap")
+    episode = box.argv(["true"])
+    box.close()
+  else:
+    episode = [*_sandbox.bwrap_base(nests=False), "true"]
+  base = _sandbox.bwrap_base(nests=True)
+  assert worker[:len(base)] == base and episode[:len(base)] == base
+  assert "--cap-drop" not in worker and "--disable-userns" not in worker
+  assert episode[episode.index("--cap-drop") + 1] == "ALL"
+  assert set(_sandbox.bwrap_base(nests=False)) - set(base) <= {"--cap-drop", "ALL", "--unshare-user", "--disable-userns"}
+  assert _sandbox.bwrap_error() is None or not os.environ.get("JAXAGENT_REQUIRE_SANDBOX"), _sandbox.bwrap_error()

@@ -259,3 +259,14 @@ def test_stage_timer_real_clock():
       sum(range(10_000))
   seconds = timer.pop()["time/sleep_s"]
   assert 0.0 < seconds < 5.0
+
+
+def test_every_paradigm_advances_the_x_axes_by_one_rule():
+  start = dict.fromkeys(m.X_AXES, 0)
+  one = m.advance(start, env_interactions=np.float64(3), action_tokens=5, device_s=0.5, wall_s=10.0)
+  assert start == dict.fromkeys(m.X_AXES, 0)  # a new dict: the loop state's counters are not mutated
+  assert one == {m.ENV_INTERACTIONS: 3, m.ACTION_TOKENS: 5, m.DEVICE_SECONDS: 0.5,
+                 m.WALL_SECONDS: 10.0}
+  assert isinstance(one[m.ENV_INTERACTIONS], int)
+  two = m.advance(one, device_s=0.25)
+  assert two[m.DEVICE_SECONDS] == 0.75 and two[m.WALL_SECONDS] == 10.0

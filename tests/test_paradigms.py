@@ -230,6 +230,8 @@ def test_sft_stage_trains_on_the_assistant_tokens_of_its_batches(tmp_path):
   examples = stored.Examples(lambda i: i, 2, seed=seeds.data_order(cfg.run.seed, 0))
   assert logged == [sum(per_chat[p] for p in examples.positions(s, cfg.train.bc_batch_size)) for s in range(3)]
   assert all(np.isfinite(r["sft/nll"]) for r in rows if "sft/nll" in r)
+  device = [r["device_seconds"] for r in rows if "sft/loss_tokens" in r]  # the update steps count, as in rl
+  assert len(device) == 3 and 0 < device[0] < device[1] < device[2]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -313,11 +313,9 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   counts = multihost.host_sum(np.asarray([sum(t.termination.value == n for t in sampled) for n in names]
                                          + [run.pool.replays, run.pool.replay_divergences, stats.env_steps,
                                             stats.action_tokens]))
-  counters = dict(progress.counters)
-  counters[metrics_lib.ENV_INTERACTIONS] += int(counts[-2])
-  counters[metrics_lib.ACTION_TOKENS] += int(counts[-1])
-  counters[metrics_lib.DEVICE_SECONDS] += stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0)
-  counters[metrics_lib.WALL_SECONDS] = time.perf_counter() - start_wall
+  counters = metrics_lib.advance(progress.counters, env_interactions=counts[-2], action_tokens=counts[-1],
+                                 device_s=stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0),
+                                 wall_s=time.perf_counter() - start_wall)
   # Like reward_mean, the group statistics describe the first-round sample (what the policy does; the "echo
   # trap" diagnostic of docs/design.md §2.6), with the estimator's grouping.
   spread = group_statistics(run, sampled, prepared.estimate if trajs is sampled else None)
@@ -364,7 +362,7 @@ _BAR_FIELDS = ((metrics_lib.REWARD_MEAN, "reward"), (metrics_lib.SUCCESS_RATE, "
 
 
 def _bar_label(cfg: Config, stages) -> str:
-  kinds = sorted({s.paradigm for s in stages if s.paradigm != "bc"}, key=config_lib.PARADIGMS.index)
+  kinds = sorted({s.paradigm for s in stages if not s.kind.cold_start}, key=list(config_lib.PARADIGMS).index)
   if kinds in ([], ["rl"]):
     return "GRPO" if cfg.algo.name == "grpo" else "PPO"
   return "+".join(k.upper() for k in kinds)
@@ -403,16 +401,16 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
   before = after = None
   stages = config_lib.stages(cfg)
   explicit = bool(cfg.curriculum.stages)
-  first_rl = next((i for i, st in enumerate(stages) if st.paradigm != "bc"), len(stages))  # after the bc stages
+  after_cold_start = next((i for i, st in enumerate(stages) if not st.kind.cold_start), len(stages))
   try:
     if int(progress.state.step) < cfg.train.bc_steps:  # the bc stages, one after the other (by optimizer steps)
       begin = 0
-      for i, stage in enumerate(stages[:first_rl]):
+      for i, stage in enumerate(stages[:after_cold_start]):
         end = begin + stage.steps
         if int(progress.state.step) < end:
           state = behavior_cloning(run, progress.state, logger, begin=begin, end=end, stage=i)
           if end == cfg.train.bc_steps:  # one checkpoint after all bc stages (all at iteration 0: one step)
-            progress = dataclasses.replace(progress, state=set_reference(run, state), stage=first_rl,
+            progress = dataclasses.replace(progress, state=set_reference(run, state), stage=after_cold_start,
                                            stage_start=progress.iteration)
             save(run, progress, writer, env_change)
           else:

@@ -46,6 +46,21 @@ ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS = (
     "env_interactions", "action_tokens", "device_seconds", "wall_seconds")
 # Cumulative x-axes of docs/design.md §2.11, in subplot order.
 X_AXES = (ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS)
+
+
+def advance(counters: Mapping[str, float], *, env_interactions: int = 0, action_tokens: int = 0,
+            device_s: float = 0.0, wall_s: float | None = None) -> dict[str, float]:
+  """The x-axes after one iteration, the one rule every paradigm counts by: env interactions and action tokens
+  summed over processes (the caller's collective); device seconds of this process's rollout decode + extend and
+  optimizer updates (the seconds the policy's devices were busy); wall seconds since the run began (a resumed
+  run continues its count), or unchanged when None."""
+  out = dict(counters)
+  out[ENV_INTERACTIONS] += int(env_interactions)
+  out[ACTION_TOKENS] += int(action_tokens)
+  out[DEVICE_SECONDS] += device_s
+  if wall_s is not None:
+    out[WALL_SECONDS] = wall_s
+  return out
 # Metrics that get a learning-curve figure when present.
 Y_METRICS = (REWARD_MEAN, SUCCESS_RATE, EVAL_SUCCESS_RATE, "grad_norm", "entropy", "kl", "approx_kl",
              ZERO_VARIANCE_GROUP_FRACTION, REWARD_STD_WITHIN_GROUP)

@@ -161,7 +161,7 @@ def prepare(run: Run, progress: LoopState, index: int) -> StageData:
                                  f"({selection.line()})")
   data = StageData(index, examples=stored.Examples(selection.fetch, len(selection), seed),
                    behavior_versions=selection.policy_versions)
-  if stage.paradigm == "offline" and stage.method == "iw_pg":
+  if stage.importance_weighted:
     estimate = algos.get_advantage(cfg.algo.advantage)(
         jnp.asarray(selection.rewards), jnp.asarray(selection.mask), jnp.asarray(selection.groups),
         **algos.advantage_kwargs(cfg.algo))
@@ -200,13 +200,15 @@ def supervised_iteration(run: Run, progress: LoopState, data: StageData) -> tupl
   step = progress.iteration - progress.stage_start
   positions, trajs = data.examples.batch(step, cfg.train.bc_batch_size,
                                          part=(jax.process_index(), jax.process_count()))
-  iw = stage.paradigm == "offline" and stage.method == "iw_pg"
+  iw = stage.importance_weighted
   advantages = [data.advantages[p, :len(t.turns)] for p, t in zip(positions, trajs)] if iw else None
   batch = supervised_batch(run, trajs, advantages)
   normalizer = loss_normalizer(run, batch)
   step_fn = run.offline_steps[(stage.max_ratio, stage.min_negative_ratio)] if iw else run.bc_step
+  update0 = time.perf_counter()
   state, m = step_fn(progress.state, run.layout.to_global(batch), jnp.float32(normalizer))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
+  counters = metrics_lib.advance(progress.counters, device_s=time.perf_counter() - update0)
   prefix = stage.paradigm
   out = {f"{prefix}/loss": m["loss"], f"{prefix}/grad_norm": m["grad_norm"], f"{prefix}/loss_tokens": m["loss_tokens"]}
   if iw:
@@ -219,7 +221,7 @@ def supervised_iteration(run: Run, progress: LoopState, data: StageData) -> tupl
     out["offline/advantage_abs_mean"] = float(sums[0] / max(sums[1], 1.0))  # per turn, all processes
   else:
     out[f"{prefix}/nll"] = m["nll"]
-  return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1), out
+  return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1, counters=counters), out
 
 
 def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[LoopState, dict[str, Any]]:
@@ -232,7 +234,7 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
   process = jax.process_index()
   samples: list[tr.Trajectory] = []
   env_steps = tokens = 0
-  decode_s = 0.0
+  rollout_s = 0.0
   for r in range(stage.rollouts):
     tasks = supply.draw(it, r)
     env_seeds = seeds.episodes(cfg.run.seed, it, run.rows, process, kind="rft", round_=r)
@@ -240,7 +242,8 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
                                            rng=run.rollout_key(state.rng, it, r))
     rollouts.record_outcomes(run, supply, tasks, trajs)
     samples += trajs
-    env_steps, tokens, decode_s = env_steps + stats.env_steps, tokens + stats.action_tokens, decode_s + stats.decode_s
+    env_steps, tokens = env_steps + stats.env_steps, tokens + stats.action_tokens
+    rollout_s += stats.decode_s + stats.extend_s
   usable = rollouts.trained_rows(run, samples)
   marked = []
   new = 0
@@ -257,6 +260,7 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
     writer.flush()
   local = cfg.train.bc_batch_size // jax.process_count()
   nll = []
+  update0 = time.perf_counter()
   examples = (stored.Examples(data.kept.__getitem__, len(data.kept), seeds.rft_order(cfg.run.seed, it))
               if data.kept else None)
   for u in range(stage.updates):
@@ -264,12 +268,11 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
     batch = supervised_batch(run, examples.batch(u, local)[1] if examples is not None else [])
     state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(loss_normalizer(run, batch)))
     nll.append(float(jax.device_get(m["nll"])))
+  update_s = time.perf_counter() - update0
   counts = multihost.host_sum(np.asarray([len(samples), sum(bool(t.verifier.passed) for t in samples), new,
                                           len(data.kept), env_steps, tokens], np.float64))
-  counters = dict(progress.counters)
-  counters[metrics_lib.ENV_INTERACTIONS] += int(counts[4])
-  counters[metrics_lib.ACTION_TOKENS] += int(counts[5])
-  counters[metrics_lib.DEVICE_SECONDS] += decode_s
+  counters = metrics_lib.advance(progress.counters, env_interactions=counts[4], action_tokens=counts[5],
+                                 device_s=rollout_s + update_s)
   out = {"rft/samples": int(counts[0]), "rft/verified": int(counts[1]), "rft/kept_new": int(counts[2]),
          "rft/kept_total": int(counts[3]), metrics_lib.SUCCESS_RATE: float(counts[1] / max(counts[0], 1)),
          "rft/nll": float(np.mean(nll)) if nll else 0.0}
@@ -277,7 +280,8 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
   return progress, out
 
 
-def iteration(run: Run, progress: LoopState, data: StageData, writer, start_wall: float) -> tuple[LoopState, dict[str, Any]]:
+def iteration(run: Run, progress: LoopState, data: StageData, writer,
+              start_wall: float) -> tuple[LoopState, dict[str, Any]]:
   """One iteration of the current non-rl stage, with the counters every iteration logs."""
   stage = config_lib.stages(run.config)[progress.stage]
   wall0 = time.perf_counter()
@@ -285,8 +289,7 @@ def iteration(run: Run, progress: LoopState, data: StageData, writer, start_wall
     progress, m = rft_round(run, progress, data, writer)
   else:
     progress, m = supervised_iteration(run, progress, data)
-  counters = dict(progress.counters)
-  counters[metrics_lib.WALL_SECONDS] = time.perf_counter() - start_wall
+  counters = metrics_lib.advance(progress.counters, wall_s=time.perf_counter() - start_wall)
   m.update({"learning_rate": float(run.schedule(int(progress.state.step) - 1)),
             "time/iteration_s": time.perf_counter() - wall0, **counters})
   return dataclasses.replace(progress, counters=counters), m

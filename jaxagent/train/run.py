@@ -275,9 +275,9 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   if purpose == "train":
     lists: dict[str, list[envs.Task]] = {}
     stages = config_lib.stages(cfg)
-    first_rl = next((i for i, st in enumerate(stages) if st.paradigm in ("rl", "rft")), None)
+    first_sampling = next((i for i, st in enumerate(stages) if st.kind.samples), None)  # the first that samples
     for i, stage in enumerate(stages):
-      if stage.paradigm not in ("rl", "rft"):
+      if not stage.kind.samples:
         stage_tasks.append(None)
         continue
       options = cfg.env.options if stage.env_options is None else stage.env_options
@@ -285,7 +285,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       if key not in lists:
         lists[key] = train_tasks(cfg, env_spec, None if stage.env_options is None else options)
       sampler = dataclasses.replace(cfg.tasks, sampler=stage.sampler or cfg.tasks.sampler)
-      supply = task_supply.make_supply(lists[key], sampler, seed=seeds.stage(cfg.run.seed, i, first=first_rl),
+      supply = task_supply.make_supply(lists[key], sampler, seed=seeds.stage(cfg.run.seed, i, first=first_sampling),
                                        batch=cfg.train.tasks_per_iteration,
                                        process=process, num_processes=num_processes)
       report = check_contamination(cfg, env_spec, lists[key], supply, iterations=stage.steps,
@@ -392,7 +392,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
     bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
     for stage in config_lib.stages(cfg):  # offline policy gradient: one compiled step per truncation setting
       key = (stage.max_ratio, stage.min_negative_ratio)
-      if stage.paradigm == "offline" and stage.method == "iw_pg" and key not in offline_steps:
+      if stage.importance_weighted and key not in offline_steps:
         offline_steps[key] = make_train_step(
             graphdefs, optimizer, cfg.algo, micro_batches=1, mode="offline", temperature=cfg.rollout.temperature,
             max_ratio=stage.max_ratio, min_negative_ratio=stage.min_negative_ratio, **memory)
