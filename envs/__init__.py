@@ -8,12 +8,12 @@ Public API:
   (names: built-ins, `jaxagent.envs` entry points of installed packages, or `package.module:ATTR`)
 """
 
-from envs._api import (CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_ERROR, ENV_TIMEOUT, INVALID_ACTION,
-                       INVALID_ACTION_RULES, MAX_TURNS, OUTCOME_CODES, OUTCOMES, PARSER_REJECTED,
-                       RETRIES_EXHAUSTED, SPLITS, TERMINATIONS, TURN_BUDGET_EXHAUSTED, ACTION_SYNTAXES,
-                       JSON_PARSER_VERSION, ActionParser, Call, Env, EnvAPIError,
-                       EnvError, EnvSpec, InvalidAction, InvalidActionRule, Observation, Outcome, ParseError,
-                       StepResult, Task, Termination, Tool, Verdict, Verifier, source_version, ENV_API_VERSION)
+from envs._api import (ACTION_SYNTAXES, CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_API_VERSION, ENV_ERROR,
+                       ENV_TIMEOUT, INFRASTRUCTURE_TERMINATIONS, INVALID_ACTION, INVALID_ACTION_RULES,
+                       JSON_PARSER_VERSION, MAX_TURNS, OUTCOME_CODES, OUTCOMES, PARSER_REJECTED, RETRIES_EXHAUSTED,
+                       SPLITS, TERMINATIONS, TURN_BUDGET_EXHAUSTED, ActionParser, Call, Env, EnvAPIError, EnvError,
+                       EnvSpec, InvalidAction, InvalidActionRule, Observation, Outcome, ParseError, StepResult, Task,
+                       Termination, Tool, Verdict, Verifier, source_version)
 from envs._registry import (ENTRY_POINT_GROUP, UnknownEnvError, check_name, get, is_valid_name, names,
                             register)
 from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)

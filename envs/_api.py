@@ -94,6 +94,10 @@ RETRIES_EXHAUSTED = Termination.RETRIES_EXHAUSTED
 CANCELLED = Termination.CANCELLED
 
 TERMINATIONS: tuple[str, ...] = tuple(t.value for t in Termination)
+# Ends that are faults of the infrastructure, not of the policy or the task: the trainer's default
+# train.exclude_terminations (stored, counted, never trained on), and what `jaxagent tasks execute` retries.
+INFRASTRUCTURE_TERMINATIONS: tuple[str, ...] = (ENV_ERROR.value, ENV_TIMEOUT.value, RETRIES_EXHAUSTED.value,
+                                                CANCELLED.value)
 OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)
 # Codes are what the host-callback bridge returns (int32); keyed by the value, so a member looks up too.
 OUTCOME_CODES: Mapping[str, int] = {name: i for i, name in enumerate(OUTCOMES)}

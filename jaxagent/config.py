@@ -277,7 +277,7 @@ class TrainConfig:
   save_trajectories: bool = field(True)
   plots: bool = field(True, help="write PNG learning curves to plots/")
   exclude_terminations: tuple[str, ...] = field(
-      ("env_error", "env_timeout", "retries_exhausted", "cancelled"), choices=lambda: list(envs.TERMINATIONS),
+      envs.INFRASTRUCTURE_TERMINATIONS, choices=lambda: list(envs.TERMINATIONS),
       help="episodes ending so are infrastructure failures: stored and counted, never trained on or grouped")
   allow_env_change: bool = field(False, help="resume even if the env, verifier or parser version changed "
                                  "(recorded in the checkpoint metadata)")

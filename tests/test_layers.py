@@ -161,3 +161,26 @@ def test_the_modules_that_closed_the_old_cycles_import_nothing_above_them(module
   banned = {"jaxagent.config": ("jaxagent.sharding", "jaxagent.train"), "jaxagent.tasks.supply": ("jaxagent.train",),
             "jaxagent.train.paradigms": ("jaxagent.train.loop",)}[module]
   assert not [t for t in graph[module] if t.startswith(banned)]
+
+
+def test_one_home_per_rule():
+  """docs/design.md §3.3: each rule below is written once and the others derive from it."""
+  import typing  # pylint: disable=g-import-not-at-top
+
+  import envs  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent.tasks import pipeline  # pylint: disable=g-import-not-at-top
+  # Seeds: only jaxagent/seeds.py derives one (a second derivation of the same stream silently diverges).
+  derive = [str(p.relative_to(ROOT)) for p in (ROOT / "jaxagent").rglob("*.py")
+            if "stable_seed(" in p.read_text() and p.name != "seeds.py"]
+  assert not derive, f"seeds derived outside jaxagent/seeds.py: {derive}"
+  # Infrastructure failures: the trainer's default exclusions are what the task pipeline retries.
+  assert config_lib.TrainConfig().exclude_terminations == envs.INFRASTRUCTURE_TERMINATIONS
+  assert pipeline.INFRASTRUCTURE == ("worker_failure", *envs.INFRASTRUCTURE_TERMINATIONS)
+  # Paradigms: the stage Literal is the table's names.
+  hints = typing.get_type_hints(config_lib.StageConfig)
+  assert typing.get_args(hints["paradigm"]) == tuple(config_lib.PARADIGMS)
+  # Bubblewrap: one builder of the base argv.
+  bwrap = [str(p.relative_to(ROOT)) for p in (ROOT / "envs").rglob("*.py")
+           if '"bwrap", "--unshare-all"' in p.read_text()]
+  assert bwrap == ["envs/_sandbox.py"], bwrap

@@ -30,7 +30,7 @@ from envs import pool as pool_lib
 SOLVED = "solved"
 # Faults of the infrastructure, not of the task (the trainer's default train.exclude_terminations): such a task
 # is run once more, and if it fails so again it is reported as unknown, neither kept nor broken.
-INFRASTRUCTURE = ("worker_failure", "env_error", "env_timeout", "retries_exhausted", "cancelled")
+INFRASTRUCTURE = ("worker_failure", *envs.INFRASTRUCTURE_TERMINATIONS)  # a worker that failed the reset, too
 BROKEN_REASONS = ("demo_error", "reset_error", "reference_failed", "unfinished") + tuple(
     t for t in envs.TERMINATIONS if t != "completed" and t not in INFRASTRUCTURE)
 

@@ -162,10 +162,8 @@ def _demo_action(run: Run, line: str) -> str:
   """A scripted action (written `NAME ARG`) in the run's action syntax (a JSON call for `json`)."""
   if run.action_syntax == "line":
     return line
-  parser = run.demo_parser
-  json_parser = parser.with_syntax(run.action_syntax)
-  text = json_parser.format(parser.parse(line))
-  json_parser.parse(text)  # a demonstration the env would refuse is an error here, not a silent BC target
+  text = run.action_parser.format(run.demo_parser.parse(line))
+  run.action_parser.parse(text)  # a demonstration the env would refuse is an error here, not a silent BC target
   return text
 
 
@@ -207,11 +205,10 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
   rng = np.random.default_rng(seeds.bc_order(cfg.run.seed, start_step))
   label = "cold start (BC)" if not cfg.curriculum.stages else f"stage {spec.name} (BC)"
   progress = metrics_lib.Progress(end - start_step, label, run.echo)
-  local = train.bc_batch_size // jax.process_count()
   shown = start_step  # steps the bar has counted (it redraws with the logged metrics, every 10 steps)
   for step in range(start_step, end):
     pick = rng.choice(len(demos), train.bc_batch_size, replace=False)
-    mine = pick[jax.process_index() * local:(jax.process_index() + 1) * local]
+    mine = pick[jax.process_index() * run.bc_rows:(jax.process_index() + 1) * run.bc_rows]
     batch = paradigms.supervised_batch(run, [demos[i] for i in mine])
     state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(paradigms.loss_normalizer(run, batch)))
     if step % 10 == 0 or step == end - 1:

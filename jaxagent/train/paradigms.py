@@ -125,9 +125,8 @@ def prepare(run: Run, progress: LoopState, index: int) -> StageData:
     return data
   where = f"stage {stage.name!r} data={stage.data!r}"
   if stage.paradigm == "sft" and chats.is_chat_file(stage.data):
-    parser = run.demo_parser if run.action_syntax == "line" else run.demo_parser.with_syntax(run.action_syntax)
     try:
-      loaded = chats.read_chats(stage.data, run.chat, parser)
+      loaded = chats.read_chats(stage.data, run.chat, run.action_parser)
     except chats.ChatDataError as e:
       raise config_lib.ConfigError(f"stage {stage.name!r}: {e}") from None
     long = [t.id for t in loaded.trajectories if not _fits(run, t)]
@@ -179,9 +178,8 @@ def _sample_key(t: tr.Trajectory) -> tuple:
 def supervised_batch(run: Run, trajectories, advantages=None):
   """This process's rows of a supervised batch (train.bc_batch_size over all processes), at the context length."""
   cfg = run.config
-  local = cfg.train.bc_batch_size // jax.process_count()
   # Offline iw_pg scores logged tokens as the rollout samples (thresholds included); behavior cloning does not.
-  return assemble(trajectories, advantages, level="turn", length=cfg.rollout.max_context, rows=local,
+  return assemble(trajectories, advantages, level="turn", length=cfg.rollout.max_context, rows=run.bc_rows,
                   pad_id=run.tokenizer.pad_id, thresholds=advantages is not None and config_lib.truncates(cfg.rollout))
 
 
@@ -258,14 +256,13 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
     for t in marked:
       writer.write(t)
     writer.flush()
-  local = cfg.train.bc_batch_size // jax.process_count()
   nll = []
   update0 = time.perf_counter()
   examples = (stored.Examples(data.kept.__getitem__, len(data.kept), seeds.rft_order(cfg.run.seed, it))
               if data.kept else None)
   for u in range(stage.updates):
     # Nothing kept yet (on this process): an empty batch, whose step is skipped when no process has one.
-    batch = supervised_batch(run, examples.batch(u, local)[1] if examples is not None else [])
+    batch = supervised_batch(run, examples.batch(u, run.bc_rows)[1] if examples is not None else [])
     state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(loss_normalizer(run, batch)))
     nll.append(float(jax.device_get(m["nll"])))
   update_s = time.perf_counter() - update0

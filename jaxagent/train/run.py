@@ -113,6 +113,7 @@ class Run:
   env_versions: dict[str, str]         # env, parser, verifier versions (checked on resume)
   action_syntax: str                   # how actions are written: "line" or "json" (env.action_syntax resolved)
   demo_parser: envs.ActionParser       # the env's tools in line syntax, in which demonstrations are written
+  action_parser: envs.ActionParser     # the same tools in the run's action syntax: what the policy writes
   pool: envs.pool.Pool
   engine: RolloutEngine
   sampler: Sampler                     # rollout sampling (rollout.temperature)
@@ -121,8 +122,9 @@ class Run:
   stage_tasks: tuple                   # per curriculum stage (config.stages): its supply, None for a bc stage
   checkpointer: checkpointing.TrainCheckpointer
   model_config: dict[str, Any]         # HF-style, stored with checkpoints
-  rows: int
-  global_rows: int
+  rows: int                            # this process's rollout rows (global_rows over the processes)
+  global_rows: int                     # train.tasks_per_iteration x train.group_size
+  bc_rows: int                         # this process's rows of a supervised batch (train.bc_batch_size)
   echo: bool
 
   def supply(self, stage: int) -> task_supply.TaskSupply | None:
@@ -429,6 +431,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                          schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
 
 
+  action_parser = env_info.parser if env_info.parser.syntax == syntax else env_info.parser.with_syntax(syntax)
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,
       graphdefs=graphdefs, layout=layout, optimizer=optimizer, schedule=schedule, init_state=init_state,
@@ -437,14 +440,14 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       offline_steps=offline_steps,
       value_fn=value_fn, env_spec=env_spec,
       env_versions={"name": env_spec.name, "version": pool.version or env_spec.version, **env_info.versions,
-                    **({} if env_info.parser.syntax == syntax else
-                       {"parser": env_info.parser.with_syntax(syntax).version})},
+                    **({} if action_parser is env_info.parser else {"parser": action_parser.version})},
       pool=pool, engine=engine,
-      action_syntax=syntax, demo_parser=env_info.parser,
+      action_syntax=syntax, demo_parser=env_info.parser, action_parser=action_parser,
       sampler=make_sampler(sampling),
       eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
       tasks=tasks, stage_tasks=tuple(stage_tasks),
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
                                                    frozen=frozen),
       model_config=models.config_to_hf(model.config), rows=rows, global_rows=global_rows,
+      bc_rows=cfg.train.bc_batch_size // num_processes,
       echo=echo and process == 0)
