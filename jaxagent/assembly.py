@@ -16,9 +16,10 @@ from typing import Literal, Sequence
 import flax.struct
 import numpy as np
 
+from jaxagent import buckets as buckets_lib
 from jaxagent.trajectory import PAD_ROLE, Trajectory
 
-DEFAULT_BUCKETS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_BUCKETS: tuple[int, ...] = buckets_lib.BATCH
 
 
 @flax.struct.dataclass
@@ -56,12 +57,8 @@ class Batch:
 
 
 def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
-  """The smallest bucket >= length; ValueError when none is."""
-  fits = [b for b in sorted(buckets) if b >= length]
-  if not fits:
-    raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}; raise the bucket or the "
-                     "context budget (trajectories are never truncated here)")
-  return fits[0]
+  """The smallest bucket >= length; ValueError when none is (`buckets.fit`)."""
+  return buckets_lib.fit(length, buckets)
 
 
 def group_indices(trajectories: Sequence[Trajectory]) -> np.ndarray:

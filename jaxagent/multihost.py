@@ -6,6 +6,7 @@ rows; jitted code works on global arrays. The helpers here are the only crossing
   to_global(tree, mesh, rules)   this process's rows (numpy) -> global arrays, rows sharded by `batch`
   local_rows(x)                  a global batch-leading array -> this process's rows (numpy)
   host_sum(x) / host_gather(x)   a host value summed / concatenated over processes
+  host_sums(named)               several named host values summed in one collective, read back by name
   any_process(flag)              one decision every process agrees on
 
 Each is the identity (no collective) in a single-process run.
@@ -13,7 +14,7 @@ Each is the identity (no collective) in a single-process run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -77,6 +78,19 @@ def host_sum(value: Any) -> np.ndarray:
   if jax.process_count() == 1:
     return np.asarray(value)
   return np.asarray(multihost_utils.process_allgather(np.asarray(value))).sum(axis=0)
+
+
+def host_sums(named: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  """Sums over processes of named host values (scalars or arrays, any mix), in one collective, read back by name
+  (never by position). The dtype is the values' common one (ints stay ints)."""
+  parts = {k: np.asarray(v) for k, v in named.items()}
+  dtype = np.result_type(*parts.values()) if parts else np.float64
+  total = host_sum(np.concatenate([p.astype(dtype).ravel() for p in parts.values()]) if parts else np.zeros(0))
+  out, start = {}, 0
+  for k, p in parts.items():
+    out[k] = total[start:start + p.size].reshape(p.shape)
+    start += p.size
+  return out
 
 
 def host_gather(value: Any) -> np.ndarray:

@@ -18,7 +18,7 @@ PACKAGES = ("envs", "models", "jaxagent")
 # Bottom to top. A module belongs to the layer of its longest matching prefix (`a.b` matches `a.b` and `a.b.*`).
 LAYERS = (
     ("foundations", ("envs", "models", "jaxagent.__init__", "jaxagent.seeds", "jaxagent.mesh_rules",
-                     "jaxagent.algos", "jaxagent.multihost")),
+                     "jaxagent.buckets", "jaxagent.algos", "jaxagent.multihost")),
     ("config", ("jaxagent.config",)),
     ("records", ("jaxagent.trajectory", "jaxagent.trajectory_store", "jaxagent.chat", "jaxagent.assembly",
                  "jaxagent.data", "jaxagent.checkpoint", "jaxagent.sharding", "jaxagent.distributed")),
@@ -184,3 +184,9 @@ def test_one_home_per_rule():
   bwrap = [str(p.relative_to(ROOT)) for p in (ROOT / "envs").rglob("*.py")
            if '"bwrap", "--unshare-all"' in p.read_text()]
   assert bwrap == ["envs/_sandbox.py"], bwrap
+  # Length buckets: the lists and the rule in jaxagent/buckets.py, which the sampler and the assembly use.
+  from jaxagent import assembly, buckets  # pylint: disable=g-import-not-at-top
+  from jaxagent.rollout import sampler  # pylint: disable=g-import-not-at-top
+  assert sampler.DEFAULT_BUCKETS is buckets.PREFILL and assembly.DEFAULT_BUCKETS is buckets.BATCH
+  assert buckets.up_to(128) == (16, 32, 64, 128) and buckets.up_to(8192)[-2:] == (2048, 8192)
+  assert sampler.bucket(17, (32, 16)) == assembly.bucket_length(17, (32, 16)) == 32  # unsorted lists too

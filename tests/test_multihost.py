@@ -81,3 +81,17 @@ def test_two_processes_then_one_process_on_another_mesh_equals_uninterrupted(tmp
   order = lambda ts: sorted((t.task.id, t.env.seed, t.metadata.get("trained", True)) for t in ts)
   ref_trajs = [t for t in trajectory_store.read(ref / "trajectories") if t.policy_version < 2 + 2]  # 2 BC steps
   assert order(ref_trajs) == order(by_process[0] + by_process[1])
+
+
+def test_named_host_sums_read_back_by_name_with_the_values_dtype():
+  """multihost.host_sums: one collective for several values (identity in one process; the two-process runs
+  above sum through it every rl iteration)."""
+  from jaxagent import multihost  # pylint: disable=g-import-not-at-top
+  out = multihost.host_sums({"terminations": np.asarray([3, 0, 1]), "replays": 2, "tokens": np.int64(7)})
+  assert list(out) == ["terminations", "replays", "tokens"]
+  np.testing.assert_array_equal(out["terminations"], [3, 0, 1])
+  assert out["replays"].shape == () and int(out["replays"]) == 2 and int(out["tokens"]) == 7
+  assert out["terminations"].dtype.kind == "i"
+  mixed = multihost.host_sums({"n": 3, "seconds": 0.5})
+  assert mixed["n"].dtype == np.float64 and float(mixed["seconds"]) == 0.5
+  assert multihost.host_sums({}) == {}

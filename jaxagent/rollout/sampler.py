@@ -34,11 +34,12 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
+from jaxagent import buckets as buckets_lib
 from jaxagent import multihost
 
-DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_BUCKETS = buckets_lib.PREFILL
 # Observations are short and every slot they take is a slot of the shared cache: finer buckets.
-DEFAULT_EXTEND_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_EXTEND_BUCKETS = buckets_lib.EXTEND
 
 
 class Finish(enum.IntEnum):
@@ -177,11 +178,8 @@ class TurnOutput:
 
 
 def bucket(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
-  """The smallest bucket >= length."""
-  for b in buckets:
-    if b >= length:
-      return b
-  raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
+  """The smallest bucket >= length (`buckets.fit`)."""
+  return buckets_lib.fit(length, buckets)
 
 
 def pad_left(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -307,10 +307,12 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   names = [t.value for t in envs.Termination]
   # Termination counts, env steps and tokens, and env determinism measured (episodes replayed after a worker
   # restart and how many diverged, since this process started): one collective, every process summed.
-  counts = multihost.host_sum(np.asarray([sum(t.termination.value == n for t in sampled) for n in names]
-                                         + [run.pool.replays, run.pool.replay_divergences, stats.env_steps,
-                                            stats.action_tokens]))
-  counters = metrics_lib.advance(progress.counters, env_interactions=counts[-2], action_tokens=counts[-1],
+  counts = multihost.host_sums({
+      "terminations": np.asarray([sum(t.termination.value == n for t in sampled) for n in names]),
+      "replays": run.pool.replays, "replay_divergences": run.pool.replay_divergences,
+      "env_steps": stats.env_steps, "action_tokens": stats.action_tokens})
+  counters = metrics_lib.advance(progress.counters, env_interactions=counts["env_steps"],
+                                 action_tokens=counts["action_tokens"],
                                  device_s=stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0),
                                  wall_s=time.perf_counter() - start_wall)
   # Like reward_mean, the group statistics describe the first-round sample (what the policy does; the "echo
@@ -329,8 +331,8 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   # come from the env and may differ between processes, so they are not gathered).
   for key in sorted({k for t in sampled for k in t.reward.components}):
     out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in sampled]))
-  out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
-  out.update({"env/replays": int(counts[len(names)]), "env/replay_divergences": int(counts[len(names) + 1])})
+  out.update({f"termination/{n}": int(c) for n, c in zip(names, counts["terminations"]) if c})
+  out.update({"env/replays": int(counts["replays"]), "env/replay_divergences": int(counts["replay_divergences"])})
   return dataclasses.replace(progress, state=state, iteration=it + 1, counters=counters), out
 
 

@@ -266,12 +266,13 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
     state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(loss_normalizer(run, batch)))
     nll.append(float(jax.device_get(m["nll"])))
   update_s = time.perf_counter() - update0
-  counts = multihost.host_sum(np.asarray([len(samples), sum(bool(t.verifier.passed) for t in samples), new,
-                                          len(data.kept), env_steps, tokens], np.float64))
-  counters = metrics_lib.advance(progress.counters, env_interactions=counts[4], action_tokens=counts[5],
-                                 device_s=rollout_s + update_s)
-  out = {"rft/samples": int(counts[0]), "rft/verified": int(counts[1]), "rft/kept_new": int(counts[2]),
-         "rft/kept_total": int(counts[3]), metrics_lib.SUCCESS_RATE: float(counts[1] / max(counts[0], 1)),
+  counts = {k: int(v) for k, v in multihost.host_sums({
+      "samples": len(samples), "verified": sum(bool(t.verifier.passed) for t in samples), "kept_new": new,
+      "kept_total": len(data.kept), "env_steps": env_steps, "action_tokens": tokens}).items()}
+  counters = metrics_lib.advance(progress.counters, env_interactions=counts["env_steps"],
+                                 action_tokens=counts["action_tokens"], device_s=rollout_s + update_s)
+  out = {**{f"rft/{k}": counts[k] for k in ("samples", "verified", "kept_new", "kept_total")},
+         metrics_lib.SUCCESS_RATE: counts["verified"] / max(counts["samples"], 1),
          "rft/nll": float(np.mean(nll)) if nll else 0.0}
   progress = dataclasses.replace(progress, state=state, iteration=it + 1, counters=counters)
   return progress, out

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 import envs
 import envs.pool
 import models
+from jaxagent import buckets as buckets_lib
 from jaxagent import checkpoint, multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import sharding as sharding_lib
@@ -416,8 +417,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       action_syntax=syntax), num_slots=slots)
   sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=chat.stop_sequences)
-  buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b < cfg.rollout.max_context) + (
-      cfg.rollout.max_context,)
+  buckets = buckets_lib.up_to(cfg.rollout.max_context)
   # Observation frames are padded to the chat format's longest frame: one compiled extend per run.
   # The sampler runs the rollout copy of the policy: in the compute dtype (its KV cache too).
   rollout_model = model if mixed is None else nnx.eval_shape(
