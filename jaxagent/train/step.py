@@ -10,6 +10,7 @@ so the gradient is the same whether the batch is processed whole or in micro-bat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Literal
 
@@ -40,13 +41,41 @@ _TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "nl
 _VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """Everything static about a jitted step (the one options type `make_train_step` and `_loss` share).
+
+  Attributes:
+    algo: the losses' settings (clipping, aggregation, KL, entropy and value coefficients).
+    mode: "rl" (the policy loss against the rollout's behavior log-probs), "bc" (masked NLL: bc, sft, rft,
+      offline filtered_bc), "offline" (iw_pg: truncated importance weights against another policy's log-probs).
+    micro_batches: gradient accumulation over this many slices of the batch (equal to one full batch).
+    temperature: the rollout's sampling temperature (RL and offline score tokens under it).
+    logits_chunk, remat, attention: compute/memory trades that change no value (`algos.next_token_stats`,
+      `Transformer.features`, `models.ATTENTION_IMPLEMENTATIONS`).
+    compute_dtype: mixed precision: parameters cast to it in the loss, gradients reach the master weights.
+    frozen: keys of `state.params` that are inputs only (LoRA: "policy").
+    lora_scale: alpha / rank of the adapters merged into the policy (0: no LoRA).
+    max_ratio, min_negative_ratio: offline iw_pg's truncation and floor (`algos.importance_weighted_loss`).
+  """
+  algo: AlgoConfig
+  mode: Mode = "rl"
+  micro_batches: int = 1
+  temperature: float = 1.0
+  logits_chunk: int | None = None
+  remat: str = "none"
+  compute_dtype: Any = None
+  attention: str = "einsum"
+  frozen: tuple[str, ...] = ()
+  lora_scale: float = 0.0
+  max_ratio: float = 1.0
+  min_negative_ratio: float = 0.0
+
+
 def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTargets | None, value_normalizer,
-          algo: AlgoConfig, mode: Mode, temperature: float, ref_params=None, policy_version=None,
-          logits_chunk: int | None = None, remat: str = "none", compute_dtype=None, attention: str = "einsum",
-          lora_scale: float = 0.0, max_ratio: float = 1.0, min_negative_ratio: float = 0.0):
+          options: StepOptions, ref_params=None, policy_version=None):
   """`params` is `{"policy": …}` plus `"value"` for PPO; `graphdefs` the matching graph definitions;
-  `ref_params` the frozen reference policy (KL term), not differentiated. `logits_chunk` and `remat` trade
-  compute for memory without changing values (`algos.next_token_stats`, `Transformer.features`).
+  `ref_params` the frozen reference policy (KL term), not differentiated.
 
   In RL mode π_θ is the distribution the rollout samples from, softmax(logits / temperature), so that the
   ratio π_θ/μ against the recorded behavior log-probs is 1 on-policy. Offline mode: the same π_θ, the
@@ -56,13 +85,16 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   `compute_dtype` (mixed precision): the parameters are cast to it here, so the forward and backward run in it
   while the gradient reaches the master weights in their own dtype.
   """
-  params = policy_params(params, lora_scale)
+  o, algo = options, options.algo
+  mode, temperature, logits_chunk = o.mode, o.temperature, o.logits_chunk
+  attention, compute_dtype = o.attention, o.compute_dtype
+  params = policy_params(params, o.lora_scale)
   if compute_dtype is not None:
     params = cast_floating(params, compute_dtype)
     ref_params = None if ref_params is None else cast_floating(ref_params, compute_dtype)
   model = nnx.merge(graphdefs["policy"], params["policy"])
   x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                            remat=remat, attention=attention)
+                            remat=o.remat, attention=attention)
   mask_bt = batch.loss_mask
   scale = 1.0 if mode == "bc" else temperature
   # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
@@ -83,8 +115,8 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   if mode == "offline":
     loss, metrics = algos.importance_weighted_loss(
         logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
-        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=max_ratio,
-        min_negative_ratio=min_negative_ratio, entropy_coef=algo.entropy_coef)
+        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=o.max_ratio,
+        min_negative_ratio=o.min_negative_ratio, entropy_coef=algo.entropy_coef)
     lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
     return loss, dict(metrics, policy_lag=token_mean(lag_bt), **kept)
   ref_logp_bt = None
@@ -159,14 +191,16 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
   each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
   (`models.REMAT_POLICIES`); `attention`: the kernel for training (`models.ATTENTION_IMPLEMENTATIONS`). None
-  of the three changes the values. `compute_dtype`: mixed precision (see `_loss`). `frozen`: keys of
+  of the three changes the values. `compute_dtype`: mixed precision (see `_loss`). The keywords are the
+  fields of `StepOptions`, which the step and its loss share. `frozen`: keys of
   `state.params` that are inputs only (LoRA: "policy"): no gradient is computed for them and the optimizer state
-  covers the rest. A batch with nothing to
-  learn from (normalizer and value normalizer 0) is an explicit skip: metrics say `skipped=1` and the state
-  is returned unchanged (no optimizer step, no weight decay, same step and policy version).
+  covers the rest. A batch with nothing to learn from (normalizer and value normalizer 0) is an explicit skip:
+  metrics say `skipped=1` and the state is returned unchanged (no optimizer step, no weight decay, same step and
+  policy version).
 
-  Jitted with the state donated (and its layout pinned to `state_shardings` when given). The gradient is accumulated over `micro_batches` slices of the batch in a
-  `lax.scan`; every slice's loss is divided by the whole batch's normalizer, so the sum is the full loss.
+  Jitted with the state donated (and its layout pinned to `state_shardings` when given). The gradient is
+  accumulated over `micro_batches` slices of the batch in a `lax.scan`; every slice's loss is divided by the
+  whole batch's normalizer, so the sum is the full loss.
   """
 
   def split(x):
@@ -175,12 +209,14 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
       raise ValueError(f"batch of {b} rows is not divisible into {micro_batches} micro-batches")
     return x.reshape((micro_batches, b // micro_batches) + x.shape[1:])
 
+  options = StepOptions(algo=algo, mode=mode, micro_batches=micro_batches, temperature=temperature,
+                        logits_chunk=logits_chunk, remat=remat, compute_dtype=compute_dtype, attention=attention,
+                        frozen=tuple(frozen), lora_scale=lora_scale, max_ratio=max_ratio,
+                        min_negative_ratio=min_negative_ratio)
   if mode != "bc" and not temperature > 0:
     raise ValueError(f"temperature={temperature}: RL needs a sampling temperature > 0 (greedy rollouts have no "
                      "behavior distribution to correct for)")
-  loss = functools.partial(_loss, graphdefs=graphdefs, algo=algo, mode=mode, temperature=temperature,
-                           logits_chunk=logits_chunk, remat=remat, compute_dtype=compute_dtype, attention=attention,
-                           lora_scale=lora_scale, max_ratio=max_ratio, min_negative_ratio=min_negative_ratio)
+  loss = functools.partial(_loss, graphdefs=graphdefs, options=options)
   # Differentiated with respect to the trained parameters only; the frozen ones are a plain input.
   grad_fn = jax.value_and_grad(lambda trained, fixed, **kw: loss({**fixed, **trained}, **kw), has_aux=True)
 
