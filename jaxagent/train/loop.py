@@ -367,6 +367,86 @@ def _bar_label(cfg: Config, stages) -> str:
   return "+".join(k.upper() for k in kinds)
 
 
+@dataclasses.dataclass
+class _Session:
+  """What run_loop's actions share: the metrics logger, the trajectory writer, the env change a resume allowed
+  (recorded in every checkpoint), the wall-clock origin and the progress bar."""
+  logger: metrics_lib.MetricsLogger
+  writer: trajectory_store.TrajectoryWriter | None
+  env_change: Mapping[str, Any] | None
+  start_wall: float
+  bar: metrics_lib.Progress | None = None
+
+
+def _open_writer(run: Run, resume_meta: Mapping[str, Any] | None) -> trajectory_store.TrajectoryWriter | None:
+  """This process's trajectory writer; on a resume, shards written after the checkpoint are set aside first
+  (their iterations are replayed)."""
+  if not run.config.train.save_trajectories:
+    return None
+  prefix = trajectory_store.shard_prefix(jax.process_index(), jax.process_count())
+  if resume_meta is not None:
+    shards = int(resume_meta.get("trajectory_shards", {}).get(prefix, 0))
+    moved = trajectory_store.discard_from(run.run_dir / "trajectories", shards, prefix=prefix)
+    if moved:
+      run.print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
+                "(trajectories/discarded/): their iterations are replayed")
+  return trajectory_store.TrajectoryWriter(run.run_dir / "trajectories", prefix=prefix)
+
+
+def _cold_start(run: Run, session: _Session, progress: LoopState) -> LoopState:
+  """The bc stages, one after the other (counted in optimizer steps), and one checkpoint after the last."""
+  cfg = run.config
+  stages = config_lib.stages(cfg)
+  after_cold_start = next((i for i, st in enumerate(stages) if not st.kind.cold_start), len(stages))
+  if int(progress.state.step) >= cfg.train.bc_steps:
+    return progress
+  begin = 0
+  for i, stage in enumerate(stages[:after_cold_start]):
+    end = begin + stage.steps
+    if int(progress.state.step) < end:
+      state = behavior_cloning(run, progress.state, session.logger, begin=begin, end=end, stage=i)
+      if end == cfg.train.bc_steps:  # one checkpoint after all bc stages (all at iteration 0: one step)
+        progress = dataclasses.replace(progress, state=set_reference(run, state), stage=after_cold_start,
+                                       stage_start=progress.iteration)
+        save(run, progress, session.writer, session.env_change)
+      else:
+        progress = dataclasses.replace(progress, state=state, stage=i + 1)
+    begin = end
+  return progress
+
+
+def _after_iteration(run: Run, session: _Session, progress: LoopState, end: int) -> tuple[LoopState, bool, bool]:
+  """What follows every iteration of a stage ending at iteration `end`, in this order: the periodic held-out
+  eval, the stage's promotion check, the switch to the next stage, the checkpoint. Returns (progress, promoted,
+  checkpointed)."""
+  cfg, bar, logger = run.config, session.bar, session.logger
+  stages = config_lib.stages(cfg)
+  it, i = progress.iteration, progress.stage
+  stage = stages[i]
+  promoted = False
+  every = cfg.train.eval_every
+  if cfg.train.eval_episodes and every and it % every == 0 and it < cfg.train.iterations:
+    state, mid = evaluate(run, progress.state)
+    progress = dataclasses.replace(progress, state=state)
+    bar.write(f"iteration {it}: {mid.line()}")
+    logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate}, iteration=it)
+  if stage.promote_at is not None and (it - progress.stage_start) % stage.promote_every == 0 and it < end:
+    state, check = evaluate(run, progress.state, stage.promote_split, stage.promote_episodes, stage.env_options)
+    progress = dataclasses.replace(progress, state=state)
+    logger.log(int(state.step), {f"curriculum/{stage.name}/success_rate": check.success_rate}, iteration=it)
+    if check.success_rate >= stage.promote_at:
+      promoted = True
+      bar.write(f"iteration {it}: stage {stage.name!r} promoted ({check.line()} >= {stage.promote_at})")
+  # The next stage starts here (a checkpoint taken now resumes in it). The last stage stays current at its end:
+  # resumed with more iterations (or steps), it goes on.
+  if promoted or (it == end and i + 1 < len(stages)):
+    progress = dataclasses.replace(progress, stage=i + 1, stage_start=it)
+  checkpointed = it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations or promoted
+  if checkpointed:
+    save(run, progress, session.writer, session.env_change)
+  return progress, promoted, checkpointed
+
+
 def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | None = None
              ) -> tuple[LoopState, EvalResult | None, EvalResult | None]:
   """Cold start, held-out eval, RL iterations with checkpoints and eval, final eval.
@@ -380,48 +460,27 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
   """
   cfg = run.config
   resumed = resume_meta is not None
-  env_change = (resume_meta or {}).get("env_change_allowed")
   run.print(f"RUN_DIR {run.run_dir.resolve()}")
   if jax.process_index() == 0:
     (run.run_dir / "config.yaml").write_text(config_lib.dump(cfg))
   logger = metrics_lib.MetricsLogger(run.run_dir, enabled=jax.process_index() == 0,
                                      resume_step=int(progress.state.step) if resumed else None)
-  writer = None
-  if cfg.train.save_trajectories:
-    prefix = trajectory_store.shard_prefix(jax.process_index(), jax.process_count())
-    if resumed:
-      shards = int(resume_meta.get("trajectory_shards", {}).get(prefix, 0))
-      moved = trajectory_store.discard_from(run.run_dir / "trajectories", shards, prefix=prefix)
-      if moved:
-        run.print(f"set aside {len(moved)} trajectory shard(s) written after that checkpoint "
-                  "(trajectories/discarded/): their iterations are replayed")
-    writer = trajectory_store.TrajectoryWriter(run.run_dir / "trajectories", prefix=prefix)
-  start_wall = time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS]
+  session = _Session(logger=logger, writer=_open_writer(run, resume_meta),
+                     env_change=(resume_meta or {}).get("env_change_allowed"),
+                     start_wall=time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS])
+  writer, env_change, start_wall = session.writer, session.env_change, session.start_wall
   before = after = None
   stages = config_lib.stages(cfg)
   explicit = bool(cfg.curriculum.stages)
-  after_cold_start = next((i for i, st in enumerate(stages) if not st.kind.cold_start), len(stages))
   try:
-    if int(progress.state.step) < cfg.train.bc_steps:  # the bc stages, one after the other (by optimizer steps)
-      begin = 0
-      for i, stage in enumerate(stages[:after_cold_start]):
-        end = begin + stage.steps
-        if int(progress.state.step) < end:
-          state = behavior_cloning(run, progress.state, logger, begin=begin, end=end, stage=i)
-          if end == cfg.train.bc_steps:  # one checkpoint after all bc stages (all at iteration 0: one step)
-            progress = dataclasses.replace(progress, state=set_reference(run, state), stage=after_cold_start,
-                                           stage_start=progress.iteration)
-            save(run, progress, writer, env_change)
-          else:
-            progress = dataclasses.replace(progress, state=state, stage=i + 1)
-        begin = end
+    progress = _cold_start(run, session, progress)
     if cfg.train.eval_episodes and progress.iteration == 0:
       state, before = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
       run.print(f"{'after cold start:' if cfg.train.bc_steps else 'before training: '} {before.line()}")
       logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: before.success_rate, **progress.counters},
                  iteration=progress.iteration)
-    bar = metrics_lib.Progress(cfg.train.iterations, _bar_label(cfg, stages), run.echo)
+    bar = session.bar = metrics_lib.Progress(cfg.train.iterations, _bar_label(cfg, stages), run.echo)
     bar.update(progress.iteration)
     saved = progress.iteration
     data = None  # a non-rl stage's data (paradigms.StageData), built when the stage starts or resumes
@@ -441,26 +500,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
           m["curriculum/stage"] = i
         logger.log(int(progress.state.step), m, iteration=it)
         bar.update(1, **{short: f"{m[key]:.2f}" for key, short in _BAR_FIELDS if key in m})
-        every = cfg.train.eval_every
-        if cfg.train.eval_episodes and every and it % every == 0 and it < cfg.train.iterations:
-          state, mid = evaluate(run, progress.state)
-          progress = dataclasses.replace(progress, state=state)
-          bar.write(f"iteration {it}: {mid.line()}")
-          logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate}, iteration=it)
-        if stage.promote_at is not None and (it - progress.stage_start) % stage.promote_every == 0 and it < end:
-          state, check = evaluate(run, progress.state, stage.promote_split, stage.promote_episodes,
-                                  stage.env_options)
-          progress = dataclasses.replace(progress, state=state)
-          logger.log(int(state.step), {f"curriculum/{stage.name}/success_rate": check.success_rate}, iteration=it)
-          if check.success_rate >= stage.promote_at:
-            promoted = True
-            bar.write(f"iteration {it}: stage {stage.name!r} promoted ({check.line()} >= {stage.promote_at})")
-        # The next stage starts here (a checkpoint taken now resumes in it). The last stage stays current at
-        # its end: resumed with more iterations (or steps), it goes on.
-        if promoted or (it == end and i + 1 < len(stages)):
-          progress = dataclasses.replace(progress, stage=i + 1, stage_start=it)
-        if it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations or promoted:
-          save(run, progress, writer, env_change)
+        progress, promoted, checkpointed = _after_iteration(run, session, progress, end)
+        if checkpointed:
           saved = it
       if progress.stage == i:  # the stage has no iteration left (resumed at its end, or 0 steps)
         if i + 1 == len(stages):
