@@ -292,16 +292,17 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
              for i, r in enumerate(rewards)]
     return state, trajs, RolloutStats(1.0, 1.0, 1.0, 1.0, 6, 10)
 
-  real_collect = loop.collect
+  from jaxagent.train import rollouts  # pylint: disable=g-import-not-at-top  (rounds collect through it)
+  real_collect = rollouts.collect
   try:
-    loop.collect = fake_collect
+    rollouts.collect = fake_collect
     state, first, stats = fake_collect(run, progress.state, run.tasks.draw(0, 0), None, group_size=2, rng=None)
     state, trained, unused, stats, metrics = loop._dynamic_sampling(run, state, 0, first, stats)
-    loop.collect = real_collect  # and one real iteration end to end: every sampled trajectory is stored
+    rollouts.collect = real_collect  # and one real iteration end to end: every sampled trajectory is stored
     with trajectory_store.TrajectoryWriter(tmp_path / "run" / "trajectories") as writer:
       _, real = loop.rl_iteration(run, dataclasses.replace(progress, state=state), writer, 0.0)
   finally:
-    loop.collect = real_collect
+    rollouts.collect = real_collect
     run.close()
   stored = list(trajectory_store.read(tmp_path / "run" / "trajectories"))
   unused_stored = [t for t in stored if t.metadata.get("trained") is False]

@@ -40,7 +40,8 @@ from jaxagent.tasks import supply as task_supply
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import paradigms
 from jaxagent.train.resume import EnvChangedError, check_env_versions, lora_settings, restore, save  # noqa: F401
-from jaxagent.train.rollouts import EvalResult, collect, evaluate, record_outcomes, trained_rows  # noqa: F401
+from jaxagent.train.rollouts import (EvalResult, collect, evaluate, record_outcomes, sample_round,  # noqa: F401
+                                     trained_rows)
 from jaxagent.train.run import Run, build_run
 from jaxagent.train.state import LoopState, TrainState
 from jaxagent.train.value import ValueTargets
@@ -242,18 +243,13 @@ def _dynamic_sampling(run: Run, state: TrainState, iteration: int, sampled: list
   chosen = chunks(sampled)
   flat = [not varied(group) for group in chosen]
   unused, rounds, sampled_groups = [], 0, len(chosen)
-  process = jax.process_index()
   curriculum = {}
   supply = run.tasks if supply is None else supply
   while rounds < cfg.train.dynamic_sampling_rounds and multihost.host_sum(np.asarray(sum(flat))) > 0:
     rounds += 1
-    tasks = supply.draw(iteration, rounds)
-    env_seeds = seeds.episodes(cfg.run.seed, iteration, run.rows, process, kind="refill", round_=rounds)
-    state, more, more_stats = collect(run, state, tasks, env_seeds, group_size=g,
-                                      rng=run.rollout_key(state.rng, iteration, rounds))
-    curriculum = record_outcomes(run, supply, tasks, more)
-    stats = stats + more_stats
-    for slot, group in enumerate(chunks(more)):
+    state, refill = sample_round(run, state, supply, iteration, rounds, kind="refill")
+    curriculum, stats = refill.curriculum, stats + refill.stats
+    for slot, group in enumerate(chunks(refill.trajectories)):
       sampled_groups += 1
       if flat[slot] and varied(group):
         unused += chosen[slot]
@@ -276,13 +272,9 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   supply = run.supply(progress.stage)
   timer = metrics_lib.StageTimer()
   wall0 = time.perf_counter()
-  tasks = supply.draw(it, 0)  # this process's slice of the global batch of tasks
-  process = jax.process_index()
-  env_seeds = seeds.episodes(cfg.run.seed, it, run.rows, process)
-  rng = run.rollout_key(state.rng, it, 0)
   with timer("rollout"):
-    state, sampled, stats = collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size, rng=rng)
-    curriculum = record_outcomes(run, supply, tasks, sampled)
+    state, first = sample_round(run, state, supply, it)
+    sampled, stats, curriculum = first.trajectories, first.stats, first.curriculum
     trajs, extra, refill = sampled, [], {}
     if cfg.train.dynamic_sampling:
       state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats, supply)

@@ -229,17 +229,13 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
   stage = config_lib.stages(cfg)[progress.stage]
   it, state = progress.iteration, progress.state
   supply = run.supply(progress.stage)
-  process = jax.process_index()
   samples: list[tr.Trajectory] = []
   env_steps = tokens = 0
   rollout_s = 0.0
   for r in range(stage.rollouts):
-    tasks = supply.draw(it, r)
-    env_seeds = seeds.episodes(cfg.run.seed, it, run.rows, process, kind="rft", round_=r)
-    state, trajs, stats = rollouts.collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size,
-                                           rng=run.rollout_key(state.rng, it, r))
-    rollouts.record_outcomes(run, supply, tasks, trajs)
-    samples += trajs
+    state, sampled = rollouts.sample_round(run, state, supply, it, r, kind="rft")
+    samples += sampled.trajectories
+    stats = sampled.stats
     env_steps, tokens = env_steps + stats.env_steps, tokens + stats.action_tokens
     rollout_s += stats.decode_s + stats.extend_s
   usable = rollouts.trained_rows(run, samples)

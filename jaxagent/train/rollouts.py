@@ -2,6 +2,8 @@
 (held-out evaluation, `jaxagent tasks filter --policy`), with the trained-row rule and task-supply feedback.
 
   collect(run, state, tasks, env_seeds, ...)   -> state, trajectories, stats  (reshard, roll out, reshard back)
+  sample_round(run, state, supply, it, round_)  -> SampledRound   one round of a training iteration (rl, dynamic
+                                                                  sampling's refills, rft): draw, seed, roll out
   trained_rows(run, trajectories)              -> bool[n]   rows the learner uses (not infrastructure failures)
   record_outcomes(run, supply, tasks, trajs)   -> metrics   the task supply learns each group's passes
   evaluate(run, state, split, episodes)        -> state, EvalResult   (Wilson intervals)
@@ -78,6 +80,30 @@ def record_outcomes(run: Run, supply: task_supply.TaskSupply, tasks: Sequence[en
   shape = (len(tasks), run.config.train.group_size)
   passed = np.asarray([bool(t.verifier.passed) for t in trajectories]).reshape(shape)
   return supply.record(tasks, passed, trained_rows(run, trajectories).reshape(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledRound:
+  """One round of a training iteration: this process's tasks, their `group_size` samples each (task-major),
+  the rollout's stats and the task supply's metrics after recording the outcomes."""
+  tasks: list[envs.Task]
+  trajectories: list[tr.Trajectory]
+  stats: RolloutStats
+  curriculum: dict[str, float]
+
+
+def sample_round(run: Run, state: TrainState, supply: task_supply.TaskSupply, iteration: int, round_: int = 0, *,
+                 kind: str | None = None) -> tuple[TrainState, SampledRound]:
+  """Round `round_` of `iteration` (the one rule rl, dynamic sampling and rft sample by): the supply's draw
+  (this process's slice of the global batch), the env seeds of `seeds.episodes` (`kind` None: an rl
+  iteration's round 0; "refill": dynamic sampling's; "rft": rejection sampling's), the round's sampling key
+  `run.rollout_key(state.rng, iteration, round_)`, the rollout, and the supply told how each group did."""
+  cfg = run.config
+  tasks = supply.draw(iteration, round_)
+  env_seeds = seeds.episodes(cfg.run.seed, iteration, run.rows, jax.process_index(), kind=kind, round_=round_)
+  state, trajs, stats = collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size,
+                                rng=run.rollout_key(state.rng, iteration, round_))
+  return state, SampledRound(tasks, trajs, stats, record_outcomes(run, supply, tasks, trajs))
 
 
 def over_tasks(run: Run, state: TrainState, tasks: Sequence[envs.Task], *, samples: int,
