@@ -116,6 +116,9 @@ class DcnAxes(MeshAxes):
 
 
 RULE_NAMES = tuple(sorted(RULE_TABLES))
+# How the rollout engine schedules episodes and reaches env workers (jaxagent/rollout/engine.py reads these).
+SCHEDULES = ("continuous", "lockstep")
+TRANSPORTS = ("host_loop", "callback")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +126,7 @@ class MeshRules:
   """The rules table (jaxagent/mesh_rules.py `RULE_TABLES`) each role places its parameters with."""
   rollout: str = field("tensor_parallel", choices=RULE_NAMES, help="decode: weights split over tensor only")
   learner: str = field("fsdp_tp", choices=RULE_NAMES, help="training: FSDP over fsdp, TP over tensor")
-  reference: str = field("fsdp_tp", choices=RULE_NAMES)
+  reference: str = field("fsdp_tp", choices=RULE_NAMES, help="the frozen KL reference policy (algo.kl_coef > 0)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +185,8 @@ class AlgoConfig:
   dual_clip: float | None = field(None, gt=1.0, help="dual-clip c (arXiv:1912.09729); null: off")
   aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = field("token-mean")
   norm_length: int | None = field(None, ge=1, help="L of seq-mean-token-sum-norm; null: the batch length")
-  kl_estimator: str = field("k3", choices=lambda: sorted(algos.KL_ESTIMATORS), help="reference-KL estimator (k1, k2, k3)")
+  kl_estimator: str = field("k3", choices=lambda: sorted(algos.KL_ESTIMATORS),
+                            help="reference-KL estimator (k1, k2, k3)")
   kl_coef: float = field(0.0, ge=0.0, help="reference-KL coefficient; 0: no reference model")
   entropy_coef: float = field(0.0, ge=0.0)
   value_coef: float = field(0.5, ge=0.0, help="value-loss coefficient (gae only)")
@@ -218,10 +222,10 @@ class RolloutConfig:
       "(control tokens: a newline; template: none, its end-of-turn and eos ids end actions)")
   slots: int | None = field(None, ge=1, help="decode slots (and env instances) over all processes; a slot takes "
                             "the next episode when its own ends. null: one per episode of an iteration (B x G)")
-  schedule: Literal["continuous", "lockstep"] = field(
+  schedule: Literal[SCHEDULES] = field(  # type: ignore[valid-type]
       "continuous", help="continuous: an episode waiting on its env holds only its slot; lockstep: waves of "
       "`slots` episodes whose every turn waits for the wave's slowest env (the engine before v2, for comparison)")
-  env_transport: Literal["host_loop", "callback"] = field(
+  env_transport: Literal[TRANSPORTS] = field(  # type: ignore[valid-type]
       "host_loop", help="host_loop: Python drives the jitted feed/decode calls between env replies; callback: "
       "one jitted program per rollout reaches the envs through io_callback (single process)")
   decode_chunk: int = field(8, ge=1, help="decode steps between looks at the envs (finished actions leave and "

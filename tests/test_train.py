@@ -236,6 +236,21 @@ def test_algo_config_combinations_are_checked_when_the_config_loads(tmp_path):
     _config(tmp_path, "train.micro_batches=3")
 
 
+def test_the_kl_reference_is_placed_by_mesh_rules_reference(tmp_path):
+  run, progress = _run(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "mesh.rules.reference=replicated",
+                       "mesh.ici.data=2", "mesh.ici.fsdp=4")
+  try:
+    layout = run.layout.state_shardings
+    assert all(s.is_fully_replicated for s in jax.tree.leaves(layout.ref_params))
+    assert not all(s.is_fully_replicated for s in jax.tree.leaves(layout.params["policy"]))  # FSDP over 4
+    state = loop.set_reference(run, progress.state)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.ref_params))
+    _, m = loop.rl_iteration(run, dataclasses.replace(progress, state=state), None, 0.0)
+    assert np.isfinite(m["kl"]) and m["kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy on-policy
+  finally:
+    run.close()
+
+
 def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path):
   run, progress = _run(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "optim.learning_rate=1e-2")
   try:

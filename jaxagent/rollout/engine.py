@@ -42,14 +42,13 @@ import envs
 from jaxagent import multihost
 from jaxagent import trajectory as tr
 from jaxagent.chat import ChatFormat, Frame
+from jaxagent.config import SCHEDULES, TRANSPORTS  # the enumerations, written once
 from jaxagent.rollout.sampler import Feed, Finish, Sampler, bucket
 
 # A step that rejected the action but let the episode go on: its reply is an error observation (Role.ERROR).
 _ERROR_REPLIES = (envs.Outcome.PARSER_REJECTED_CONTINUED, envs.Outcome.INVALID_ACTION_CONTINUED)
 _INVALID = (envs.Outcome.PARSER_REJECTED, envs.Outcome.INVALID_ACTION) + _ERROR_REPLIES
 
-SCHEDULES = ("continuous", "lockstep")
-TRANSPORTS = ("host_loop", "callback")
 # The continuous schedule holds the device back while fewer than this fraction of the live episodes are ready
 # (the others about to answer: see `_Scheduler._hold`). Measured with bench/rollout.py: holding until a
 # majority (0.5) was ready gave 0.93x lockstep with zero env latency, three quarters 1.06x (3.5x lockstep with

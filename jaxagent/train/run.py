@@ -343,6 +343,7 @@ def _build_policy(cfg: Config, io: _Interface) -> _Policy:
   mesh = sharding_lib.mesh_from_config(cfg.mesh)
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
   rollout_rules = sharding_lib.rules_for("rollout", cfg.mesh)
+  reference_rules = sharding_lib.rules_for("reference", cfg.mesh)
 
   # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
   # the same on every process of a multi-host run.
@@ -396,8 +397,13 @@ def _build_policy(cfg: Config, io: _Interface) -> _Policy:
   opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
                                             {k: v for k, v in param_sh.items() if k not in frozen},
                                             transform_non_params=lambda _: replicated)
+  # The frozen KL reference by mesh.rules.reference (the learner's table by default: the same layout).
+  ref_sh = None
+  if cfg.algo.kl_coef > 0:
+    ref_sh = (param_sh["policy"] if reference_rules == learner_rules else
+              models.state_shardings(abstract.params["policy"], mesh, reference_rules))
   state_shardings = TrainState(params=param_sh, opt_state=opt_sh, step=replicated, policy_version=replicated,
-                               rng=replicated, ref_params=param_sh["policy"] if cfg.algo.kl_coef > 0 else None)
+                               rng=replicated, ref_params=ref_sh)
   compute = jnp.dtype(cfg.model.compute_dtype or cfg.model.dtype)
   mixed = compute if compute != dtype else None
   rollout_policy_shardings = models.state_shardings(abstract.params["policy"], mesh, rollout_rules)
