@@ -31,7 +31,7 @@ def _cmd_convert(args) -> int:
   import jax.numpy as jnp
 
   import models
-  from jaxagent import checkpoint
+  from jaxagent import weights
 
   src, dst = Path(args.src), Path(args.dst)
   if src.suffix == ".gguf":  # llama.cpp's file: an HF directory with its tokenizer and chat template
@@ -42,10 +42,10 @@ def _cmd_convert(args) -> int:
     print(f"{src} -> {out} (hf, {config.model_type}, {config.num_params():,} parameters, tokenizer and chat "
           "template included)")
     return 0
-  to = args.to or ("orbax" if checkpoint.is_hf_dir(src) else "hf")
-  model = checkpoint.load_model(src, dtype=jnp.dtype(args.dtype))
+  to = args.to or ("orbax" if weights.is_hf_dir(src) else "hf")
+  model = weights.load_model(src, dtype=jnp.dtype(args.dtype))
   if to == "orbax":
-    out = checkpoint.save_model(model, dst)
+    out = weights.save_model(model, dst)
   else:
     out = models.save_pretrained(model, dst)
   print(f"{src} -> {out} ({to}, {model.config.model_type}, {model.config.num_params():,} parameters)")
@@ -62,11 +62,11 @@ def _cmd_generate(args) -> int:
   from flax import nnx
 
   import models
-  from jaxagent import checkpoint
+  from jaxagent import weights
   from jaxagent.rollout.sampler import Finish, Sampler, SamplingConfig
 
   model_dir = models.resolve(args.model)
-  model = checkpoint.load_model(model_dir, dtype=jnp.dtype(args.dtype))
+  model = weights.load_model(model_dir, dtype=jnp.dtype(args.dtype))
   tokenizer = models.load_tokenizer(args.tokenizer or _default_tokenizer(model_dir))
   stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
   if args.chat:  # each prompt as a user turn of the tokenizer's chat template, with an env's tools if named
@@ -134,7 +134,7 @@ DEFAULT_RECIPE = "tiny_cpu"  # what `make run` trains; `jaxagent train` with no 
 
 
 def _cmd_train(args) -> int:
-  from jaxagent import checkpoint
+  from jaxagent import weights
   from jaxagent import config as config_lib
   from jaxagent.train import loop
 
@@ -143,7 +143,7 @@ def _cmd_train(args) -> int:
   run_dir = Path(args.resume or args.run_dir) if (args.resume or args.run_dir) else None
   # --run-dir: a fixed directory that a restarted job (preemption, JobSet/xpk restarts) continues in.
   resume = bool(args.resume) or (run_dir is not None
-                                 and checkpoint.latest_step(run_dir / "checkpoints") is not None)
+                                 and weights.latest_step(run_dir / "checkpoints") is not None)
   if resume:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
@@ -212,8 +212,8 @@ def _cmd_paradigm(args) -> int:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-  from jaxagent import checkpoint  # pylint: disable=g-import-not-at-top
-  return checkpoint.latest_step(run_dir / "checkpoints") is not None
+  from jaxagent import weights  # pylint: disable=g-import-not-at-top
+  return weights.latest_step(run_dir / "checkpoints") is not None
 
 
 def _cmd_eval(args) -> int:

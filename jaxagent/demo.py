@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 import models
-from jaxagent import checkpoint
+from jaxagent import weights
 from jaxagent.config import Config
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train.loop import new_run_dir
@@ -46,7 +46,7 @@ def run(config: Config) -> Path:
   tokenizer = models.load_tokenizer(config.model.tokenizer)
   dtype = jnp.dtype(config.model.dtype)
   if config.model.path:
-    model = checkpoint.load_model(config.model.path, dtype=dtype)
+    model = weights.load_model(config.model.path, dtype=dtype)
     print(f"loaded {config.model.path}")
   else:
     model = models.Transformer(config.model.init, dtype=dtype, rngs=nnx.Rngs(config.run.seed))
@@ -56,8 +56,8 @@ def run(config: Config) -> Path:
     raise ValueError(f"model vocab_size {model.config.vocab_size} < tokenizer vocab {tokenizer.vocab_size}")
 
   hf_dir = models.save_pretrained(model, run_dir / "hf")
-  ckpt_dir = checkpoint.save_model(models.from_pretrained(hf_dir, dtype=dtype), run_dir / "checkpoints")
-  restored = checkpoint.load_model(ckpt_dir, dtype=dtype)
+  ckpt_dir = weights.save_model(models.from_pretrained(hf_dir, dtype=dtype), run_dir / "checkpoints")
+  restored = weights.load_model(ckpt_dir, dtype=dtype)
   probe = jnp.asarray([tokenizer.encode(config.generate.prompt)], jnp.int32)
   diff = float(jnp.max(jnp.abs(model(probe) - restored(probe))))
   print(f"HF -> Orbax -> restore: max |logit diff| = {diff:.3g}  ({hf_dir.name}/, {ckpt_dir.name}/)")

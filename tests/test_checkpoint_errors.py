@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import models
-from jaxagent import checkpoint
+from jaxagent import weights
 from tests import hf_reference as ref
 
 
@@ -95,4 +95,4 @@ def test_not_a_checkpoint(tmp_path):
   with pytest.raises(models.CheckpointError, match="config.json"):
     models.from_pretrained(tmp_path)
   with pytest.raises(models.CheckpointError, match="neither an HF checkpoint"):
-    checkpoint.load_model(tmp_path)
+    weights.load_model(tmp_path)

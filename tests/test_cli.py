@@ -5,7 +5,7 @@ import numpy as np
 import transformers
 
 import models
-from jaxagent import checkpoint, cli
+from jaxagent import cli, weights
 from tests import hf_reference as ref
 
 
@@ -13,11 +13,11 @@ def test_convert_hf_to_orbax_and_back(tmp_path, capsys):
   torch_model = ref.make_hf_model("qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
   hf = ref.save_hf_model(torch_model, tmp_path / "hf")
   assert cli.main(["convert", str(hf), str(tmp_path / "ckpt")]) == 0
-  assert checkpoint.latest_step(tmp_path / "ckpt") == 0
+  assert weights.latest_step(tmp_path / "ckpt") == 0
   assert cli.main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf2")]) == 0
   assert "-> " in capsys.readouterr().out
 
-  restored = checkpoint.load_model(tmp_path / "ckpt")
+  restored = weights.load_model(tmp_path / "ckpt")
   tokens, mask, positions = ref.padded_batch()
   expected = ref.reference_logits(torch_model, tokens, mask, positions)
   got = np.asarray(restored(jnp.asarray(tokens, jnp.int32), positions_bt=jnp.asarray(positions, jnp.int32),
@@ -43,7 +43,7 @@ def test_demo_job_runs_and_checks_itself(tmp_path, capsys):
   assert "max |logit diff| = 0" in out
   run_dirs = list(tmp_path.iterdir())
   assert len(run_dirs) == 1 and (run_dirs[0] / "hf" / "config.json").is_file()
-  assert checkpoint.latest_step(run_dirs[0] / "checkpoints") == 0
+  assert weights.latest_step(run_dirs[0] / "checkpoints") == 0
 
 
 def test_generate_from_hf_dir_and_checkpoint(tmp_path, capsys):
@@ -54,7 +54,7 @@ def test_generate_from_hf_dir_and_checkpoint(tmp_path, capsys):
   captured = capsys.readouterr()
   assert "[5 tokens, finish=budget" in captured.err
   greedy_hf = captured.out
-  checkpoint.save_model(model, tmp_path / "ckpt")
+  weights.save_model(model, tmp_path / "ckpt")
   assert cli.main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "2+2=", "--max-new-tokens", "5"]) == 0
   assert capsys.readouterr().out == greedy_hf  # same weights, greedy: same text
   assert cli.main(["generate", "--model", str(hf), "--prompt", "2+2=", "--temperature", "-1"]) == 2

@@ -21,7 +21,7 @@ LAYERS = (
                      "jaxagent.buckets", "jaxagent.algos", "jaxagent.multihost")),
     ("config", ("jaxagent.config",)),
     ("records", ("jaxagent.trajectory", "jaxagent.trajectory_store", "jaxagent.chat", "jaxagent.assembly",
-                 "jaxagent.data", "jaxagent.checkpoint", "jaxagent.sharding", "jaxagent.distributed")),
+                 "jaxagent.data", "jaxagent.weights", "jaxagent.sharding", "jaxagent.distributed")),
     ("rollout", ("jaxagent.rollout",)),
     ("tasks", ("jaxagent.tasks",)),
     ("train", ("jaxagent.train",)),

@@ -68,7 +68,7 @@ def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_mode
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
-  from jaxagent import checkpoint, cli  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli, weights  # pylint: disable=g-import-not-at-top
   from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
   from tests.test_train import _config  # pylint: disable=g-import-not-at-top
 
@@ -94,12 +94,12 @@ def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_mode
   # The restored merged policy is the trainer's (in the run's dtype, whatever dtype it is loaded in).
   expect = models.lora_merge(resumed.state.params["policy"], resumed.state.params["lora"], 16.0 / 4)
   for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
-    loaded = nnx.state(checkpoint.load_model(ckpt, dtype=dtype))
+    loaded = nnx.state(weights.load_model(ckpt, dtype=dtype))
     for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(loaded)):
       np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=tol, atol=tol)
 
   # Merged export: the trained adapters folded into the weights, loadable by transformers, same logits.
-  merged = checkpoint.load_model(ckpt)
+  merged = weights.load_model(ckpt)
   assert cli.main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf"]) == 0
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
   tokens = np.random.default_rng(0).integers(0, merged.config.vocab_size, (1, 12))

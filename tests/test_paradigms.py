@@ -17,7 +17,7 @@ from flax import nnx
 
 import envs
 import models
-from jaxagent import algos, checkpoint, seeds
+from jaxagent import algos, seeds, weights
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
@@ -333,7 +333,7 @@ def test_sft_and_offline_stages_on_two_processes_equal_one_process(tmp_path):
   assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
   (ref,), (mh,) = (tmp_path / "ref").iterdir(), (tmp_path / "mh").iterdir()
   assert mh.name.split("-", 2)[2][:8].isdigit() and len(mh.name) == len(ref.name)  # the date, not a cut int
-  policy = lambda run: jax.tree.leaves(nnx.state(checkpoint.load_model(run / "checkpoints")))  # any topology
+  policy = lambda run: jax.tree.leaves(nnx.state(weights.load_model(run / "checkpoints")))  # any topology
   worst = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
               for x, y in zip(policy(ref), policy(mh), strict=True))
   assert worst <= 1e-6, f"max |Δparam| = {worst:.3g}"

@@ -130,10 +130,10 @@ def test_train_without_a_config_runs_the_embedded_default(monkeypatch, capsys):
 def test_generate_does_not_print_the_end_of_sequence_token(tmp_path, monkeypatch, capsys):
   import models  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from jaxagent import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxagent import weights  # pylint: disable=g-import-not-at-top
   tok = models.ByteTokenizer()
   cfg = config_lib.load("tiny_cpu", TINY).model.init
-  checkpoint.save_model(models.Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path / "ckpt")
+  weights.save_model(models.Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path / "ckpt")
   real = sampler_lib.Sampler.generate
 
   def ends_with_eos(self, params, state, active=None):

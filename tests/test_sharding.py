@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import models
-from jaxagent import checkpoint
+from jaxagent import weights
 from jaxagent import sharding
 from tests import hf_reference as ref
 
@@ -65,8 +65,8 @@ def test_from_pretrained_places_tensors_on_the_mesh(mesh, tmp_path):
   assert np.abs(np.asarray(got) - expected)[mask.astype(bool)].max() <= 1e-4
 
   # Orbax restore straight into the same shardings.
-  ckpt = checkpoint.save_model(model, tmp_path / "ckpt")
-  restored = checkpoint.load_model(ckpt, mesh=mesh, rules=sharding.FSDP_TP_RULES)
+  ckpt = weights.save_model(model, tmp_path / "ckpt")
+  restored = weights.load_model(ckpt, mesh=mesh, rules=sharding.FSDP_TP_RULES)
   assert restored.layers[1].mlp.w_up_df[...].sharding.spec == P("fsdp", "tensor")
   np.testing.assert_array_equal(np.asarray(restored.layers[1].mlp.w_up_df[...]), np.asarray(w))
 

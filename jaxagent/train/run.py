@@ -30,7 +30,7 @@ import envs
 import envs.pool
 import models
 from jaxagent import buckets as buckets_lib
-from jaxagent import checkpoint, multihost, seeds
+from jaxagent import weights, multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import sharding as sharding_lib
 from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateError, make_chat
@@ -349,7 +349,7 @@ def _build_policy(cfg: Config, io: _Interface) -> _Policy:
   # the same on every process of a multi-host run.
   make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
   if cfg.model.path:
-    model = checkpoint.load_model(io.model_dir, dtype=dtype, mesh=mesh, rules=learner_rules)
+    model = weights.load_model(io.model_dir, dtype=dtype, mesh=mesh, rules=learner_rules)
     loaded = nnx.split(model)[1]
   else:
     model, loaded = nnx.eval_shape(make_model), None  # abstract: the graph and config

@@ -1,4 +1,6 @@
-"""Orbax checkpoints of policy weights, and loading a model from either format.
+"""Policy weights: Orbax checkpoints of them, and loading a model from either format (HF or Orbax).
+
+(The train state's checkpoints, with optimizer, iterators and loop progress, are jaxagent/train/checkpointing.py.)
 
 A jaxagent checkpoint directory is an Orbax `CheckpointManager` directory whose steps hold at least the items
 `params` (the model's parameters as a pure dict) and `model_config` (the HF-style `config.json` dict). The
