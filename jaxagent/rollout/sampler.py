@@ -1,11 +1,24 @@
 """Jitted multi-turn sampler: prefill, decode in `lax.while_loop`, extend with observations, prefix reuse.
 
-The sampler keeps one `SamplerState` per batch of trajectories across turns:
+The API the rollout engine drives is the slot API: a fixed batch of rows ("slots"), each holding one episode
+at a time, fed and decoded in place (jaxagent/rollout/engine.py):
+
+    state = sampler.warm(params, sampler.init(rows, rng))  # empty rows; compiles every program a rollout calls
+    f = Feed.empty(rows, width, pad_id)                    # host numpy: per row, tokens to append this call
+    ...                                                    # (a prompt piece, an observation frame, or a copy
+                                                           #  of another row's prompt for a group's samples)
+    state, ok = sampler.step(params, state, f, max_steps)  # feed, then at most max_steps decode steps
+    state, ok = sampler.feed(params, state, f)             # or the two halves on their own
+    state = sampler.decode(params, state, max_steps)
+
+A row decodes until it stops (a stop sequence, max_new_tokens, or its cache is full) and then waits, costing
+nothing observable, until a feed appends its next observation. The turns API is a convenience for one-off use
+(`jaxagent generate`, tests), a separate set of programs over the same state, not a layer over the slot API:
 
     state = sampler.prefill(params, prompts, rng)          # prompts: list of token lists (bucketed)
     state = sampler.repeat(state, G)                       # G samples share one prefill of each prompt
     state, turn = sampler.generate(params, state, active)  # decode one action per active row
-    state, ok = sampler.extend(params, state, observations, rows)  # append observations, keep the cache
+    state, ok = sampler.extend(params, state, chunks)      # one token list per row (empty: untouched)
 
 Every sampled token is fed into the cache (stop tokens too), so the cache always holds exactly the
 trajectory's token stream. Rows that are not decoding write padding slots (segment 0) that no query ever

@@ -205,7 +205,7 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
                          seeds.stage(cfg.run.seed, stage, first=0), spec.env_options)
   rng = np.random.default_rng(seeds.bc_order(cfg.run.seed, start_step))
   label = "cold start (BC)" if not cfg.curriculum.stages else f"stage {spec.name} (BC)"
-  progress = metrics_lib.Progress(end - start_step, label, run.echo)
+  bar = metrics_lib.Progress(end - start_step, label, run.echo)
   shown = start_step  # steps the bar has counted (it redraws with the logged metrics, every 10 steps)
   for step in range(start_step, end):
     pick = rng.choice(len(demos), train.bc_batch_size, replace=False)
@@ -215,9 +215,9 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
     if step % 10 == 0 or step == end - 1:
       m = jax.device_get(m)
       logger.log(int(state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"]})
-      progress.update(step + 1 - shown, nll=f"{float(m['nll']):.3f}")
+      bar.update(step + 1 - shown, nll=f"{float(m['nll']):.3f}")
       shown = step + 1
-  progress.close()
+  bar.close()
   return state
 
 
