@@ -386,7 +386,10 @@ class RolloutEngine:
     trajectories = [self._trajectory(e, policy_version) for e in episodes]
     return trajectories, sched.stats()
 
-  def _append_action(self, stream: tr.TokenStream, action: RowAction) -> tuple[int, int]:
+  # Recording: the scheduler (below) records each episode through these two, the engine turns the records
+  # into trajectories.
+
+  def append_action(self, stream: tr.TokenStream, action: RowAction) -> tuple[int, int]:
     """Appends an action as sampled: its reasoning span (role REASONING) first, then the rest (POLICY)."""
     n = self.chat.reasoning_length(action.tokens)
     start = len(stream)
@@ -397,8 +400,8 @@ class RolloutEngine:
     stream.sampled(action.tokens[n:], action.logprobs[n:], thresholds=None if tau is None else tau[n:])
     return start, len(stream)
 
-  def _record_step(self, ep: _Episode, result: envs.StepResult, span, text: str, tokens: Sequence[int],
-                   policy_version: int, t_decode: float, t_env: float) -> None:
+  def record_step(self, ep: _Episode, result: envs.StepResult, span, text: str, tokens: Sequence[int],
+                  policy_version: int, t_decode: float, t_env: float) -> None:
     for key, value in result.reward_components.items():
       ep.components[key] = ep.components.get(key, 0.0) + float(value) * self.gamma ** len(ep.turns)
     call = None if result.call is None else result.call.to_wire()
@@ -547,7 +550,7 @@ class _Scheduler:
     self.engine.env_times.append(t_env)
     ep.env_s += t_env
     self.env_steps += 1
-    self.engine._record_step(ep, result, span, text, tokens, self.policy_version, ep.last_decode_s, t_env)
+    self.engine.record_step(ep, result, span, text, tokens, self.policy_version, ep.last_decode_s, t_env)
     ep.action = None
     if ep.termination is not None:
       self._end(ep)
@@ -647,7 +650,7 @@ class _Scheduler:
       if action is None:  # a script ran out before its episode ended
         self._end(ep, envs.Termination.CANCELLED)
         continue
-      span = self.engine._append_action(ep.stream, action)
+      span = self.engine.append_action(ep.stream, action)
       self.action_tokens += len(action.tokens)
       text = self.chat.action_text(action.tokens)
       if action.finish == Finish.STOP:
