@@ -236,28 +236,19 @@ def test_algo_config_combinations_are_checked_when_the_config_loads(tmp_path):
     _config(tmp_path, "train.micro_batches=3")
 
 
-def test_the_kl_reference_is_placed_by_mesh_rules_reference(tmp_path):
-  run, progress = _run(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "mesh.rules.reference=replicated",
-                       "mesh.ici.data=2", "mesh.ici.fsdp=4")
+def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path):
+  # Placed by mesh.rules.reference (replicated here) while the policy is FSDP-sharded over 4 devices.
+  run, progress = _run(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "optim.learning_rate=1e-2",
+                       "mesh.rules.reference=replicated", "mesh.ici.data=2", "mesh.ici.fsdp=4")
   try:
     layout = run.layout.state_shardings
     assert all(s.is_fully_replicated for s in jax.tree.leaves(layout.ref_params))
-    assert not all(s.is_fully_replicated for s in jax.tree.leaves(layout.params["policy"]))  # FSDP over 4
-    state = loop.set_reference(run, progress.state)
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.ref_params))
-    _, m = loop.rl_iteration(run, dataclasses.replace(progress, state=state), None, 0.0)
-    assert np.isfinite(m["kl"]) and m["kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy on-policy
-  finally:
-    run.close()
-
-
-def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path):
-  run, progress = _run(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "optim.learning_rate=1e-2")
-  try:
+    assert not all(s.is_fully_replicated for s in jax.tree.leaves(layout.params["policy"]))
     with metrics_lib.MetricsLogger(tmp_path / "run", tensorboard=False) as logger:
       state = loop.set_reference(run, loop.behavior_cloning(run, progress.state, logger))
     start = jax.tree.map(np.array, state.params["policy"])
     assert jax.tree.all(jax.tree.map(np.array_equal, start, jax.tree.map(np.asarray, state.ref_params)))
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.ref_params))
     progress, first = loop.rl_iteration(run, dataclasses.replace(progress, state=state), None, 0.0)
     progress, second = loop.rl_iteration(run, progress, None, 0.0)
     moved = jax.tree.map(np.asarray, progress.state.params["policy"])
