@@ -8,6 +8,7 @@ a new module must be placed in one (the test names it otherwise).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def _targets(name: str, path: Path, node: ast.AST, known: dict[str, Path]) -> se
   return out
 
 
+@functools.lru_cache(maxsize=None)
 def import_graph(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
   known = modules(root, packages)
   graph = {}
