@@ -176,6 +176,27 @@ def test_truncation_threshold_keeps_the_top_k_top_p_set_and_the_learner_rescores
   assert (np.asarray(untruncated) < np.asarray(logp) - 1e-3).all()  # the full softmax would be a different policy
 
 
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (20, 1.0), (20, 0.5), (0, 0.05)])
+def test_truncation_threshold_with_tied_logits_keeps_every_tie_and_sits_strictly_between(top_k, top_p):
+  """The bisection over float32 order (no sort) on logits with many ties (bf16-like: few distinct values): the
+  kept set is every token at least as likely as the last kept value, and τ lies strictly between that value
+  and the next lower one."""
+  rng = np.random.default_rng(1)
+  logits = np.round(rng.normal(size=(16, 4096)) * 2, 1).astype(np.float32)
+  tau = np.asarray(sampler_lib.truncation_threshold(jnp.asarray(logits), top_k, top_p))
+  for row, t in zip(logits, tau):
+    values = np.unique(row)[::-1]  # distinct, descending
+    kth = np.sort(row)[::-1][top_k - 1] if top_k else values[-1]
+    kept = row >= kth
+    probs = np.where(kept, np.exp(row.astype(np.float64) - row.max()), 0.0)
+    last = kth
+    if top_p < 1.0:
+      last = min(x for x in values if x >= kth and probs[row > x].sum() < top_p * probs.sum())
+    lower = values[values < last]
+    assert lower.size and lower[0] < t < last, (t, last, lower[:1])
+    assert set(np.flatnonzero(row >= t)) == set(np.flatnonzero(row >= last))
+
+
 def test_stop_tokens_and_sequences(model):
   p = _params(model)
   free = Sampler(model, cache_size=64, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=PAD)
