@@ -3,6 +3,7 @@ weights, in one run: decode tokens/s at several batch sizes, and train-step toke
 against this machine's rooflines.
 
     .venv/bin/python bench/real_model.py [--batches 1 8 32] [--dtypes float32 bfloat16] [--new 64] [--rounds 2]
+        [--top-p 0.9] [--top-k 20]
         [--train-batch 4 --train-length 256] [--bandwidth-gbs 25.6 --peak-gflops 188]
 
 Decode: 64-token random prompts, `--new` sampled tokens per row at temperature 1 from the whole vocabulary (both
@@ -44,6 +45,8 @@ def main(argv=None):
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
   parser.add_argument("--new", type=int, default=64, help="decoded tokens per row")
+  parser.add_argument("--top-p", type=float, default=1.0, help="decode with top-p truncation (both sides)")
+  parser.add_argument("--top-k", type=int, default=0, help="decode with top-k truncation (both sides); 0: off")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--train-batch", type=int, default=4)
   parser.add_argument("--train-length", type=int, default=256)
@@ -94,7 +97,8 @@ def main(argv=None):
     params = nnx.split(model)[1]
     for b in args.batches:
       sampler = Sampler(model, cache_size=PROMPT + args.new + 8, pad_id=0, buckets=(PROMPT,),
-                        config=SamplingConfig(temperature=1.0, max_new_tokens=args.new, stop_sequences=()))
+                        config=SamplingConfig(temperature=1.0, top_k=args.top_k, top_p=args.top_p,
+                                              max_new_tokens=args.new, stop_sequences=()))
       prompts = rng.integers(100, config.vocab_size, (b, PROMPT)).tolist()
       key = jax.random.key(0)
       try:
@@ -111,8 +115,8 @@ def main(argv=None):
         ids = torch.as_tensor(prompts)
         with torch.no_grad():
           t_prefill = _best(lambda: ref(ids), args.rounds)
-          t_total = _best(lambda: ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                                               top_p=1.0, max_new_tokens=args.new, min_new_tokens=args.new,
+          t_total = _best(lambda: ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                               top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.new, min_new_tokens=args.new,
                                                pad_token_id=0), args.rounds)
         line["torch"] = b * args.new / (t_total - t_prefill)
       roof, bound = roofline(b, dtype.itemsize)
