@@ -116,8 +116,8 @@ def main(argv=None):
         with torch.no_grad():
           t_prefill = _best(lambda: ref(ids), args.rounds)
           t_total = _best(lambda: ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                               top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.new, min_new_tokens=args.new,
-                                               pad_token_id=0), args.rounds)
+                                               top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.new,
+                                               min_new_tokens=args.new, pad_token_id=0), args.rounds)
         line["torch"] = b * args.new / (t_total - t_prefill)
       roof, bound = roofline(b, dtype.itemsize)
       line.update(roofline=roof, bound=bound)
