@@ -460,7 +460,6 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
   session = _Session(logger=logger, writer=_open_writer(run, resume_meta),
                      env_change=(resume_meta or {}).get("env_change_allowed"),
                      start_wall=time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS])
-  writer, env_change, start_wall = session.writer, session.env_change, session.start_wall
   before = after = None
   stages = config_lib.stages(cfg)
   explicit = bool(cfg.curriculum.stages)
@@ -482,11 +481,11 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
       promoted = False
       while progress.iteration < end and not promoted:
         if stage.paradigm == "rl":
-          progress, m = rl_iteration(run, progress, writer, start_wall)
+          progress, m = rl_iteration(run, progress, session.writer, session.start_wall)
         else:
           if data is None or data.index != i:
             data = paradigms.prepare(run, progress, i)
-          progress, m = paradigms.iteration(run, progress, data, writer, start_wall)
+          progress, m = paradigms.iteration(run, progress, data, session.writer, session.start_wall)
         it = progress.iteration
         if explicit:
           m["curriculum/stage"] = i
@@ -500,7 +499,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
           break
         progress = dataclasses.replace(progress, stage=i + 1, stage_start=progress.iteration)
     if saved != progress.iteration:
-      save(run, progress, writer, env_change)
+      save(run, progress, session.writer, session.env_change)
     bar.close()
     run.checkpointer.wait()
     if cfg.train.eval_episodes:
@@ -513,8 +512,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
     if cfg.train.plots and jax.process_index() == 0:
       metrics_lib.write_plots(run.run_dir)
   finally:
-    if writer is not None:
-      writer.close()
+    if session.writer is not None:
+      session.writer.close()
     logger.close()
   return progress, before, after
 

@@ -470,12 +470,11 @@ class _Rollout:
   eval_sampler: Sampler
 
 
-def _build_rollout(cfg: Config, io: _Interface, policy: _Policy) -> _Rollout:
+def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: int) -> _Rollout:
   """The env pool (one env instance per decode slot), the samplers (rollout and evaluation temperature) over
   the rollout copy of the policy, and the engine between them."""
   num_processes = jax.process_count()
   mesh, rollout_rules = policy.layout.mesh, policy.layout.rollout_rules
-  global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   slots = (cfg.rollout.slots or global_rows) // num_processes  # decode slots = env instances, per process
   spec = models.logical_to_spec(("batch",), (slots * num_processes * mesh.size,), mesh, rollout_rules)[0]
   batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
@@ -517,8 +516,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   tasks, stage_tasks = _build_supplies(cfg, io.env_spec, purpose, echo)
   policy = _build_policy(cfg, io)
   steps = _build_steps(cfg, policy, purpose)
-  rollout = _build_rollout(cfg, io, policy)
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
+  rollout = _build_rollout(cfg, io, policy, global_rows)
   env_info, action_parser = io.env_info, io.action_parser
   return Run(
       config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=io.tokenizer, chat=io.chat, model=policy.model,
