@@ -50,6 +50,7 @@ class Batch:
   policy_versions: np.ndarray
   trajectory_index: np.ndarray
   sampling_thresholds: np.ndarray | None = None
+  proximal_logprobs: np.ndarray | None = None
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -114,11 +115,7 @@ def _token_advantages(t: Trajectory, adv, level: str, i: int) -> np.ndarray:
 
 
 def _token_versions(t: Trajectory) -> np.ndarray:
-  out = np.where(np.isfinite(t.behavior_logprobs), t.policy_version, -1).astype(np.int32)
-  for turn in t.turns:
-    start, stop = turn.action.span
-    out[start:stop] = np.where(out[start:stop] >= 0, turn.policy_version, -1)
-  return out
+  return np.where(np.isfinite(t.behavior_logprobs), t.behavior_versions, -1).astype(np.int32)
 
 
 def _pack(lengths: Sequence[int], length: int) -> list[list[int]]:

@@ -116,6 +116,10 @@ class DcnAxes(MeshAxes):
 
 
 RULE_NAMES = tuple(sorted(RULE_TABLES))
+# How fresh the trained tokens' policy is (jaxagent/train/freshness.py; docs/design.md §2.10).
+FRESHNESS = ("sync", "one_step_off", "async")
+# The policy losses of rl stages (jaxagent/algos/_losses.py; `POLICY_LOSSES` there names their functions).
+POLICY_LOSS_NAMES = ("ppo", "decoupled_ppo", "tis")
 # How the rollout engine schedules episodes and reaches env workers (jaxagent/rollout/engine.py reads these).
 SCHEDULES = ("continuous", "lockstep")
 TRANSPORTS = ("host_loop", "callback")
@@ -191,6 +195,13 @@ class AlgoConfig:
   entropy_coef: float = field(0.0, ge=0.0)
   value_coef: float = field(0.5, ge=0.0, help="value-loss coefficient (gae only)")
   value_clip_eps: float | None = field(0.2, gt=0.0, help="value clipping; null: off")
+  loss: Literal[POLICY_LOSS_NAMES] = field(  # type: ignore[valid-type]
+      "ppo", help="ppo: clipped ratio to the recorded behavior log-probs μ; decoupled_ppo: clipped ratio to the "
+      "proximal policy (the parameters at the start of the update) times the behavior weight π_prox/μ truncated "
+      "at behavior_weight_cap (AReaL, arXiv:2505.24298); tis: truncated importance sampling, −sg(min(π_θ/μ, "
+      "cap)) Â log π_θ (IMPALA's ρ̄)")
+  behavior_weight_cap: float = field(2.0, gt=0.0, help="decoupled_ppo / tis: importance weights are truncated "
+                                     "at this")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +241,10 @@ class RolloutConfig:
       "one jitted program per rollout reaches the envs through io_callback (single process)")
   decode_chunk: int = field(8, ge=1, help="decode steps between looks at the envs (finished actions leave and "
                             "fed rows join at chunk boundaries)")
+  on_weight_update: Literal["keep_cache", "refill"] = field(
+      "keep_cache", help="train.freshness=async, a weight update reaching episodes in flight: keep_cache (their "
+      "KV caches and next-token logits stay the old weights'), refill (recomputed from their tokens under the "
+      "new weights; the KL between the two is logged as rollout/refill_kl)")
 
 
 def _check_env_name(name: str) -> None:
@@ -285,6 +300,14 @@ class TrainConfig:
       help="episodes ending so are infrastructure failures: stored and counted, never trained on or grouped")
   allow_env_change: bool = field(False, help="resume even if the env, verifier or parser version changed "
                                  "(recorded in the checkpoint metadata)")
+  freshness: Literal[FRESHNESS] = field(  # type: ignore[valid-type]
+      "sync", help="sync: roll out a batch, then update on it; one_step_off: batch k+1 rolls out (with the "
+      "policy before update k) while update k runs; async: episodes run continuously, complete groups queue, "
+      "the learner takes the next batch when it is free and in-flight episodes switch to new weights between "
+      "decode chunks (jaxagent/train/freshness.py)")
+  max_staleness: int = field(1, ge=0, help="async: a trained token's policy is at most this many versions "
+                             "older than the learner's (admission control, then checked when a group is taken: "
+                             "older groups are dropped and rolled out again, counted)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,6 +500,9 @@ def check_combinations(config: Config, num_processes: int) -> None:
   if config.model.lora_rank and algo.kl_coef > 0:
     raise ConfigError(f"algo.kl_coef={algo.kl_coef} with model.lora_rank={config.model.lora_rank}: a KL reference "
                       "policy is not supported with LoRA yet; set algo.kl_coef=0")
+  if algo.loss == "tis" and algo.kl_coef > 0:
+    raise ConfigError(f"algo.loss='tis' with algo.kl_coef={algo.kl_coef}: the truncated-IS loss has no "
+                      "reference-KL term; use algo.loss=ppo or decoupled_ppo, or algo.kl_coef=0")
   if "completed" in train.exclude_terminations:
     raise ConfigError("train.exclude_terminations: 'completed' is task success or failure, never an "
                       "infrastructure failure")
@@ -491,6 +517,22 @@ def check_combinations(config: Config, num_processes: int) -> None:
   if rollout.env_transport == "callback" and num_processes > 1:
     raise ConfigError(f"rollout.env_transport='callback' runs in a single process for now, not {where}; use "
                       "rollout.env_transport=host_loop")
+  if train.freshness != "sync":
+    where = f"train.freshness={train.freshness!r}"
+    for bad, why in ((num_processes > 1, f"runs in one process for now, not {num_processes}"),
+                     (train.dynamic_sampling, "with train.dynamic_sampling: refills are a synchronous round; "
+                      "set train.dynamic_sampling=false"),
+                     (rollout.schedule != "continuous", "needs rollout.schedule=continuous"),
+                     (rollout.env_transport != "host_loop", "needs rollout.env_transport=host_loop"),
+                     (bool(config.curriculum.stages), "with curriculum.stages: not yet (one rl stage after the "
+                      "cold start)"),
+                     (train.freshness == "one_step_off" and train.max_staleness < 1,
+                      "trains every batch one version late: needs train.max_staleness >= 1")):
+      if bad:
+        raise ConfigError(f"{where} {why}")
+  if train.freshness != "async" and rollout.on_weight_update != "keep_cache":
+    raise ConfigError(f"rollout.on_weight_update={rollout.on_weight_update!r} applies to train.freshness=async "
+                      "(no weight update reaches a running episode otherwise)")
   stages = config.curriculum.stages
   if stages:
     kinds = [s.paradigm for s in stages]

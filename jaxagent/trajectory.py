@@ -29,10 +29,11 @@ import numpy as np
 
 from envs import INVALID_ACTION_RULES, Outcome, Termination  # one vocabulary from env to record
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # 2 added the per-trajectory stage times of `Timing` (1 reads with zeros); 3 added `sampling_thresholds` (1 and 2
-# read with NaN: sampled from the whole distribution, as every sampler before it did in training).
-READABLE_SCHEMAS = (1, 2, 3)
+# read with NaN: sampled from the whole distribution, as every sampler before it did in training); 4 added
+# `behavior_versions` (1 to 3 read with each action's turn version: no weight update reached a running episode).
+READABLE_SCHEMAS = (1, 2, 3, 4)
 KIND = "jaxagent.trajectory"
 
 
@@ -177,7 +178,11 @@ class Trajectory:
     sampling_thresholds: float32[L] where top-k / top-p cut the tempered logits each sampled token was drawn
       from (`rollout.sampler.truncation_threshold`; μ is the renormalised distribution over the logits >= it);
       NaN: nothing cut, or not a sampled token. Default: all NaN.
-    policy_version: behavior policy version at the start of the episode (turns carry their own).
+    behavior_versions: int32[L] the policy version that sampled each token (-1: not a sampled token). A weight
+      update that reaches a running episode (`train.freshness: async`) splits one action between two versions.
+      Default: every sampled token of a turn has the turn's `policy_version`.
+    policy_version: behavior policy version at the start of the episode (turns carry their own: the version
+      of each action's first token).
     group_id: trajectories sharing it form one advantage group (default: the task id).
   """
   task: TaskRecord
@@ -191,6 +196,7 @@ class Trajectory:
   loss_mask: np.ndarray
   behavior_logprobs: np.ndarray
   sampling_thresholds: np.ndarray | None = None
+  behavior_versions: np.ndarray | None = None
   id: str = ""
   group_id: str = ""
   timing: Timing = Timing()
@@ -209,6 +215,8 @@ class Trajectory:
                   else self.sampling_thresholds)
     put("sampling_thresholds", _frozen_array(thresholds, np.float32, "sampling_thresholds"))
     put("turns", tuple(self.turns))
+    versions = self._turn_versions() if self.behavior_versions is None else self.behavior_versions
+    put("behavior_versions", _frozen_array(versions, np.int32, "behavior_versions"))
     put("termination", Termination(self.termination))
     if not self.group_id:
       put("group_id", self.task.id)
@@ -217,12 +225,22 @@ class Trajectory:
   def __len__(self) -> int:
     return int(self.tokens.shape[0])
 
+  def _turn_versions(self) -> np.ndarray:
+    """The default `behavior_versions`: the episode's version on sampled tokens, each action's turn version on
+    its span, -1 elsewhere."""
+    out = np.where(np.isfinite(np.asarray(self.behavior_logprobs, np.float32)), self.policy_version, -1)
+    out = out.astype(np.int32)
+    for turn in self.turns:
+      start, stop = turn.action.span
+      out[start:stop] = np.where(out[start:stop] >= 0, turn.policy_version, -1)
+    return out
+
   def validate(self) -> None:
     """Checks the invariants of docs/design.md §2.1; raises `TrajectoryFormatError`."""
     if self.schema not in READABLE_SCHEMAS:
       raise TrajectoryFormatError(f"schema version {self.schema!r}: this build reads {READABLE_SCHEMAS}")
     n = len(self)
-    for name in ("roles", "loss_mask", "behavior_logprobs", "sampling_thresholds"):
+    for name in ("roles", "loss_mask", "behavior_logprobs", "sampling_thresholds", "behavior_versions"):
       if getattr(self, name).shape[0] != n:
         raise TrajectoryFormatError(f"{name}: length {getattr(self, name).shape[0]} != tokens length {n}")
     if n and ((self.tokens < 0).any()):
@@ -285,13 +303,15 @@ class Trajectory:
       arrays = {"tokens": self.tokens.astype("<i4").tobytes(), "roles": self.roles.astype("i1").tobytes(),
                 "loss_mask": self.loss_mask.astype("u1").tobytes(),
                 "behavior_logprobs": self.behavior_logprobs.astype("<f4").tobytes(),
-                "sampling_thresholds": self.sampling_thresholds.astype("<f4").tobytes()}
+                "sampling_thresholds": self.sampling_thresholds.astype("<f4").tobytes(),
+                "behavior_versions": self.behavior_versions.astype("<i4").tobytes()}
     else:
       arrays = {"tokens": self.tokens.tolist(), "roles": [Role(int(r)).name.lower() for r in self.roles],
                 "loss_mask": self.loss_mask.astype(int).tolist(),
                 "behavior_logprobs": [None if not math.isfinite(x) else x
                                       for x in self.behavior_logprobs.tolist()],
-                "sampling_thresholds": [None if math.isnan(x) else x for x in self.sampling_thresholds.tolist()]}
+                "sampling_thresholds": [None if math.isnan(x) else x for x in self.sampling_thresholds.tolist()],
+                "behavior_versions": self.behavior_versions.tolist()}
     return {
         "kind": KIND,
         "schema": self.schema,
@@ -330,6 +350,8 @@ class Trajectory:
       arrays = {k: _array_from(d[k], k) for k in ("tokens", "roles", "loss_mask", "behavior_logprobs")}
       if d.get("sampling_thresholds") is not None:  # absent before schema 3
         arrays["sampling_thresholds"] = _array_from(d["sampling_thresholds"], "sampling_thresholds")
+      if d.get("behavior_versions") is not None:  # absent before schema 4
+        arrays["behavior_versions"] = _array_from(d["behavior_versions"], "behavior_versions")
       return cls(
           task=_record(TaskRecord, d["task"], "task"),
           env=_record(EnvInfo, d["env"], "env"),
@@ -390,7 +412,7 @@ def _record(cls: type, d: Any, where: str) -> Any:
 
 def _array_from(x: Any, name: str) -> np.ndarray:
   dtypes = {"tokens": "<i4", "roles": "i1", "loss_mask": "u1", "behavior_logprobs": "<f4",
-            "sampling_thresholds": "<f4"}
+            "sampling_thresholds": "<f4", "behavior_versions": "<i4"}
   if isinstance(x, (bytes, bytearray)):
     dt = np.dtype(dtypes[name])
     if len(x) % dt.itemsize:
@@ -452,12 +474,13 @@ class TokenStream:
     self._mask: list[bool] = []
     self._logp: list[float] = []
     self._tau: list[float] = []
+    self._ver: list[int] = []
 
   def __len__(self) -> int:
     return len(self._tokens)
 
   def _append(self, tokens: Sequence[int], role: Role, mask: bool, logp: Sequence[float] | None,
-              thresholds: Sequence[float] | None = None):
+              thresholds: Sequence[float] | None = None, versions: Sequence[int] | None = None):
     start = len(self._tokens)
     tokens = [int(t) for t in tokens]
     self._tokens += tokens
@@ -465,18 +488,24 @@ class TokenStream:
     self._mask += [mask] * len(tokens)
     self._logp += list(map(float, logp)) if logp is not None else [math.nan] * len(tokens)
     self._tau += list(map(float, thresholds)) if thresholds is not None else [math.nan] * len(tokens)
+    self._ver += list(map(int, versions)) if versions is not None else [-1] * len(tokens)
     return start, len(self._tokens)
 
   def sampled(self, tokens: Sequence[int], logprobs: Sequence[float], *, role: Role = Role.POLICY,
-              train: bool = True, thresholds: Sequence[float] | None = None) -> tuple[int, int]:
-    """`thresholds`: where truncated sampling cut each token's distribution (None: nothing was cut)."""
+              train: bool = True, thresholds: Sequence[float] | None = None,
+              versions: Sequence[int] | None = None) -> tuple[int, int]:
+    """`thresholds`: where truncated sampling cut each token's distribution (None: nothing was cut);
+    `versions`: the policy version that sampled each token (None: unknown, -1; `arrays` then leaves the
+    trajectory to default them to its turns' versions)."""
     if len(tokens) != len(logprobs):
       raise ValueError(f"{len(tokens)} sampled tokens but {len(logprobs)} log-probs")
     if thresholds is not None and len(thresholds) != len(tokens):
       raise ValueError(f"{len(tokens)} sampled tokens but {len(thresholds)} sampling thresholds")
+    if versions is not None and len(versions) != len(tokens):
+      raise ValueError(f"{len(tokens)} sampled tokens but {len(versions)} policy versions")
     if role not in SAMPLED_ROLES:
       raise ValueError(f"sampled tokens must have role POLICY or REASONING, got {role.name}")
-    return self._append(tokens, role, train, logprobs, thresholds)
+    return self._append(tokens, role, train, logprobs, thresholds, versions)
 
   def text(self, text: str, role: Role, tokenizer: Any, *, max_tokens: int | None = None) -> tuple[int, int]:
     """Appends `tokenizer.encode(text)`, cut to its first `max_tokens` tokens when given."""
@@ -499,6 +528,7 @@ class TokenStream:
     self._mask += other._mask
     self._logp += other._logp
     self._tau += other._tau
+    self._ver += other._ver
     return start, len(self._tokens)
 
   def template(self, tokens: Sequence[int], role: Role) -> tuple[int, int]:
@@ -517,9 +547,12 @@ class TokenStream:
     return self._tokens[start:stop]
 
   def arrays(self) -> dict[str, np.ndarray]:
-    """`tokens`, `roles`, `loss_mask`, `behavior_logprobs`, `sampling_thresholds` for
-    `Trajectory(**stream.arrays(), ...)`."""
-    return {"tokens": np.array(self._tokens, np.int32), "roles": np.array(self._roles, np.int8),
+    """`tokens`, `roles`, `loss_mask`, `behavior_logprobs`, `sampling_thresholds` (and `behavior_versions` when
+    every sampled token has one) for `Trajectory(**stream.arrays(), ...)`."""
+    ver = np.array(self._ver, np.int32)
+    sampled = np.isfinite(np.array(self._logp, np.float32))
+    versioned = sampled.any() and (ver[sampled] >= 0).all()
+    return {**({"behavior_versions": ver} if versioned else {}),"tokens": np.array(self._tokens, np.int32), "roles": np.array(self._roles, np.int8),
             "loss_mask": np.array(self._mask, np.bool_),
             "behavior_logprobs": np.array(self._logp, np.float32),
             "sampling_thresholds": np.array(self._tau, np.float32)}

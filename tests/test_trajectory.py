@@ -14,7 +14,7 @@ from tests import _trajectories
 
 
 def _same(a: tj.Trajectory, b: tj.Trajectory) -> None:
-  arrays = ("tokens", "roles", "loss_mask", "behavior_logprobs", "sampling_thresholds")
+  arrays = ("tokens", "roles", "loss_mask", "behavior_logprobs", "sampling_thresholds", "behavior_versions")
   for name in arrays:  # bytes: NaN (no threshold) compares equal to itself
     assert getattr(a, name).tobytes() == getattr(b, name).tobytes(), name
   for f in dataclasses.fields(tj.Trajectory):
@@ -78,7 +78,7 @@ def test_invariants_are_checked():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(schema=99), r"unknown schema version 99 .*reads versions \(1, 2, 3\)"),
+    (lambda d: d.update(schema=99), r"unknown schema version 99 .*reads versions \(1, 2, 3, 4\)"),
     (lambda d: d.pop("schema"), "unknown schema version None"),
     (lambda d: d.update(kind="other"), "record kind 'other'"),
     (lambda d: d.pop("env"), "missing field 'env'"),

@@ -278,10 +278,11 @@ def _ratio_stats(ratio_bt, mask_bt, count) -> dict[str, jax.Array]:
 
 @functools.partial(jax.jit, static_argnames=(
     "aggregation", "ratio_level", "eps_low", "eps_high", "dual_clip", "kl_estimator", "kl_coef",
-    "entropy_coef"))
+    "entropy_coef", "behavior_weight_cap"))
 def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.Array,
                 loss_mask_bt: jax.Array, normalizer: jax.Array, *, segment_ids_bt: jax.Array | None = None,
                 ref_logp_bt: jax.Array | None = None, entropy_bt: jax.Array | None = None,
+                behavior_logp_bt: jax.Array | None = None, behavior_weight_cap: float = 2.0,
                 aggregation: Aggregation = "token-mean", ratio_level: Literal["token", "sequence"] = "token",
                 eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
                 kl_estimator: str = "k3", kl_coef: float = 0.0, entropy_coef: float = 0.0
@@ -294,9 +295,15 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.A
   applied to every token of it (GSPO-token form: value `s_i`, gradient `s_i ∇log π(z_t)`). Then
   `ℓ += kl_coef · KL_est(π_θ‖π_ref) − entropy_coef · H`, aggregated by `aggregate`.
 
+  Decoupled PPO (Hilton et al. 2021, arXiv:2110.00641; AReaL, arXiv:2505.24298): with `behavior_logp_bt` = μ
+  given, `old_logp_bt` is the proximal policy π_prox (the parameters at the start of the update) and the clipped
+  term is weighted by the behavior weight `w = min(π_prox/μ, behavior_weight_cap)` (no gradient): the clip keeps
+  the update near π_prox, the weight corrects for data μ sampled (an older policy, in flight or queued).
+
   Args:
     logp_bt: float[B, T] log π_θ of the taken tokens (differentiated).
-    old_logp_bt: float[B, T] log-probs of the policy that sampled them (behavior / old policy).
+    old_logp_bt: float[B, T] log-probs of the policy that sampled them (behavior / old policy), or of the
+      proximal policy when `behavior_logp_bt` is given.
     advantages_bt: float[B, T] per-token advantages.
     loss_mask_bt: bool[B, T]; only these positions count. Anything may sit elsewhere (NaN, Inf).
     normalizer: scalar from `loss_normalizer` over the whole batch; 0 means skip (loss 0, zero gradient).
@@ -304,11 +311,14 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.A
     ref_logp_bt: float[B, T] reference log-probs; needed when kl_coef > 0.
     entropy_bt: float[B, T] policy entropy per position (e.g. `next_token_entropy`); needed when
       entropy_coef > 0, and reported when given.
+    behavior_logp_bt: float[B, T] the recorded behavior log-probs μ (decoupled PPO); None: `old_logp_bt` is μ.
+    behavior_weight_cap: the truncation of π_prox/μ (decoupled PPO).
     aggregation, ratio_level, eps_low, eps_high, dual_clip, kl_estimator, kl_coef, entropy_coef: see above.
   Returns:
     (loss scalar, metrics): loss_tokens, skipped, clip_fraction, ratio_mean/min/max, approx_kl (k3 between
-    old and current policy), entropy, kl (when a reference is given), pg_loss; means over this call's loss
-    tokens.
+    old and current policy), entropy, kl (when a reference is given), pg_loss, and with `behavior_logp_bt`
+    behavior_weight_mean / behavior_weight_max (before truncation) and truncated_fraction; means over this
+    call's loss tokens.
   """
   mask_bt = loss_mask_bt.astype(bool)
   if kl_coef > 0 and ref_logp_bt is None:
@@ -347,8 +357,21 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.A
     pg_bt = jnp.where(adv_bt < 0, jnp.minimum(pg_bt, dual_bt), pg_bt)
     is_clipped_bt = is_clipped_bt | is_dual_bt
 
-  loss_bt = pg_bt
   metrics = {}
+  sg = jax.lax.stop_gradient
+  count = jnp.sum(mask_bt.astype(jnp.float32))
+  if behavior_logp_bt is not None:
+    if behavior_weight_cap <= 0:
+      raise ValueError(f"behavior_weight_cap={behavior_weight_cap}: must be > 0")
+    mu_bt = jnp.where(mask_bt, behavior_logp_bt, 0.0).astype(jnp.float32)
+    raw_w_bt = jnp.exp(jnp.minimum(jnp.where(mask_bt, old_bt - mu_bt, 0.0), 80.0))
+    pg_bt = jnp.minimum(raw_w_bt, behavior_weight_cap) * pg_bt
+    metrics.update(behavior_weight_mean=_masked_mean(raw_w_bt, mask_bt, count),
+                   behavior_weight_max=jnp.where(count > 0, jnp.max(jnp.where(mask_bt, raw_w_bt, -jnp.inf)), 0.0),
+                   truncated_fraction=_masked_mean((raw_w_bt > behavior_weight_cap).astype(jnp.float32), mask_bt,
+                                                   count))
+
+  loss_bt = pg_bt
   if ref_logp_bt is not None:
     ref_bt = jnp.where(mask_bt, ref_logp_bt, 0.0).astype(jnp.float32)
     kl_bt = KL_ESTIMATORS[kl_estimator](ref_bt - logp_bt)
@@ -359,8 +382,6 @@ def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.A
   agg = functools.partial(aggregate, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
   loss = agg(loss_bt, mask_bt, normalizer)
 
-  sg = jax.lax.stop_gradient
-  count = jnp.sum(mask_bt.astype(jnp.float32))
   metrics.update(
       loss_tokens=count,
       skipped=(jnp.asarray(normalizer) <= 0).astype(jnp.float32),

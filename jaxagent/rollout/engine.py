@@ -59,11 +59,13 @@ HOLD_READY_FRACTION = 0.75
 @dataclasses.dataclass(frozen=True)
 class RowAction:
   """One row's action: its tokens, their behavior log-probs, the truncation thresholds they were sampled under
-  (NaN: none; `sampler.truncation_threshold`) and why it ended."""
+  (NaN: none; `sampler.truncation_threshold`), why it ended, and the policy version that sampled each token
+  (None: the rollout's one version)."""
   tokens: list[int]
   logprobs: list[float]
   finish: Finish
   thresholds: list[float] | None = None
+  versions: list[int] | None = None
 
 
 def finished_actions(running, finish, n, tokens, logprobs, thresholds) -> dict[int, RowAction]:
@@ -122,13 +124,16 @@ class SampledActions(Actor):
       envs, and newly fed rows join, at chunk boundaries).
   """
 
-  def __init__(self, sampler: Sampler, params, rng: jax.Array, decode_chunk: int = 8):
+  def __init__(self, sampler: Sampler, params, rng: jax.Array, decode_chunk: int = 8, *, version: int = 0,
+               track_cache: bool = False):
     if decode_chunk < 1:
       raise ValueError(f"decode_chunk={decode_chunk}: must be >= 1")
     self.sampler, self.params, self.rng, self.chunk = sampler, params, rng, decode_chunk
     self.width = max(sampler.extend_buckets)
     self.state = None
     self.decode_s = self.extend_s = 0.0
+    self.version = version          # of `params`; `set_params` changes both
+    self.track_cache = track_cache  # keep each row's cached tokens on the host (`set_params(refill=True)`)
 
   def width_for(self, longest: int) -> int:
     if jax.process_count() > 1:  # feeds are collective: one width everywhere, with no agreement needed
@@ -138,6 +143,73 @@ class SampledActions(Actor):
   def begin(self, slots, first_episode=0):
     self.slots, self.first_episode = slots, first_episode
     self.state = self.sampler.warm(self.params, self.sampler.init(slots * jax.process_count(), self.rng))
+    # Which version computed each row's next-token logits (the next token is drawn from them) and its prompt's
+    # (a fork starts from those); the current action's token count and per-token versions; the cached tokens.
+    self._logits_version = np.full(slots, self.version, np.int64)
+    self._prompt_version = np.full(slots, self.version, np.int64)
+    self._n = np.zeros(slots, np.int64)
+    self._versions: list[list[int]] = [[] for _ in range(slots)]
+    self._cached: list[list[int]] = [[] for _ in range(slots)]
+    self._prompt_length = np.zeros(slots, np.int64)
+
+  def _fed(self, f: Feed, ok: np.ndarray) -> None:
+    """Host bookkeeping of a feed (the device's order: reset, append, prompt done, fork, start)."""
+    ok = np.asarray(ok, bool)
+    for r in np.flatnonzero(f.reset):
+      self._cached[r], self._prompt_length[r] = [], 0
+    appended = (np.asarray(f.lengths) > 0) & ok
+    self._logits_version[appended] = self.version
+    if self.track_cache:
+      for r in np.flatnonzero(appended):
+        self._cached[r] += np.asarray(f.tokens[r, :f.lengths[r]]).tolist()
+    done = np.asarray(f.prompt_done, bool) & ok
+    self._prompt_version[done] = self.version
+    for r in np.flatnonzero(done):
+      self._prompt_length[r] = len(self._cached[r])
+    for r in np.flatnonzero((np.asarray(f.fork) >= 0) & ok):
+      src = int(f.fork[r])
+      self._logits_version[r] = self._prompt_version[r] = self._prompt_version[src]
+      self._prompt_length[r] = self._prompt_length[src]
+      self._cached[r] = self._cached[src][:self._prompt_length[src]]
+    for r in np.flatnonzero(np.asarray(f.start, bool) & ok):
+      self._n[r], self._versions[r] = 0, []
+
+  def _decoded(self, n: np.ndarray, tokens: np.ndarray) -> None:
+    """Host bookkeeping of a decode: a row's first new token came from the logits it held (their version), the
+    rest from logits this call computed (the current version)."""
+    for r in np.flatnonzero(n > self._n):
+      k = int(n[r] - self._n[r])
+      self._versions[r] += [int(self._logits_version[r])] + [self.version] * (k - 1)
+      if self.track_cache:
+        self._cached[r] += tokens[r, self._n[r]:n[r]].tolist()
+      self._logits_version[r], self._n[r] = self.version, n[r]
+
+  def set_params(self, params, version: int, *, refill: bool = False) -> dict[str, float]:
+    """Switches the rows to `params` (policy version `version`) between two device calls: episodes in flight
+    go on under them. `refill=False` keeps every row's KV cache and the next-token logits the old weights
+    computed (the next token of a running action is still the old version's); `refill=True` recomputes both
+    from the row's cached tokens under the new weights (needs `track_cache`). Returns the refill's metrics:
+    rows refilled and the mean KL(old ‖ new) of their next-token distributions (the gap keeping would leave)."""
+    self.params, self.version = params, int(version)
+    if not refill:
+      return {}
+    if not self.track_cache:
+      raise ValueError("set_params(refill=True) needs SampledActions(track_cache=True)")
+    rows = [r for r in range(self.slots) if self._cached[r]]
+    if not rows:
+      return {"refill_rows": 0.0, "refill_kl": 0.0}
+    t0 = time.perf_counter()
+    tokens = np.full((self.slots, self.sampler.cache_size), self.sampler.pad_id, np.int32)
+    lengths = np.zeros(self.slots, np.int32)
+    for r in rows:
+      tokens[r, :len(self._cached[r])] = self._cached[r]
+      lengths[r] = len(self._cached[r])
+    self.state, kl = self.sampler.refill(params, self.state, tokens, lengths, self._prompt_length.astype(np.int32))
+    kl = np.asarray(self.sampler.to_host(kl))
+    self._logits_version[rows] = self.version
+    self._prompt_version[[r for r in rows if self._prompt_length[r]]] = self.version
+    self.extend_s += time.perf_counter() - t0
+    return {"refill_rows": float(len(rows)), "refill_kl": float(kl[rows].mean())}
 
   def _global_ids(self, f: Feed) -> Feed:
     """Forks and episodes name this process's rows and episodes: make them global."""
@@ -149,6 +221,7 @@ class SampledActions(Actor):
     t0 = time.perf_counter()
     self.state, ok = self.sampler.feed(self.params, self.state, self._global_ids(f))
     ok = multihost.local_rows(ok)
+    self._fed(f, ok)
     self.extend_s += time.perf_counter() - t0
     return ok
 
@@ -163,6 +236,7 @@ class SampledActions(Actor):
     t0 = time.perf_counter()
     self.state, ok = self.sampler.step(self.params, self.state, self._global_ids(f), self._steps(lockstep))
     ok = multihost.local_rows(ok)
+    self._fed(f, ok)
     self.decode_s += time.perf_counter() - t0
     return ok, self._actions
 
@@ -171,8 +245,11 @@ class SampledActions(Actor):
 
   def _actions(self, running):
     st = self.state
-    return finished_actions(running, *self.sampler.to_host((st.finish, st.n, st.tokens, st.logprobs,
-                                                            st.thresholds)))
+    finish, n, tokens, logprobs, thresholds = self.sampler.to_host((st.finish, st.n, st.tokens, st.logprobs,
+                                                                    st.thresholds))
+    self._decoded(n, tokens)
+    done = finished_actions(running, finish, n, tokens, logprobs, thresholds)
+    return {r: dataclasses.replace(a, versions=self._versions[r][:len(a.tokens)]) for r, a in done.items()}
 
   # -- the callback transport
 
@@ -270,6 +347,8 @@ class _Episode:
   frame: Frame | None = None    # the observation frame being fed
   future: concurrent.futures.Future | None = None
   action: tuple | None = None   # (span, text, tokens) of the action its env is running
+  action_version: int = 0       # the policy version of that action's first token
+  version: int = 0              # the policy version when it was admitted (the trajectory's)
   turns: list[tr.Turn] = dataclasses.field(default_factory=list)
   termination: envs.Termination | None = None
   verifier: tr.VerifierRecord = tr.VerifierRecord()
@@ -393,11 +472,12 @@ class RolloutEngine:
     """Appends an action as sampled: its reasoning span (role REASONING) first, then the rest (POLICY)."""
     n = self.chat.reasoning_length(action.tokens)
     start = len(stream)
-    tau = action.thresholds
+    tau, ver = action.thresholds, action.versions
     if n:
       stream.sampled(action.tokens[:n], action.logprobs[:n], role=tr.Role.REASONING, train=self.reasoning.trained,
-                     thresholds=None if tau is None else tau[:n])
-    stream.sampled(action.tokens[n:], action.logprobs[n:], thresholds=None if tau is None else tau[n:])
+                     thresholds=None if tau is None else tau[:n], versions=None if ver is None else ver[:n])
+    stream.sampled(action.tokens[n:], action.logprobs[n:], thresholds=None if tau is None else tau[n:],
+                   versions=None if ver is None else ver[n:])
     return start, len(stream)
 
   def record_step(self, ep: _Episode, result: envs.StepResult, span, text: str, tokens: Sequence[int],
@@ -464,6 +544,13 @@ class _Scheduler:
     self.pids = self.pool.worker_pids()
     self.last_feed: list[tuple[_Episode, str, int]] | None = None
     self.device_mark: float | None = None  # callback transport: when the program last left the host
+    self.on_done: Callable[[_Episode], None] | None = None  # a stream's: called as each episode ends
+
+  def add(self, episodes: Sequence[_Episode]) -> None:
+    """More episodes for the queue, after those already in it (a `RolloutStream`'s submissions)."""
+    self.episodes += episodes
+    self.queue[:0] = reversed(episodes)
+    self.remaining += len(episodes)
 
   # -- bookkeeping
 
@@ -487,6 +574,8 @@ class _Scheduler:
     ep.frame = ep.future = ep.action = None
     self.live -= 1
     self.remaining -= 1
+    if self.on_done is not None:
+      self.on_done(ep)
 
   def _admit(self) -> None:
     """Free slots take the next episodes (lockstep: only when the whole previous wave is done)."""
@@ -498,6 +587,7 @@ class _Scheduler:
       ep = self.queue.pop()
       worker = self.pool.slots[slot].worker
       ep.slot, ep.state, ep.admitted_s, ep.since = slot, _State.RESETTING, self.now(), time.perf_counter()
+      ep.version = self.policy_version
       ep.provenance = {"process": jax.process_index(), "slot": slot, "env_worker": worker,
                        "env_worker_pid": self.pids[worker]}
       self.slot_episode[slot] = ep
@@ -550,7 +640,7 @@ class _Scheduler:
     self.engine.env_times.append(t_env)
     ep.env_s += t_env
     self.env_steps += 1
-    self.engine.record_step(ep, result, span, text, tokens, self.policy_version, ep.last_decode_s, t_env)
+    self.engine.record_step(ep, result, span, text, tokens, ep.action_version, ep.last_decode_s, t_env)
     ep.action = None
     if ep.termination is not None:
       self._end(ep)
@@ -653,6 +743,7 @@ class _Scheduler:
       span = self.engine.append_action(ep.stream, action)
       self.action_tokens += len(action.tokens)
       text = self.chat.action_text(action.tokens)
+      ep.action_version = action.versions[0] if action.versions else self.policy_version
       if action.finish == Finish.STOP:
         ep.action = (span, text, action.tokens)
         ep.state, ep.since = _State.STEPPING, now
@@ -661,7 +752,7 @@ class _Scheduler:
       termination = (envs.Termination.TURN_BUDGET_EXHAUSTED if action.finish == Finish.BUDGET
                      else envs.Termination.CONTEXT_EXHAUSTED)
       # The cut action never reached the env: its outcome is the termination (not "ok").
-      ep.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=False), policy_version=self.policy_version,
+      ep.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=False), policy_version=ep.action_version,
                               t_decode_s=t_decode, outcome=termination.value))
       self._end(ep, termination)
 
@@ -725,9 +816,13 @@ class _Scheduler:
         return self._plan()
       self._wait(hold)
 
-  def host_loop(self) -> None:
+  def host_loop(self, until: Callable[[], bool] | None = None, poll_s: float = 0.002) -> None:
+    """Drives the rollout until every episode is done, or (a stream) until `until()` holds: then an idle
+    engine waits in steps of `poll_s` for an env or for `until`, never for ever."""
     agree = (lambda flags: flags) if jax.process_count() == 1 else multihost.host_max
     while True:
+      if until is not None and until():
+        break
       f, plan = self._poll()
       # Feed and decode are collective: every process calls them together, with or without rows of its own.
       has_feed, live = agree(np.asarray([f is not None, self.remaining > 0], np.int32))
@@ -755,8 +850,9 @@ class _Scheduler:
                                              np.zeros(self.engine.slots, bool), self.lockstep))
       elif not has_feed:
         # Nothing for the device anywhere: wait for an env. Alone, until one answers; with other processes,
-        # briefly, then agree again (another process's env may have answered).
-        self._wait(None if jax.process_count() == 1 else 0.005)
+        # briefly, then agree again (another process's env may have answered); a stream, briefly, then asks
+        # `until` again (the learner may have finished).
+        self._wait(poll_s if until is not None else None if jax.process_count() == 1 else 0.005)
 
   def exchange(self, finish, n, tokens, logprobs, thresholds, ok):
     """The callback transport's host side: takes the program's finished actions and last feed's result,
@@ -790,3 +886,95 @@ class _Scheduler:
                         env_s=sum(e.env_s for e in eps), extend_s=self.actor.extend_s, env_steps=self.env_steps,
                         action_tokens=self.action_tokens, idle_s=self.idle_s,
                         wall_s=time.perf_counter() - self.start)
+
+
+class RolloutStream:
+  """Episodes without a batch barrier (`train.freshness` one_step_off / async): groups are submitted as
+  capacity allows, run through the engine's slots as one endless rollout, and come out as they complete;
+  the policy can change between two device calls while episodes are in flight (`set_params`).
+
+      stream = RolloutStream(engine, SampledActions(...), group_size=G)
+      stream.submit(slot_id, task, seeds)       # G episodes; episode k's sampling key is fold_in(rng, id*G + k)
+      stream.run(until=lambda: len(stream.complete) >= B)   # drives the engine until then (or nothing is live)
+      slot_id, trajectories = stream.complete.popleft()
+
+  Every token records the version that sampled it (`Trajectory.behavior_versions`): the actor's version
+  when its logits were computed. A trajectory's `policy_version` is the version when it was admitted.
+  Single process (the engine's collectives would need every process to agree on `until`).
+  """
+
+  def __init__(self, engine: RolloutEngine, actor: SampledActions, *, group_size: int):
+    if jax.process_count() > 1:
+      raise ValueError("a rollout stream runs in one process for now")
+    if engine.schedule != "continuous" or engine.transport != "host_loop":
+      raise ValueError("a rollout stream needs rollout.schedule=continuous and rollout.env_transport=host_loop")
+    self.engine, self.actor, self.group_size = engine, actor, group_size
+    actor.begin(engine.slots, first_episode=0)
+    self.sched = _Scheduler(engine, actor, [], actor.version)
+    self.sched.on_done = self._done
+    self.pending: dict[int, list[_Episode]] = {}     # slot id -> its episodes (some still running)
+    self.complete: collections.deque[tuple[int, list[tr.Trajectory]]] = collections.deque()
+    self._ended: list[_Episode] = []                  # since the last `stats`
+    self._mark = self._counters()
+
+  def submit(self, slot_id: int, task: envs.Task, seeds: Sequence[int]) -> None:
+    if slot_id in self.pending:
+      raise ValueError(f"slot {slot_id} is already in the stream")
+    if len(seeds) != self.group_size:
+      raise ValueError(f"{len(seeds)} seeds for a group of {self.group_size}")
+    g = self.group_size
+    eps = [_Episode(index=slot_id * g + k, task=task, seed=int(seeds[k]), group_id=f"{task.id}/{seeds[0]}")
+           for k in range(g)]
+    self.pending[slot_id] = eps
+    self.sched.add(eps)
+
+  def _done(self, ep: _Episode) -> None:
+    self._ended.append(ep)
+    slot = ep.index // self.group_size
+    group = self.pending.get(slot)
+    if group is not None and all(e.state == _State.DONE for e in group):
+      del self.pending[slot]
+      trajs = [self.engine._trajectory(e, e.version) for e in group]
+      self.complete.append((slot, [dataclasses.replace(t, metadata={**t.metadata, "slot": slot,
+                                                                     "completed_version": self.actor.version})
+                                   for t in trajs]))
+
+  @property
+  def live(self) -> int:
+    """Episodes submitted and not ended (queued or running)."""
+    return self.sched.remaining
+
+  def run(self, until: Callable[[], bool], poll_s: float = 0.002) -> None:
+    """Drives the engine until `until()` holds or no episode is left to run."""
+    self.sched.host_loop(until=until, poll_s=poll_s)
+    self.sched.episodes = [e for e in self.sched.episodes if e.state != _State.DONE]
+
+  def drain(self) -> None:
+    """Runs the episodes already admitted to a slot to their end; the queued ones wait (not admitted)."""
+    sched = self.sched
+    held, sched.queue = sched.queue, []
+    sched.remaining -= len(held)
+    try:
+      self.run(until=lambda: sched.remaining == 0)
+    finally:
+      sched.queue = held + sched.queue
+      sched.remaining += len(held)
+
+  def set_params(self, params, version: int, *, refill: bool = False) -> dict[str, float]:
+    """The policy from now on (`SampledActions.set_params`); new admissions record `version`."""
+    self.sched.policy_version = int(version)
+    return self.actor.set_params(params, version, refill=refill)
+
+  def _counters(self) -> tuple[float, ...]:
+    s = self.sched
+    return (self.actor.decode_s, self.actor.extend_s, s.idle_s, float(s.env_steps), float(s.action_tokens),
+            time.perf_counter())
+
+  def stats(self) -> RolloutStats:
+    """The stage times since the last call (env times of the episodes that ended since)."""
+    now = self._counters()
+    d = [a - b for a, b in zip(now, self._mark)]
+    self._mark = now
+    ended, self._ended = self._ended, []
+    return RolloutStats(reset_s=sum(e.reset_s for e in ended), decode_s=d[0], env_s=sum(e.env_s for e in ended),
+                        extend_s=d[1], env_steps=int(d[3]), action_tokens=int(d[4]), idle_s=d[2], wall_s=d[5])

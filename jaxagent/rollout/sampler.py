@@ -488,6 +488,35 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
   return _constrain_state(state, mesh, rules), ok
 
 
+def refill(model: models.Transformer, state: SamplerState, tokens_bc: jax.Array, lengths_b: jax.Array,
+           prompt_lengths_b: jax.Array, *, mesh: Mesh | None = None, rules: models.Rules = (),
+           attention: str = "einsum") -> tuple[SamplerState, jax.Array]:
+  """Recomputes the KV cache of the rows with `lengths_b > 0` from their tokens (`tokens_bc[b, :lengths_b[b]]`,
+  what the row's cache holds) under `model`, and their next-token and prompt logits; nothing else of a row
+  changes (a running action goes on). Returns (state, KL(old ‖ new) of each row's next-token distribution;
+  0 for rows not refilled)."""
+  b, c = tokens_bc.shape
+  mask = lengths_b > 0
+  rows = jnp.where(mask, jnp.arange(b), b)  # b: not refilled (dropped by the cache writes)
+  cache = state.cache
+  cache = cache.replace(segment_ids=jnp.where(mask[:, None], 0, cache.segment_ids),
+                        index=jnp.where(mask, 0, cache.index))
+  positions = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+  segments = (jnp.arange(c)[None, :] < lengths_b[:, None]).astype(jnp.int32)
+  logits_bcv, cache = model(tokens_bc, positions_bt=positions, segment_ids_bt=segments, cache=cache,
+                            cache_rows=rows, attention=attention)
+  at = lambda i_b: logits_bcv[jnp.arange(b), jnp.clip(i_b - 1, 0, c - 1)].astype(jnp.float32)
+  new_next = at(lengths_b)
+  old_logp = jax.nn.log_softmax(state.next_logits, -1)
+  kl = jnp.where(mask, jnp.sum(jnp.exp(old_logp) * (old_logp - jax.nn.log_softmax(new_next, -1)), -1), 0.0)
+  has_prompt = mask & (prompt_lengths_b > 0)
+  state = state.replace(
+      cache=cache.replace(index=jnp.where(mask, lengths_b, state.cache.index)),
+      next_logits=jnp.where(mask[:, None], new_next, state.next_logits),
+      prompt_logits=jnp.where(has_prompt[:, None], at(prompt_lengths_b), state.prompt_logits))
+  return _constrain_state(state, mesh, rules), kl
+
+
 def decode(model: models.Transformer, state: SamplerState, config: SamplingConfig, max_steps: int | jax.Array,
            *, mesh: Mesh | None = None, rules: models.Rules = ()) -> SamplerState:
   """Decodes the running rows for at most `max_steps` tokens (`lax.while_loop`; ends early once none runs).
@@ -642,6 +671,8 @@ class Sampler:
       return decode(merge(p), st, config, steps, **shard), ok
 
     self._step = jax.jit(step_fn, donate_argnums=1)
+    self._refill = jax.jit(lambda p, st, tokens, lengths, prompts: refill(
+        merge(p), st, tokens, lengths, prompts, attention=attention, **shard), donate_argnums=1)
     self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
 
   def run_callback_program(self, params: nnx.State, state: SamplerState, exchange: Callable, width: int,
@@ -766,6 +797,12 @@ class Sampler:
     spec = models.logical_to_spec(("batch",), (rows,), self.mesh, self.rules)
     axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
     return all(self.mesh.shape[a] == 1 for a in axes)
+
+  def refill(self, params: nnx.State, state: SamplerState, tokens: np.ndarray, lengths: np.ndarray,
+             prompt_lengths: np.ndarray) -> tuple[SamplerState, jax.Array]:
+    """`refill` (module function) of this process's rows: `tokens` [rows, cache_size]. The state is donated."""
+    put = self._put_batch
+    return self._refill(params, state, put(tokens), put(lengths), put(prompt_lengths))
 
   def decode(self, params: nnx.State, state: SamplerState, max_steps: int) -> SamplerState:
     """At most `max_steps` decode steps of the running rows. The state is donated."""

@@ -4,8 +4,7 @@ Stage functions over the parts of a `Run` (jaxagent/train/run.py); each takes th
 new one, nothing holds it. Rollouts (`collect`, `evaluate`) are jaxagent/train/rollouts.py; checkpoints and
 resuming (`save`, `restore`) jaxagent/train/resume.py; both are re-exported here.
 
-  prepare_batch(run, state, trajectories)     -> Prepared                      (assembly + advantages, value targets)
-  update(run, state, prepared)                -> state, metrics                (the jitted step)
+  prepare_batch, update                       jaxagent/train/learner.py (re-exported)
   behavior_cloning(run, state, logger)        -> state                         (scripted demos through the engine)
   rl_iteration(run, progress, writer)         -> progress, metrics
   train(config, run_dir, resume)              the loop: restore, stages, checkpoints, logs
@@ -21,7 +20,7 @@ import dataclasses
 import datetime
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,127 +28,21 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import envs
-from jaxagent import algos, multihost, seeds
+from jaxagent import multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
-from jaxagent.assembly import Batch, advantage_inputs, assemble
 from jaxagent.config import Config
 from jaxagent.rollout.engine import ScriptedActions
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train import paradigms
+from jaxagent.train import freshness, paradigms
+from jaxagent.train.learner import TRUNCATIONS, Prepared, group_statistics, prepare_batch, update  # noqa: F401
 from jaxagent.train.resume import EnvChangedError, check_env_versions, lora_settings, restore, save  # noqa: F401
 from jaxagent.train.rollouts import (EvalResult, collect, evaluate, record_outcomes, sample_round,  # noqa: F401
                                      trained_rows)
 from jaxagent.train.run import Run, build_run
 from jaxagent.train.state import LoopState, TrainState
-from jaxagent.train.value import ValueTargets
-
-# Episodes cut off before the task ended: their last state is not terminal, so GAE bootstraps from its value.
-TRUNCATIONS = (envs.Termination.MAX_TURNS, envs.Termination.TURN_BUDGET_EXHAUSTED,
-               envs.Termination.CONTEXT_EXHAUSTED)
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-  """One update's inputs (global arrays) and the statistics of the advantage estimator that built them."""
-  batch: Batch
-  normalizer: float
-  value_targets: ValueTargets | None
-  value_normalizer: float
-  stats: dict[str, float]
-  estimate: algos.AdvantageOutput      # the estimator's output (this process's rows), for diagnostics
-
-
-# ------------------------------------------------------------------------------------------------
-# Stages.
-
-
-def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, bootstrap_n=None
-              ) -> algos.AdvantageOutput:
-  """The configured advantage estimator, always called the same way (one compiled program per shape)."""
-  put = lambda x: None if x is None else jnp.asarray(x)
-  return algos.get_advantage(cfg.algo.advantage)(put(rewards_ns), put(mask_ns), put(group_ids),
-                                                 values_ns=put(values_ns), bootstrap_n=put(bootstrap_n),
-                                                 **algos.advantage_kwargs(cfg.algo))
-
-
-def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Trajectory]) -> Prepared:
-  """Assembly, advantages (PPO: values at collection time and GAE with bootstrap) and the loss normalizers."""
-  cfg = run.config
-  train = trained_rows(run, trajectories)
-  rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
-  mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
-  layout = dict(length=cfg.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id,
-                thresholds=config_lib.truncates(cfg.rollout))
-  values_ns = bootstrap_n = value_targets = None
-  if cfg.algo.name == "ppo":
-    # V(s_t) is read at the token before action t; V(s_T) of a cut-off episode at its last token (unpacked
-    # rows: trajectory i is row i from position 0).
-    state_pos = np.zeros(mask_ns.shape, np.int32)
-    for i, t in enumerate(trajectories):
-      for j, turn in enumerate(t.turns):
-        state_pos[i, j] = turn.action.span[0] - 1
-    plain = assemble(trajectories, **layout)
-    values_bt = multihost.local_rows(run.value_fn(state.params, run.layout.to_global(plain)))
-    rows = np.arange(len(trajectories))
-    values_ns = np.where(mask_ns, values_bt[rows[:, None], state_pos], 0.0)
-    cut = np.asarray([t.termination in TRUNCATIONS and bool(t.turns) for t in trajectories]) & train
-    last = np.asarray([max(len(t) - 1, 0) for t in trajectories])
-    bootstrap_n = np.where(cut, values_bt[rows, last], 0.0).astype(np.float32)
-  adv = _estimate(cfg, rewards_ns, mask_ns, group_ids, values_ns, bootstrap_n)
-  adv_ns = np.asarray(adv.advantages)
-  batch = assemble(trajectories, [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajectories)], level="turn",
-                   train=train, **layout)
-  value_normalizer = 0.0
-  if values_ns is not None:
-    shape = batch.tokens.shape
-    old, ret, vmask = np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.zeros(shape, bool)
-    returns_ns = np.asarray(adv.returns)
-    for i, j in zip(*np.nonzero(mask_ns)):
-      p = state_pos[i, j]
-      old[i, p], ret[i, p], vmask[i, p] = values_ns[i, j], returns_ns[i, j], True
-    value_targets = ValueTargets(old_values=old, returns=ret, mask=vmask)
-    value_normalizer = float(vmask.sum())
-  normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
-                                     norm_length=cfg.algo.norm_length, allow_empty=True)
-  sums = multihost.host_sum(np.asarray([float(normalizer), value_normalizer, float((~train).sum())]))
-  return Prepared(batch=run.layout.to_global(batch), normalizer=float(sums[0]),
-                  value_targets=None if value_targets is None else run.layout.to_global(value_targets),
-                  value_normalizer=float(sums[1]), stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2])},
-                  estimate=adv)
-
-
-def group_statistics(run: Run, trajectories: Sequence[tr.Trajectory],
-                     estimate: algos.AdvantageOutput | None = None) -> dict[str, float]:
-  """Within-group return spread of `trajectories` with the advantage estimator's own grouping: a trajectory
-  without a turn or ended by an infrastructure failure is in no group. Summed over processes (a group never
-  spans two: each holds whole task slots).
-
-  `estimate`: the estimator's output for exactly these trajectories, when `prepare_batch` already has it.
-  """
-  cfg = run.config
-  if estimate is None:
-    rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
-    mask_ns &= trained_rows(run, trajectories)[:, None]
-    values = np.zeros(mask_ns.shape, np.float32) if cfg.algo.advantage == "gae" else None  # unused by the groups
-    bootstrap = np.zeros(mask_ns.shape[:1], np.float32) if cfg.algo.advantage == "gae" else None
-    estimate = _estimate(cfg, rewards_ns, mask_ns, group_ids, values, bootstrap)
-  groups, flat, std = (float(x) for x in jax.device_get((estimate.groups, estimate.zero_variance_groups,
-                                                         estimate.group_return_std)))
-  groups, flat, spread = multihost.host_sum(np.asarray([groups, flat, std * groups]))
-  return {metrics_lib.REWARD_STD_WITHIN_GROUP: float(spread / max(groups, 1.0)),
-          metrics_lib.ZERO_VARIANCE_GROUP_FRACTION: float(flat / max(groups, 1.0))}
-
-
-def update(run: Run, state: TrainState, prepared: Prepared) -> tuple[TrainState, dict[str, Any]]:
-  """`train.updates_per_iteration` jitted steps on one prepared batch; metrics of the last one (on the host)."""
-  for _ in range(run.config.train.updates_per_iteration):
-    state, m = run.rl_step(state, prepared.batch, jnp.float32(prepared.normalizer), prepared.value_targets,
-                           jnp.float32(prepared.value_normalizer))
-  return state, jax.device_get(m)
-
 
 def set_reference(run: Run, state: TrainState) -> TrainState:
   """Makes the current policy the frozen KL reference (a copy; unchanged without `algo.kl_coef`)."""
@@ -368,6 +261,8 @@ class _Session:
   env_change: Mapping[str, Any] | None
   start_wall: float
   bar: metrics_lib.Progress | None = None
+  stream: freshness.Freshness | None = None  # train.freshness one_step_off / async: built with the rl stage
+  resume_stream: Mapping[str, Any] | None = None  # what the restored checkpoint holds of it
 
 
 def _open_writer(run: Run, resume_meta: Mapping[str, Any] | None) -> trajectory_store.TrajectoryWriter | None:
@@ -400,7 +295,7 @@ def _cold_start(run: Run, session: _Session, progress: LoopState) -> LoopState:
       if end == cfg.train.bc_steps:  # one checkpoint after all bc stages (all at iteration 0: one step)
         progress = dataclasses.replace(progress, state=set_reference(run, state), stage=after_cold_start,
                                        stage_start=progress.iteration)
-        save(run, progress, session.writer, session.env_change)
+        save(run, progress, session.writer, session.env_change, session.stream)
       else:
         progress = dataclasses.replace(progress, state=state, stage=i + 1)
     begin = end
@@ -418,6 +313,8 @@ def _after_iteration(run: Run, session: _Session, progress: LoopState, end: int)
   promoted = False
   every = cfg.train.eval_every
   if cfg.train.eval_episodes and every and it % every == 0 and it < cfg.train.iterations:
+    if session.stream is not None:
+      session.stream.pause()  # the eval needs the env pool's slots
     state, mid = evaluate(run, progress.state)
     progress = dataclasses.replace(progress, state=state)
     bar.write(f"iteration {it}: {mid.line()}")
@@ -435,7 +332,7 @@ def _after_iteration(run: Run, session: _Session, progress: LoopState, end: int)
     progress = dataclasses.replace(progress, stage=i + 1, stage_start=it)
   checkpointed = it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations or promoted
   if checkpointed:
-    save(run, progress, session.writer, session.env_change)
+    save(run, progress, session.writer, session.env_change, session.stream)
   return progress, promoted, checkpointed
 
 
@@ -459,7 +356,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
                                      resume_step=int(progress.state.step) if resumed else None)
   session = _Session(logger=logger, writer=_open_writer(run, resume_meta),
                      env_change=(resume_meta or {}).get("env_change_allowed"),
-                     start_wall=time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS])
+                     start_wall=time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS],
+                     resume_stream=(resume_meta or {}).get("stream"))
   before = after = None
   stages = config_lib.stages(cfg)
   explicit = bool(cfg.curriculum.stages)
@@ -480,7 +378,11 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
       end = progress.stage_start + stage.steps
       promoted = False
       while progress.iteration < end and not promoted:
-        if stage.paradigm == "rl":
+        if stage.paradigm == "rl" and cfg.train.freshness != "sync":
+          if session.stream is None:
+            session.stream = freshness.Freshness(run, progress, session.resume_stream)
+          progress, m = session.stream.iteration(progress, session.writer, session.start_wall)
+        elif stage.paradigm == "rl":
           progress, m = rl_iteration(run, progress, session.writer, session.start_wall)
         else:
           if data is None or data.index != i:
@@ -499,9 +401,11 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
           break
         progress = dataclasses.replace(progress, stage=i + 1, stage_start=progress.iteration)
     if saved != progress.iteration:
-      save(run, progress, session.writer, session.env_change)
+      save(run, progress, session.writer, session.env_change, session.stream)
     bar.close()
     run.checkpointer.wait()
+    if session.stream is not None:
+      session.stream.pause()
     if cfg.train.eval_episodes:
       state, after = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
@@ -512,6 +416,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
     if cfg.train.plots and jax.process_index() == 0:
       metrics_lib.write_plots(run.run_dir)
   finally:
+    if session.stream is not None:
+      session.stream.close()
     if session.writer is not None:
       session.writer.close()
     logger.close()

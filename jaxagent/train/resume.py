@@ -32,8 +32,9 @@ class EnvChangedError(config_lib.ConfigError):
 
 
 def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
-         env_change: Mapping[str, Any] | None = None) -> None:
-  """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously)."""
+         env_change: Mapping[str, Any] | None = None, stream: Any = None) -> None:
+  """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously).
+  `stream`: an async run's `freshness.Freshness` (its queue, slots in flight and counters are stored too)."""
   shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
   supply = run.supply(progress.stage)
   meta = {"iteration": progress.iteration, "data_iterator": None if supply is None else supply.get_state(),
@@ -44,6 +45,8 @@ def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWrite
           "lora": lora_settings(run.config)}
   if env_change:
     meta["env_change_allowed"] = dict(env_change)
+  if stream is not None:
+    meta["stream"] = stream.checkpoint(progress.iteration)
   run.checkpointer.save(progress.iteration, progress.state, meta, run.model_config, config_lib.to_dict(run.config))
 
 

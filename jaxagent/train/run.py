@@ -41,7 +41,8 @@ from jaxagent.tasks import contamination, pipeline
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import checkpointing
 from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
-from jaxagent.train.step import cast_floating, make_train_step, make_value_fn, policy_params
+from jaxagent.train.step import (StepOptions, cast_floating, make_logprob_fn, make_train_step, make_value_fn,
+                                 policy_params)
 from jaxagent.train.value import ValueHead
 
 NUM_TRAIN_TASKS = 100_000
@@ -85,6 +86,14 @@ class Layout:
     jax.tree.map(lambda x: x.delete(), rollout_policy)
     return master
 
+  def rollout_snapshot(self, params):
+    """A copy of the policy of `params` in the rollout layout that the learner's next update cannot touch
+    (`train.freshness` one_step_off / async: episodes sample from it while the learner steps)."""
+    if self.rollout_copy is not None:
+      return self.rollout_copy(params)
+    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.rollout_policy_shardings)
+    return copy(params["policy"])
+
   def to_global(self, tree):
     """This process's rows of host arrays -> global batch arrays in the learner layout."""
     return multihost.to_global(tree, self.mesh, self.learner_rules)
@@ -110,6 +119,7 @@ class Run:
   bc_step: Callable | None            # masked NLL: bc, sft, rft and offline filtered_bc stages
   offline_steps: Mapping[tuple[float, float], Callable]  # offline iw_pg: (max_ratio, min_negative_ratio) -> step
   value_fn: Callable | None            # PPO: values at collection time
+  logprob_fn: Callable | None          # algo.loss=decoupled_ppo: log π_prox at the start of an update
   env_spec: envs.EnvSpec
   env_versions: dict[str, str]         # env, parser, verifier versions (checked on resume)
   action_syntax: str                   # how actions are written: "line" or "json" (env.action_syntax resolved)
@@ -436,6 +446,7 @@ class _Steps:
   bc: Callable | None
   offline: Mapping[tuple[float, float], Callable]
   value_fn: Callable | None
+  logprob_fn: Callable | None
 
 
 def _build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
@@ -459,7 +470,12 @@ def _build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
             min_negative_ratio=stage.min_negative_ratio, **shared)
   value_fn = (make_value_fn(policy.graphdefs, policy.mixed, policy.lora_scale)
               if cfg.algo.name == "ppo" and purpose == "train" else None)
-  return _Steps(rl=rl_step, bc=bc_step, offline=offline_steps, value_fn=value_fn)
+  logprob_fn = None
+  if cfg.algo.loss == "decoupled_ppo" and purpose == "train":
+    logprob_fn = make_logprob_fn(policy.graphdefs, StepOptions(
+        algo=cfg.algo, temperature=cfg.rollout.temperature, logits_chunk=cfg.train.logits_chunk,
+        compute_dtype=policy.mixed, attention=cfg.model.attention, lora_scale=policy.lora_scale))
+  return _Steps(rl=rl_step, bc=bc_step, offline=offline_steps, value_fn=value_fn, logprob_fn=logprob_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,6 +541,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       init_state=policy.init_state, abstract_state=policy.abstract_state,
       rollout_key=jax.jit(rollout_key, out_shardings=NamedSharding(policy.layout.mesh, P())),
       rl_step=steps.rl, bc_step=steps.bc, offline_steps=steps.offline, value_fn=steps.value_fn,
+      logprob_fn=steps.logprob_fn,
       env_spec=io.env_spec,
       env_versions={"name": io.env_spec.name, "version": rollout.pool.version or io.env_spec.version,
                     **env_info.versions,

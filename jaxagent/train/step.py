@@ -37,7 +37,8 @@ Mode = Literal["rl", "bc", "offline"]
 #   ratio_min / ratio_max: over micro-batches with loss tokens (0 when the batch has none, as `policy_loss`).
 #   skipped:     any (the step overwrites it from the batch's normalizers).
 _SUMS = ("loss_tokens", "value_positions", "pg_loss", "value_loss")
-_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "nll", "policy_lag", "kept_mass")
+_TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "nll", "policy_lag", "kept_mass",
+                "behavior_weight_mean", "truncated_fraction")
 _VALUE_MEANS = ("value_clip_fraction", "value_error")
 
 
@@ -92,17 +93,9 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   if compute_dtype is not None:
     params = cast_floating(params, compute_dtype)
     ref_params = None if ref_params is None else cast_floating(ref_params, compute_dtype)
-  model = nnx.merge(graphdefs["policy"], params["policy"])
-  x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                            remat=o.remat, attention=attention)
+  x_btd, logp_bt, entropy_bt, log_kept_bt = _scores(params, graphdefs, batch, options)
   mask_bt = batch.loss_mask
-  scale = 1.0 if mode == "bc" else temperature
-  # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
-  # its recorded threshold (None: rollouts sampled from the whole distribution; behavior cloning never cuts).
   thresholds_bt = None if mode == "bc" else batch.sampling_thresholds
-  logp_bt, entropy_bt, log_kept_bt = algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, mask_bt,
-                                                            temperature=scale, chunk=logits_chunk,
-                                                            thresholds_bt=thresholds_bt)
   token_mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1)
   kept = {} if log_kept_bt is None else {"kept_mass": token_mean(jnp.exp(log_kept_bt))}
   if mode == "bc":
@@ -112,13 +105,21 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
     count = jnp.sum(mask_bt)
     mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(count, 1)
     return loss, {"loss_tokens": count.astype(jnp.float32), "nll": mean(nll_bt), "entropy": mean(entropy_bt)}
+  # Policy lag: updates between the behavior policy of each trained token and the policy being updated.
+  lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
   if mode == "offline":
     loss, metrics = algos.importance_weighted_loss(
         logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
         entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=o.max_ratio,
         min_negative_ratio=o.min_negative_ratio, entropy_coef=algo.entropy_coef)
-    lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
     return loss, dict(metrics, policy_lag=token_mean(lag_bt), **kept)
+  if algo.loss == "tis":
+    loss, metrics = algos.importance_weighted_loss(
+        logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
+        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=algo.behavior_weight_cap,
+        entropy_coef=algo.entropy_coef)
+    return _with_value(params, graphdefs, x_btd, dict(metrics, policy_lag=token_mean(lag_bt), **kept), loss,
+                       value_targets, value_normalizer, algo)
   ref_logp_bt = None
   if ref_params is not None:
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
@@ -128,13 +129,37 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
                                                temperature=temperature, chunk=logits_chunk, with_entropy=False,
                                                thresholds_bt=thresholds_bt)
     ref_logp_bt = jax.lax.stop_gradient(ref_logp_bt)
-  loss, metrics = algos.policy_loss(logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer,
+  decoupled = algo.loss == "decoupled_ppo"
+  if decoupled and batch.proximal_logprobs is None:
+    raise ValueError("algo.loss='decoupled_ppo' needs the batch's proximal_logprobs (make_logprob_fn)")
+  loss, metrics = algos.policy_loss(logp_bt, batch.proximal_logprobs if decoupled else batch.behavior_logprobs,
+                                    batch.advantages, mask_bt, normalizer,
                                     ref_logp_bt=ref_logp_bt, segment_ids_bt=batch.segment_ids,
                                     entropy_bt=entropy_bt,
+                                    behavior_logp_bt=batch.behavior_logprobs if decoupled else None,
+                                    behavior_weight_cap=algo.behavior_weight_cap,
                                     **algos.policy_loss_kwargs(algo))
-  # Policy lag: updates between the behavior policy of each trained token and the policy being updated.
-  lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
   metrics = dict(metrics, policy_lag=token_mean(lag_bt), **kept)
+  return _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo)
+
+
+def _scores(params, graphdefs, batch: Batch, options: StepOptions):
+  """The policy's features and, per token, log π (under the rollout temperature, cut at the recorded sampling
+  thresholds, in rl and offline modes), entropy and the log of the kept mass. `params` already merged and cast."""
+  o = options
+  model = nnx.merge(graphdefs["policy"], params["policy"])
+  x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
+                            remat=o.remat, attention=o.attention)
+  scale = 1.0 if o.mode == "bc" else o.temperature
+  # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
+  # its recorded threshold (None: rollouts sampled from the whole distribution; behavior cloning never cuts).
+  thresholds_bt = None if o.mode == "bc" else batch.sampling_thresholds
+  return (x_btd,) + algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, batch.loss_mask,
+                                           temperature=scale, chunk=o.logits_chunk, thresholds_bt=thresholds_bt)
+
+
+def _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo):
+  """PPO: adds the value loss on the same features."""
   if value_targets is not None:
     values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
     vloss, vmetrics = algos.value_loss(values_bt, value_targets.old_values, value_targets.returns,
@@ -172,7 +197,7 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
       out[key] = weighted_mean(value, metrics["value_positions"])
     elif key == "ratio_min":
       out[key] = jnp.where(total > 0, jnp.min(jnp.where(tokens > 0, value, jnp.inf)), 0.0)
-    elif key == "ratio_max":
+    elif key in ("ratio_max", "behavior_weight_max"):
       out[key] = jnp.where(total > 0, jnp.max(jnp.where(tokens > 0, value, -jnp.inf)), 0.0)
     elif key == "skipped":
       out[key] = jnp.max(value)
@@ -267,3 +292,18 @@ def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_s
     return nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
 
   return jax.jit(values)
+
+
+def make_logprob_fn(graphdefs: dict[str, nnx.GraphDef], options: StepOptions):
+  """Jitted `logprobs(params, batch) -> float32[B, T]`: log π of each token exactly as the rl loss scores it
+  (rollout temperature, recorded truncation, mixed precision, LoRA merged); 0 off the loss mask. Decoupled PPO's
+  proximal log-probs, read with the parameters at the start of an update."""
+
+  def logprobs(params, batch: Batch):
+    params = policy_params(params, options.lora_scale)
+    if options.compute_dtype is not None:
+      params = cast_floating(params, options.compute_dtype)
+    logp_bt = _scores(params, graphdefs, batch, options)[1]
+    return jnp.where(batch.loss_mask, logp_bt, 0.0)
+
+  return jax.jit(logprobs)

@@ -1,0 +1,135 @@
+"""The learner's side of an rl iteration: a batch of trajectories -> the update's inputs -> the update.
+
+  prepare_batch(run, state, trajectories)   -> Prepared   assembly, advantages (PPO: values at collection time
+                                                          and GAE with bootstrap; decoupled PPO: π_prox), the
+                                                          loss normalizers
+  update(run, state, prepared)              -> state, metrics   `train.updates_per_iteration` jitted steps
+  group_statistics(run, trajectories)       -> metrics    within-group return spread (the estimator's groups)
+
+The sync loop (jaxagent/train/loop.py) calls them in turn; the one_step_off / async learner thread
+(jaxagent/train/freshness.py) calls the same two on the batches a rollout stream produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import envs
+from jaxagent import algos, multihost
+from jaxagent import config as config_lib
+from jaxagent import trajectory as tr
+from jaxagent.assembly import Batch, advantage_inputs, assemble
+from jaxagent.config import Config
+from jaxagent.train import metrics as metrics_lib
+from jaxagent.train.rollouts import trained_rows
+from jaxagent.train.run import Run
+from jaxagent.train.state import TrainState
+from jaxagent.train.value import ValueTargets
+
+# Episodes cut off before the task ended: their last state is not terminal, so GAE bootstraps from its value.
+TRUNCATIONS = (envs.Termination.MAX_TURNS, envs.Termination.TURN_BUDGET_EXHAUSTED,
+               envs.Termination.CONTEXT_EXHAUSTED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """One update's inputs (global arrays) and the statistics of the advantage estimator that built them."""
+  batch: Batch
+  normalizer: float
+  value_targets: ValueTargets | None
+  value_normalizer: float
+  stats: dict[str, float]
+  estimate: algos.AdvantageOutput      # the estimator's output (this process's rows), for diagnostics
+
+
+def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, bootstrap_n=None
+              ) -> algos.AdvantageOutput:
+  """The configured advantage estimator, always called the same way (one compiled program per shape)."""
+  put = lambda x: None if x is None else jnp.asarray(x)
+  return algos.get_advantage(cfg.algo.advantage)(put(rewards_ns), put(mask_ns), put(group_ids),
+                                                 values_ns=put(values_ns), bootstrap_n=put(bootstrap_n),
+                                                 **algos.advantage_kwargs(cfg.algo))
+
+
+def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Trajectory]) -> Prepared:
+  """Assembly, advantages (PPO: values at collection time and GAE with bootstrap) and the loss normalizers."""
+  cfg = run.config
+  train = trained_rows(run, trajectories)
+  rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
+  mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
+  layout = dict(length=cfg.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id,
+                thresholds=config_lib.truncates(cfg.rollout))
+  values_ns = bootstrap_n = value_targets = None
+  if cfg.algo.name == "ppo":
+    # V(s_t) is read at the token before action t; V(s_T) of a cut-off episode at its last token (unpacked
+    # rows: trajectory i is row i from position 0).
+    state_pos = np.zeros(mask_ns.shape, np.int32)
+    for i, t in enumerate(trajectories):
+      for j, turn in enumerate(t.turns):
+        state_pos[i, j] = turn.action.span[0] - 1
+    plain = assemble(trajectories, **layout)
+    values_bt = multihost.local_rows(run.value_fn(state.params, run.layout.to_global(plain)))
+    rows = np.arange(len(trajectories))
+    values_ns = np.where(mask_ns, values_bt[rows[:, None], state_pos], 0.0)
+    cut = np.asarray([t.termination in TRUNCATIONS and bool(t.turns) for t in trajectories]) & train
+    last = np.asarray([max(len(t) - 1, 0) for t in trajectories])
+    bootstrap_n = np.where(cut, values_bt[rows, last], 0.0).astype(np.float32)
+  adv = _estimate(cfg, rewards_ns, mask_ns, group_ids, values_ns, bootstrap_n)
+  adv_ns = np.asarray(adv.advantages)
+  batch = assemble(trajectories, [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajectories)], level="turn",
+                   train=train, **layout)
+  value_normalizer = 0.0
+  if values_ns is not None:
+    shape = batch.tokens.shape
+    old, ret, vmask = np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.zeros(shape, bool)
+    returns_ns = np.asarray(adv.returns)
+    for i, j in zip(*np.nonzero(mask_ns)):
+      p = state_pos[i, j]
+      old[i, p], ret[i, p], vmask[i, p] = values_ns[i, j], returns_ns[i, j], True
+    value_targets = ValueTargets(old_values=old, returns=ret, mask=vmask)
+    value_normalizer = float(vmask.sum())
+  normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
+                                     norm_length=cfg.algo.norm_length, allow_empty=True)
+  sums = multihost.host_sum(np.asarray([float(normalizer), value_normalizer, float((~train).sum())]))
+  batch = run.layout.to_global(batch)
+  if run.logprob_fn is not None:  # decoupled PPO: π_prox, the parameters this update starts from
+    batch = batch.replace(proximal_logprobs=run.logprob_fn(state.params, batch))
+  return Prepared(batch=batch, normalizer=float(sums[0]),
+                  value_targets=None if value_targets is None else run.layout.to_global(value_targets),
+                  value_normalizer=float(sums[1]), stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2])},
+                  estimate=adv)
+
+
+def group_statistics(run: Run, trajectories: Sequence[tr.Trajectory],
+                     estimate: algos.AdvantageOutput | None = None) -> dict[str, float]:
+  """Within-group return spread of `trajectories` with the advantage estimator's own grouping: a trajectory
+  without a turn or ended by an infrastructure failure is in no group. Summed over processes (a group never
+  spans two: each holds whole task slots).
+
+  `estimate`: the estimator's output for exactly these trajectories, when `prepare_batch` already has it.
+  """
+  cfg = run.config
+  if estimate is None:
+    rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
+    mask_ns &= trained_rows(run, trajectories)[:, None]
+    values = np.zeros(mask_ns.shape, np.float32) if cfg.algo.advantage == "gae" else None  # unused by the groups
+    bootstrap = np.zeros(mask_ns.shape[:1], np.float32) if cfg.algo.advantage == "gae" else None
+    estimate = _estimate(cfg, rewards_ns, mask_ns, group_ids, values, bootstrap)
+  groups, flat, std = (float(x) for x in jax.device_get((estimate.groups, estimate.zero_variance_groups,
+                                                         estimate.group_return_std)))
+  groups, flat, spread = multihost.host_sum(np.asarray([groups, flat, std * groups]))
+  return {metrics_lib.REWARD_STD_WITHIN_GROUP: float(spread / max(groups, 1.0)),
+          metrics_lib.ZERO_VARIANCE_GROUP_FRACTION: float(flat / max(groups, 1.0))}
+
+
+def update(run: Run, state: TrainState, prepared: Prepared) -> tuple[TrainState, dict[str, Any]]:
+  """`train.updates_per_iteration` jitted steps on one prepared batch; metrics of the last one (on the host)."""
+  for _ in range(run.config.train.updates_per_iteration):
+    state, m = run.rl_step(state, prepared.batch, jnp.float32(prepared.normalizer), prepared.value_targets,
+                           jnp.float32(prepared.value_normalizer))
+  return state, jax.device_get(m)
