@@ -70,6 +70,8 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
     assert isinstance(t.termination, tr.Termination)
     assert t.env.name == "calculator" and t.env.version
     assert t.env.network == "host"  # an in-process pool does not cut the network, and the record says so
+    # Every sampled token records the version that sampled it: a sync rollout has one.
+    assert (t.behavior_versions[policy] == t.policy_version).all() and (t.behavior_versions[~policy] == -1).all()
     for turn in t.turns:
       assert turn.policy_version == t.policy_version
       if turn.observation is not None:

@@ -60,7 +60,7 @@ def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], env_seeds: 
   policy = run.layout.to_rollout(state.params)
   try:
     source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, rng,
-                            decode_chunk=run.config.rollout.decode_chunk)
+                            decode_chunk=run.config.rollout.decode_chunk, version=int(state.policy_version))
     trajs, stats = run.engine.run(source, tasks, env_seeds, group_size=group_size,
                                   policy_version=int(state.policy_version))
   finally:
