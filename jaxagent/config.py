@@ -146,6 +146,10 @@ class MeshConfig:
   max_replicated_fraction: float = field(0.5, ge=0.0, le=1.0,
                                          help="learner guard: max share of parameter bytes on every device")
   allow_split_physical_axes: bool = field(False, help="mesh_utils: let a mesh axis split a physical axis")
+  placement: Literal["colocated", "disaggregated"] = field(
+      "colocated", help="colocated: rollouts and updates time-share every device (the policy resharded between "
+      "the two layouts); disaggregated: each process's first half of devices learns, its second half rolls out, "
+      "and the weights move learner -> rollout devices after each update (one program over both meshes)")
 
 
 @dataclasses.dataclass(frozen=True)

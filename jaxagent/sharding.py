@@ -125,6 +125,73 @@ def mesh_from_config(config: MeshConfig, devices: Sequence[jax.Device] | None = 
   return Mesh(np.asarray(grid), MESH_AXES)
 
 
+def placement_meshes(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
+  """(learner mesh, rollout mesh) of `mesh.placement`: one mesh twice (colocated), or two meshes of one shape
+  (disaggregated: the first half of every process's devices learns, the second half rolls out), the learner
+  device at each grid position paired with the rollout device at the same position (`cross_mesh_copy`)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if config.placement == "colocated":
+    mesh = mesh_from_config(config, devices)
+    return mesh, mesh
+  by_process: dict[int, list[jax.Device]] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  counts = {p: len(ds) for p, ds in by_process.items()}
+  if any(n % 2 for n in counts.values()):
+    raise ValueError(f"mesh.placement=disaggregated splits each process's devices in half; devices per process "
+                     f"{counts} (use an even number, e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  learner = [d for ds in by_process.values() for d in ds[:len(ds) // 2]]
+  rollout = [d for ds in by_process.values() for d in ds[len(ds) // 2:]]
+  return mesh_from_config(config, learner), mesh_from_config(config, rollout)
+
+
+def cross_mesh_copy(tree: Any, source: Mesh, target: Mesh, shardings: Any) -> Any:
+  """Copies `tree` (arrays on `source`) onto `target`, a mesh of the same shape on other devices, then into
+  `shardings` (on `target`); the source arrays stay. One jitted program over the union of both meshes moves
+  every leaf: `ppermute` along a `role` axis sends each source device's shard to the target device at its grid
+  position. This is what works under multi-controller JAX, where `device_put` between disjoint device sets of
+  several processes raises (jax: "cross-host reshard ... should have the same set of devices"; marin#3947)."""
+  if source.devices.shape != target.devices.shape:
+    raise ValueError(f"meshes of shapes {source.devices.shape} and {target.devices.shape}: need one shape")
+  union = Mesh(np.stack([source.devices, target.devices]), ("role",) + tuple(source.axis_names))
+  pair = {d: t for d, t in zip(source.devices.flat, target.devices.flat)}
+  leaves, treedef = jax.tree.flatten(tree)
+
+  def stacked(x):
+    spec = x.sharding.spec
+    sh = jax.sharding.NamedSharding(union, jax.sharding.PartitionSpec("role", *spec))
+    shards = []
+    for s in x.addressable_shards:
+      shards.append(s.data.reshape((1,) + s.data.shape))
+      shards.append(jnp_zeros((1,) + s.data.shape, x.dtype, pair[s.device]))
+    return jax.make_array_from_single_device_arrays((2,) + x.shape, sh, shards), spec
+
+  arrays, specs = zip(*map(stacked, leaves)) if leaves else ((), ())
+  key = (union, tuple(specs), tuple((a.shape, a.dtype) for a in arrays))
+  move = _CROSS_MESH_PROGRAMS.get(key)
+  if move is None:
+    in_specs = tuple(jax.sharding.PartitionSpec("role", *s) for s in specs)
+    body = lambda *xs: tuple(jax.lax.ppermute(x, "role", perm=[(0, 1)]) for x in xs)
+    move = jax.jit(jax.shard_map(body, mesh=union, in_specs=in_specs, out_specs=in_specs))
+    _CROSS_MESH_PROGRAMS[key] = move
+  moved = move(*arrays)
+  out = []
+  for x, y, spec in zip(leaves, moved, specs):
+    sh = jax.sharding.NamedSharding(target, spec)
+    parts = [s.data.reshape(s.data.shape[1:]) for s in y.addressable_shards if s.device in pair.values()]
+    out.append(jax.make_array_from_single_device_arrays(x.shape, sh, parts))
+  del moved
+  return jax.device_put(jax.tree.unflatten(treedef, out), shardings)
+
+
+_CROSS_MESH_PROGRAMS: dict[Any, Any] = {}
+
+
+def jnp_zeros(shape, dtype, device):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jnp.zeros(shape, dtype, device=device)
+
+
 def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A `data, fsdp, tensor` mesh over `devices` (default: all) from explicit sizes; one may be -1 (inferred).
 

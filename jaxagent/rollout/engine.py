@@ -375,6 +375,7 @@ class RolloutStats:
     reset_s, env_s: env time summed over episodes (resets; steps): what the envs spent, not wall time.
     decode_s, extend_s: wall time in decode and feed calls (the device's work; a fused feed + decode call,
       and with the callback transport the program's time between host exchanges, count as decode).
+    transfer_s: the weights' move to the rollout devices before the rollout (disaggregated placement).
     idle_s: wall time the engine spent waiting on envs with no device call running: every live episode
       waited on its env, or the continuous schedule held a few ready rows back for the many about to arrive
       (`HOLD_READY_FRACTION`), or (several processes) it polled for the others.
@@ -389,6 +390,7 @@ class RolloutStats:
   action_tokens: int
   idle_s: float = 0.0
   wall_s: float = 0.0
+  transfer_s: float = 0.0  # moving the weights to the rollout devices (mesh.placement=disaggregated)
 
   def __add__(self, other: "RolloutStats") -> "RolloutStats":
     return RolloutStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))

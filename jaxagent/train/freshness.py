@@ -90,7 +90,7 @@ class Freshness:
     state = progress.state
     self.version = int(state.policy_version)  # the actor's
     actor = SampledActions(run.sampler, run.layout.rollout_snapshot(state.params),
-                           run.rollout_key(state.rng, np.int32(-1), np.int32(0)),
+                           run.layout.rollout_key(run.rollout_key(state.rng, np.int32(-1), np.int32(0))),
                            decode_chunk=cfg.rollout.decode_chunk, version=self.version, track_cache=self.refill)
     self.stream = RolloutStream(run.engine, actor, group_size=self.G)
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxagent-learner")
@@ -142,9 +142,10 @@ class Freshness:
     t0 = time.perf_counter()
     prepared = learner.prepare_batch(self.run, state, trajectories)
     state, m = learner.update(self.run, state, prepared)
+    t1 = time.perf_counter()
     snapshot = self.run.layout.rollout_snapshot(state.params) if self.mode == "async" else None
     jax.block_until_ready(snapshot)
-    return state, m, prepared, snapshot, time.perf_counter() - t0
+    return state, m, prepared, snapshot, t1 - t0, time.perf_counter() - t1
 
   def _take(self, version: int) -> tuple[list[tuple[int, list[tr.Trajectory]]], list[tr.Trajectory]]:
     """B complete groups fresh enough for an update from `version` (driving the stream until there are);
@@ -188,7 +189,7 @@ class Freshness:
     trajs = [t for _, group in taken for t in group]
     future = self.pool.submit(self._learn, state, trajs)
     self.stream.run(until=future.done)
-    state, m, prepared, snapshot, learn_s = future.result()  # the stream ran dry: wait for the learner
+    state, m, prepared, snapshot, learn_s, transfer_s = future.result()  # the stream ran dry: wait
     refill = {}
     if self.mode == "async":
       self.updates += 1
@@ -207,7 +208,8 @@ class Freshness:
         writer.write(t)
       writer.flush()
     out = self._metrics(progress, state, trajs, prepared, m, stats, version, dropped, start_wall, learn_s)
-    out.update({"time/rollout_wait_s": wait_s, "time/update_s": learn_s, **curriculum,
+    out.update({"time/rollout_wait_s": wait_s, "time/update_s": learn_s, "time/weight_transfer_s": transfer_s,
+                **curriculum,
                 **{f"rollout/{k}": v for k, v in refill.items()}})
     return dataclasses.replace(progress, state=state, iteration=it + 1, counters=out.pop("_counters")), out
 
@@ -266,6 +268,10 @@ class Freshness:
       for _, group in self.stream.complete:
         for t in group:
           w.write(t)
+    # The queues of checkpoints the checkpointer no longer keeps go too (one more kept: a save in flight).
+    kept = sorted((int(p.name) for p in directory.parent.iterdir() if p.name.isdigit()), reverse=True)
+    for old in kept[self.cfg.train.keep_checkpoints + 1:]:
+      shutil.rmtree(directory.parent / str(old), ignore_errors=True)
     return {"next_draw": self.next_draw, "drawn": [s.to_meta() for s in self.drawn],
             "pending": [s.to_meta() for i, s in sorted(self.slots.items()) if i not in set(queued)],
             "queued": [self.slots[i].to_meta() for i in queued], "queue": rel,

@@ -17,6 +17,7 @@ sampling keys a function of (seed, first task of the call) (jaxagent/seeds.py).
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -57,12 +58,15 @@ class EvalResult:
 def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], env_seeds: Sequence[int], *, group_size: int,
             rng: jax.Array, evaluation: bool = False) -> tuple[TrainState, list[tr.Trajectory], RolloutStats]:
   """Reshards the policy into the rollout layout, rolls out, reshards back (donating each time)."""
+  t0 = time.perf_counter()
   policy = run.layout.to_rollout(state.params)
+  transfer_s = time.perf_counter() - t0 if run.layout.disaggregated else 0.0
   try:
-    source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, rng,
+    source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, run.layout.rollout_key(rng),
                             decode_chunk=run.config.rollout.decode_chunk, version=int(state.policy_version))
     trajs, stats = run.engine.run(source, tasks, env_seeds, group_size=group_size,
                                   policy_version=int(state.policy_version))
+    stats = dataclasses.replace(stats, transfer_s=transfer_s)
   finally:
     state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy, state.params["policy"])})
   return state, trajs, stats

@@ -59,21 +59,31 @@ def rollout_key(key: jax.Array, iteration: jax.Array, round_: jax.Array) -> jax.
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Where the train state and batches live: one mesh, the learner and rollout rules, the state's shardings.
+  """Where the train state and batches live: the learner and rollout meshes and rules, the state's shardings.
 
-  Colocated placement: the policy lives in the learner layout and is resharded (in small groups, sources freed)
-  into the rollout layout for generation and back for the update: one layout at a time, on device.
+  Colocated placement (`mesh.placement`): one mesh; the policy lives in the learner layout and is resharded (in
+  small groups, sources freed) into the rollout layout for generation and back for the update: one layout at a
+  time, on device. Disaggregated: the rollout mesh is other devices; the learner keeps its arrays and each
+  rollout gets a copy moved across (`sharding.cross_mesh_copy`, one program over both meshes).
   """
-  mesh: jax.sharding.Mesh
+  mesh: jax.sharding.Mesh               # the learner's (train state, batches)
   learner_rules: models.Rules
   rollout_rules: models.Rules
   state_shardings: TrainState
-  rollout_policy_shardings: Any
+  rollout_policy_shardings: Any         # on rollout_mesh
   rollout_copy: Callable | None = None  # params -> the policy rollouts use (LoRA merged, mixed precision cast)
+  rollout_mesh: jax.sharding.Mesh | None = None  # disaggregated: the rollout devices (None: colocated)
+  staged_shardings: Any = None          # disaggregated: the rollout rules on the learner mesh (before the move)
+
+  @property
+  def disaggregated(self) -> bool:
+    return self.rollout_mesh is not None
 
   def to_rollout(self, params):
     """The policy of `params` in the rollout layout: moved (the learner's arrays are donated), or a copy (LoRA
-    adapters merged, mixed precision cast) while the learner's arrays stay where they are."""
+    adapters merged, mixed precision cast; any disaggregated rollout) while the learner's arrays stay."""
+    if self.disaggregated:
+      return self.rollout_snapshot(params)
     if self.rollout_copy is None:
       return sharding_lib.reshard(params["policy"], self.rollout_policy_shardings)
     return self.rollout_copy(params)
@@ -81,7 +91,7 @@ class Layout:
   def to_learner(self, rollout_policy, master):
     """The policy in the learner layout again: `rollout_policy` moved back, or (a copy) freed and the
     untouched `master` returned."""
-    if self.rollout_copy is None:
+    if self.rollout_copy is None and not self.disaggregated:
       return sharding_lib.reshard(rollout_policy, self.state_shardings.params["policy"])
     jax.tree.map(lambda x: x.delete(), rollout_policy)
     return master
@@ -89,10 +99,21 @@ class Layout:
   def rollout_snapshot(self, params):
     """A copy of the policy of `params` in the rollout layout that the learner's next update cannot touch
     (`train.freshness` one_step_off / async: episodes sample from it while the learner steps)."""
+    if self.disaggregated:
+      staged = (self.rollout_copy(params) if self.rollout_copy is not None else params["policy"])
+      return sharding_lib.cross_mesh_copy(staged, self.mesh, self.rollout_mesh, self.rollout_policy_shardings)
     if self.rollout_copy is not None:
       return self.rollout_copy(params)
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.rollout_policy_shardings)
     return copy(params["policy"])
+
+  def rollout_key(self, key: jax.Array) -> jax.Array:
+    """`key` (replicated on the learner mesh) replicated on the rollout mesh (the same key when colocated)."""
+    if not self.disaggregated:
+      return key
+    data = np.asarray(jax.random.key_data(key).addressable_data(0))
+    return jax.random.wrap_key_data(jax.device_put(data, NamedSharding(self.rollout_mesh, P())),
+                                    impl=jax.random.key_impl(key))
 
   def to_global(self, tree):
     """This process's rows of host arrays -> global batch arrays in the learner layout."""
@@ -350,7 +371,10 @@ class _Policy:
 
 def _build_policy(cfg: Config, io: _Interface) -> _Policy:
   dtype = jnp.dtype(cfg.model.dtype)
-  mesh = sharding_lib.mesh_from_config(cfg.mesh)
+  try:
+    mesh, rollout_mesh = sharding_lib.placement_meshes(cfg.mesh)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
   rollout_rules = sharding_lib.rules_for("rollout", cfg.mesh)
   reference_rules = sharding_lib.rules_for("reference", cfg.mesh)
@@ -416,7 +440,11 @@ def _build_policy(cfg: Config, io: _Interface) -> _Policy:
                                rng=replicated, ref_params=ref_sh)
   compute = jnp.dtype(cfg.model.compute_dtype or cfg.model.dtype)
   mixed = compute if compute != dtype else None
-  rollout_policy_shardings = models.state_shardings(abstract.params["policy"], mesh, rollout_rules)
+  rollout_policy_shardings = models.state_shardings(abstract.params["policy"], rollout_mesh, rollout_rules)
+  disaggregated = rollout_mesh is not mesh
+  # Disaggregated: the rollout copy is made on the learner mesh in the rollout rules, then moved across.
+  staged = (models.state_shardings(abstract.params["policy"], mesh, rollout_rules) if disaggregated
+            else rollout_policy_shardings)
   rollout_copy = None
   if mixed is not None or lora:  # rollouts read a merged and/or cast copy; the learner's arrays stay put
 
@@ -424,10 +452,11 @@ def _build_policy(cfg: Config, io: _Interface) -> _Policy:
       policy = policy_params(params, lora_scale)["policy"]
       return policy if mixed is None else cast_floating(policy, mixed)
 
-    rollout_copy = jax.jit(rollout_policy, out_shardings=rollout_policy_shardings)
+    rollout_copy = jax.jit(rollout_policy, out_shardings=staged)
   layout = Layout(mesh=mesh, learner_rules=learner_rules, rollout_rules=rollout_rules,
                   state_shardings=state_shardings, rollout_policy_shardings=rollout_policy_shardings,
-                  rollout_copy=rollout_copy)
+                  rollout_copy=rollout_copy, rollout_mesh=rollout_mesh if disaggregated else None,
+                  staged_shardings=staged if disaggregated else None)
 
   def init_state() -> TrainState:
     state = jax.jit(new_state, out_shardings=state_shardings)(loaded)
@@ -490,7 +519,7 @@ def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: in
   """The env pool (one env instance per decode slot), the samplers (rollout and evaluation temperature) over
   the rollout copy of the policy, and the engine between them."""
   num_processes = jax.process_count()
-  mesh, rollout_rules = policy.layout.mesh, policy.layout.rollout_rules
+  mesh, rollout_rules = policy.layout.rollout_mesh or policy.layout.mesh, policy.layout.rollout_rules
   slots = (cfg.rollout.slots or global_rows) // num_processes  # decode slots = env instances, per process
   spec = models.logical_to_spec(("batch",), (slots * num_processes * mesh.size,), mesh, rollout_rules)[0]
   batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
