@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -76,10 +77,12 @@ def main(argv=None):
   results = {}
   for seed in args.seeds:
     bc = root / f"seed{seed}-cold-start"
-    loop.train(config_lib.load("tiny_cpu", COMMON + [f"run.seed={seed}", "train.iterations=0",
-                                                      "train.eval_episodes=0"]), run_dir=bc)
+    if not (bc / "checkpoints").is_dir():  # a --root that has it already: the same cold start again
+      loop.train(config_lib.load("tiny_cpu", COMMON + [f"run.seed={seed}", "train.iterations=0",
+                                                        "train.eval_episodes=0"]), run_dir=bc)
     for mode in args.modes:
       run_dir = root / f"seed{seed}-{mode}"
+      shutil.rmtree(run_dir, ignore_errors=True)
       cfg = config_lib.load("tiny_cpu", COMMON + MODES[mode] + [
           f"run.seed={seed}", f"model.path={bc / 'checkpoints'}", "train.bc_steps=0",
           f"train.iterations={args.iterations}", "train.eval_episodes=0", f"train.checkpoint_every={args.iterations}"])

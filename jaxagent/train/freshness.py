@@ -12,8 +12,9 @@ samples from a copy of the policy, `Layout.rollout_snapshot`, while the learner 
                 decode chunks (`rollout.on_weight_update`: keep_cache or refill).
 
 Bounded staleness (`train.max_staleness` = η; AReaL's capacity rule): a group is submitted only while the
-groups admitted so far (dropped ones not counted) are fewer than (u + η + 1)·B, u the updates done; a group
-taken for the update from version V must have every token's version ≥ V − η, else it is dropped (stored,
+groups admitted so far (dropped ones not counted) are fewer than (u + η + 1)·B, u the updates done; complete
+groups are taken oldest first (by their oldest token), and a group taken for the update from version V must
+have every token's version ≥ V − η, else it is dropped (stored,
 counted, `metadata.dropped = "stale"`) and its slot rolled out again. So every trained token's version v
 satisfies V − η ≤ v ≤ V.
 
@@ -159,7 +160,11 @@ class Freshness:
         need = self.B - len(taken)
         self.stream.run(until=lambda: len(self.stream.complete) >= need)
         continue
-      slot_id, group = self.stream.complete.popleft()
+      # The oldest group first: a group close to the staleness bound is trained now rather than dropped later.
+      oldest = min(range(len(self.stream.complete)),
+                   key=lambda i: (min(oldest_version(t) for t in self.stream.complete[i][1]), i))
+      slot_id, group = self.stream.complete[oldest]
+      del self.stream.complete[oldest]
       if min(oldest_version(t) for t in group) < version - self.eta:
         dropped += [dataclasses.replace(t, metadata={**t.metadata, "trained": False, "dropped": "stale"})
                     for t in group]
