@@ -17,6 +17,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
@@ -163,7 +164,7 @@ def cross_mesh_copy(tree: Any, source: Mesh, target: Mesh, shardings: Any) -> An
     shards = []
     for s in x.addressable_shards:
       shards.append(s.data.reshape((1,) + s.data.shape))
-      shards.append(jnp_zeros((1,) + s.data.shape, x.dtype, pair[s.device]))
+      shards.append(jnp.zeros((1,) + s.data.shape, x.dtype, device=pair[s.device]))  # what ppermute fills
     return jax.make_array_from_single_device_arrays((2,) + x.shape, sh, shards), spec
 
   arrays, specs = zip(*map(stacked, leaves)) if leaves else ((), ())
@@ -184,12 +185,7 @@ def cross_mesh_copy(tree: Any, source: Mesh, target: Mesh, shardings: Any) -> An
   return jax.device_put(jax.tree.unflatten(treedef, out), shardings)
 
 
-_CROSS_MESH_PROGRAMS: dict[Any, Any] = {}
-
-
-def jnp_zeros(shape, dtype, device):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp.zeros(shape, dtype, device=device)
+_CROSS_MESH_PROGRAMS: dict[Any, Any] = {}  # (union mesh, specs, shapes) -> the jitted move
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
