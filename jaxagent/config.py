@@ -118,7 +118,8 @@ class DcnAxes(MeshAxes):
 RULE_NAMES = tuple(sorted(RULE_TABLES))
 # How fresh the trained tokens' policy is (jaxagent/train/freshness.py; docs/design.md §2.10).
 FRESHNESS = ("sync", "one_step_off", "async")
-# The policy losses of rl stages (jaxagent/algos/_losses.py; `POLICY_LOSSES` there names their functions).
+# The policy losses of rl stages: algos.policy_loss (ppo; decoupled_ppo with the proximal log-probs) and
+# algos.importance_weighted_loss (tis), chosen in jaxagent/train/step.py `_loss`.
 POLICY_LOSS_NAMES = ("ppo", "decoupled_ppo", "tis")
 # How the rollout engine schedules episodes and reaches env workers (jaxagent/rollout/engine.py reads these).
 SCHEDULES = ("continuous", "lockstep")
