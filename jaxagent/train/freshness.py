@@ -107,7 +107,6 @@ class Freshness:
     queue = restored.get("queue")
     if queue:
       self._restore_queue(run.run_dir / queue, [Slot.from_meta(d) for d in restored.get("queued", [])])
-    self.refill_metrics: dict[str, float] = {}
 
   # -- admission
 
