@@ -54,6 +54,17 @@ def _stream(pool, sampler, params, *, track_cache=False, chunk=4):
   return RolloutStream(engine, actor, group_size=2)
 
 
+def _two_groups_in_flight(pool, sampler, params, *, track_cache):
+  """A stream (decode chunks of 2) with two groups of 2 submitted and run for three loop steps: the prompts
+  fed, every action a chunk or two in."""
+  stream = _stream(pool, sampler, params, track_cache=track_cache, chunk=2)
+  for i, task in enumerate(FAULTS.tasks("train", 2, 0)):
+    stream.submit(i, task, [2 * i, 2 * i + 1])
+  calls = itertools.count()
+  stream.run(until=lambda: next(calls) >= 3)
+  return stream
+
+
 def test_a_stream_without_updates_samples_what_one_rollout_samples():
   # Episode keys are slot * G + k in the stream and the quota index in a rollout: the same episodes.
   stops = CHAT.stop_sequences + tuple((t,) for t in range(0, 256, 2))
@@ -83,13 +94,8 @@ def test_a_weight_update_reaches_actions_in_flight_and_every_token_records_its_v
   # No stop token: every action runs its 8-token budget in chunks of 2; the update lands mid-action.
   sampler, params = _sampler(CHAT.stop_sequences, max_new_tokens=8)
   _, new_params = _sampler(CHAT.stop_sequences, max_new_tokens=8, seed=1)
-  tasks = FAULTS.tasks("train", 2, 0)
   with envs.pool.make_pool(4, env="faults", kind="inprocess") as pool:
-    stream = _stream(pool, sampler, params, track_cache=refill, chunk=2)
-    for i, task in enumerate(tasks):
-      stream.submit(i, task, [2 * i, 2 * i + 1])
-    calls = itertools.count()
-    stream.run(until=lambda: next(calls) >= 3)  # the prompts are fed, a chunk or two decoded
+    stream = _two_groups_in_flight(pool, sampler, params, track_cache=refill)
     assert stream.live == 4
     metrics = stream.set_params(new_params, 1, refill=refill)
     stream.run(until=lambda: len(stream.complete) == 2)
@@ -112,13 +118,8 @@ def test_a_weight_update_reaches_actions_in_flight_and_every_token_records_its_v
 
 def test_refill_under_the_same_weights_recomputes_the_same_cache():
   sampler, params = _sampler(CHAT.stop_sequences, max_new_tokens=8)
-  tasks = FAULTS.tasks("train", 2, 0)
   with envs.pool.make_pool(4, env="faults", kind="inprocess") as pool:
-    stream = _stream(pool, sampler, params, track_cache=True, chunk=2)
-    for i, task in enumerate(tasks):
-      stream.submit(i, task, [2 * i, 2 * i + 1])
-    calls = itertools.count()
-    stream.run(until=lambda: next(calls) >= 3)
+    stream = _two_groups_in_flight(pool, sampler, params, track_cache=True)
     metrics = stream.set_params(params, 1, refill=True)
     stream.drain()
   assert metrics["refill_rows"] == 4 and metrics["refill_kl"] < 1e-5  # the prefill equals the incremental cache

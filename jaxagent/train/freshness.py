@@ -160,11 +160,11 @@ class Freshness:
         self.stream.run(until=lambda: len(self.stream.complete) >= need)
         continue
       # The oldest group first: a group close to the staleness bound is trained now rather than dropped later.
-      oldest = min(range(len(self.stream.complete)),
-                   key=lambda i: (min(oldest_version(t) for t in self.stream.complete[i][1]), i))
+      ages = [min(map(oldest_version, group)) for _, group in self.stream.complete]
+      oldest = int(np.argmin(ages))  # the first of the oldest: completion order among equals
       slot_id, group = self.stream.complete[oldest]
       del self.stream.complete[oldest]
-      if min(oldest_version(t) for t in group) < version - self.eta:
+      if ages[oldest] < version - self.eta:
         dropped += [dataclasses.replace(t, metadata={**t.metadata, "trained": False, "dropped": "stale"})
                     for t in group]
         self.dropped += 1

@@ -73,7 +73,8 @@ class Layout:
   rollout_policy_shardings: Any         # on rollout_mesh
   rollout_copy: Callable | None = None  # params -> the policy rollouts use (LoRA merged, mixed precision cast)
   rollout_mesh: jax.sharding.Mesh | None = None  # disaggregated: the rollout devices (None: colocated)
-  staged_shardings: Any = None          # disaggregated: the rollout rules on the learner mesh (before the move)
+  snapshot: Callable | None = None      # params -> a copy of the rollout policy, in the rollout rules on the
+                                        # learner mesh when disaggregated (jitted once)
 
   @property
   def disaggregated(self) -> bool:
@@ -99,13 +100,10 @@ class Layout:
   def rollout_snapshot(self, params):
     """A copy of the policy of `params` in the rollout layout that the learner's next update cannot touch
     (`train.freshness` one_step_off / async: episodes sample from it while the learner steps)."""
-    if self.disaggregated:
-      staged = (self.rollout_copy(params) if self.rollout_copy is not None else params["policy"])
-      return sharding_lib.cross_mesh_copy(staged, self.mesh, self.rollout_mesh, self.rollout_policy_shardings)
-    if self.rollout_copy is not None:
-      return self.rollout_copy(params)
-    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.rollout_policy_shardings)
-    return copy(params["policy"])
+    staged = self.snapshot(params)
+    if not self.disaggregated:
+      return staged
+    return sharding_lib.cross_mesh_copy(staged, self.mesh, self.rollout_mesh, self.rollout_policy_shardings)
 
   def rollout_key(self, key: jax.Array) -> jax.Array:
     """`key` (replicated on the learner mesh) replicated on the rollout mesh (the same key when colocated)."""
@@ -453,10 +451,12 @@ def _build_policy(cfg: Config, io: _Interface) -> _Policy:
       return policy if mixed is None else cast_floating(policy, mixed)
 
     rollout_copy = jax.jit(rollout_policy, out_shardings=staged)
+  # A copy the learner's next (donating) update cannot touch: one-step-off / async rollouts and disaggregated moves.
+  snapshot = rollout_copy or jax.jit(lambda params: jax.tree.map(jnp.copy, params["policy"]), out_shardings=staged)
   layout = Layout(mesh=mesh, learner_rules=learner_rules, rollout_rules=rollout_rules,
                   state_shardings=state_shardings, rollout_policy_shardings=rollout_policy_shardings,
                   rollout_copy=rollout_copy, rollout_mesh=rollout_mesh if disaggregated else None,
-                  staged_shardings=staged if disaggregated else None)
+                  snapshot=snapshot)
 
   def init_state() -> TrainState:
     state = jax.jit(new_state, out_shardings=state_shardings)(loaded)
