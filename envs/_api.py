@@ -92,6 +92,21 @@ class Env(abc.ABC):
   def _step(self, call: Call) -> StepResult:
     """Run a parsed call; raise InvalidAction for refused calls, EnvError for tool faults."""
 
+  def state_key(self) -> str | None:
+    """The anchor state the episode is in, as text: what an action's consequences depend on (e.g. gridworld's
+    position), not how the episode got there. Two steps of one task group from equal keys are compared by GiGPO
+    (`algo.advantage: gigpo`). The base class hashes it into `Observation.state_key` after `reset` and every
+    step. None (the default): this env names no states."""
+    return None
+
+  def _anchor(self) -> str | None:
+    key = self.state_key()
+    if key is None:
+      return None
+    if not isinstance(key, str):
+      raise TypeError(f"{self.name}.state_key() returned {type(key).__name__}: must be a str or None")
+    return hashlib.sha256(key.encode("utf-8", errors="replace")).hexdigest()[:16]
+
   def snapshot(self) -> Any:
     raise NotImplementedError(f"{self.name} does not support snapshot()")
 
@@ -104,7 +119,8 @@ class Env(abc.ABC):
   # -- public
   def reset(self, task: Task, seed: int) -> Observation:
     self.task, self.turn, self.done = task, 0, False
-    return Observation.capped(self._reset(task, int(seed)), self.max_obs_bytes)
+    text = self._reset(task, int(seed))
+    return Observation.capped(text, self.max_obs_bytes, self._anchor())
 
   def step(self, action_text: str) -> StepResult:
     if self.task is None:
@@ -126,8 +142,10 @@ class Env(abc.ABC):
       result = dataclasses.replace(result, done=True, termination=MAX_TURNS, outcome=Outcome.MAX_TURNS)
     obs = result.observation
     if len(obs.text.encode("utf-8", errors="replace")) > self.max_obs_bytes:
-      capped = Observation.capped(obs.text, self.max_obs_bytes)
+      capped = Observation.capped(obs.text, self.max_obs_bytes, obs.state_key)
       obs = dataclasses.replace(capped, original_size=max(capped.original_size, obs.original_size))
+    if obs.state_key is None and result.termination != ENV_ERROR:  # an env fault leaves no state to name
+      obs = dataclasses.replace(obs, state_key=self._anchor())
     self.done = result.done
     return dataclasses.replace(result, observation=obs, info={**info, **result.info}, call=call)
 

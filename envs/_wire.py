@@ -68,17 +68,36 @@ class Task:
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
-  """Text shown to the policy. Capped: `truncated` and `original_size` (bytes) keep what was cut."""
+  """Text shown to the policy. Capped: `truncated` and `original_size` (bytes) keep what was cut.
+
+  `state_key`: the anchor state this observation shows (a short stable hash of the env state that matters for
+  what comes next, `Env.state_key`), or None when the env does not say. Steps of one task group that start from
+  the same key form a GiGPO step group (docs/design.md §2.6).
+  """
   text: str
   truncated: bool = False
   original_size: int = 0
+  state_key: str | None = None
+
+  def __post_init__(self):
+    if self.state_key is not None and not isinstance(self.state_key, str):
+      raise TypeError(f"Observation.state_key={self.state_key!r}: must be a str or None")
 
   @classmethod
-  def capped(cls, text: str, max_bytes: int) -> "Observation":
+  def capped(cls, text: str, max_bytes: int, state_key: str | None = None) -> "Observation":
     raw = text.encode("utf-8", errors="replace")
     if len(raw) <= max_bytes:
-      return cls(text, False, len(raw))
-    return cls(raw[:max_bytes].decode("utf-8", errors="ignore"), True, len(raw))
+      return cls(text, False, len(raw), state_key)
+    return cls(raw[:max_bytes].decode("utf-8", errors="ignore"), True, len(raw), state_key)
+
+  def to_wire(self) -> dict[str, Any]:
+    return dict(text=self.text, truncated=self.truncated, original_size=self.original_size,
+                state_key=self.state_key)
+
+  @classmethod
+  def from_wire(cls, d: Mapping[str, Any]) -> "Observation":
+    key = d.get("state_key")  # absent from a worker older than state keys
+    return cls(str(d["text"]), bool(d["truncated"]), int(d["original_size"]), None if key is None else str(key))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +207,7 @@ class StepResult:
     return float(sum(self.reward_components.values()))
 
   def to_wire(self) -> dict[str, Any]:
-    return dict(observation=dataclasses.asdict(self.observation), reward_components=dict(self.reward_components),
+    return dict(observation=self.observation.to_wire(), reward_components=dict(self.reward_components),
                 done=self.done, termination=None if self.termination is None else self.termination.value,
                 info=dict(self.info), outcome=self.outcome.value,
                 call=None if self.call is None else self.call.to_wire(),
@@ -196,8 +215,7 @@ class StepResult:
 
   @classmethod
   def from_wire(cls, d: Mapping[str, Any]) -> "StepResult":
-    obs = d["observation"]
-    return cls(Observation(str(obs["text"]), bool(obs["truncated"]), int(obs["original_size"])),
+    return cls(Observation.from_wire(d["observation"]),
                {str(k): float(v) for k, v in d["reward_components"].items()}, bool(d["done"]),
                d["termination"], dict(d.get("info") or {}), outcome=d["outcome"],
                call=None if d.get("call") is None else Call.from_wire(d["call"]),

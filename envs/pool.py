@@ -353,7 +353,7 @@ class Pool:
         obs = self._admitted_reset(conn, s)
         s.generation = s.first_generation = gen
         s.seen = [_seen(obs)]
-        return Observation(obs["text"], obs["truncated"], obs["original_size"])
+        return Observation.from_wire(obs)
       except AdmissionTimeout:
         raise  # the worker is full, not broken: no restart
       except (WorkerCrashed, WorkerTimeout) as e:

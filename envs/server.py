@@ -148,7 +148,7 @@ class Host:
           del self._instances[instance]
       env.close()
       raise
-    return dict(text=obs.text, truncated=obs.truncated, original_size=obs.original_size, version=self.version)
+    return dict(obs.to_wire(), version=self.version)
 
   def close_instances(self, names) -> None:
     """Closes these instances if they are still open (a client connection that ended without closing them)."""

@@ -91,6 +91,34 @@ def advantage_inputs(trajectories: Sequence[Trajectory], *, steps: int | None = 
   return rewards, mask, group_indices(trajectories)
 
 
+def step_group_indices(trajectories: Sequence[Trajectory], *, steps: int | None = None) -> np.ndarray:
+  """GiGPO's anchor-state groups: int32[N, S], equal for the steps of one advantage group (`group_id`) taken in
+  the same anchor state (`Turn.state_key`), dense in first-seen order; -1 for a step without a key or past the
+  trajectory's turns. Steps of different task groups never share an index, even with equal keys."""
+  n_turns = [len(t.turns) for t in trajectories]
+  s = max(n_turns, default=0) if steps is None else steps
+  out = np.full((len(trajectories), max(s, 1)), -1, np.int32)
+  index: dict[tuple[str, str], int] = {}
+  for i, t in enumerate(trajectories):
+    for j, turn in enumerate(t.turns[:out.shape[1]]):
+      if turn.state_key is not None:
+        out[i, j] = index.setdefault((t.group_id, turn.state_key), len(index))
+  return out
+
+
+def turn_rewards(trajectories: Sequence[Trajectory], *, steps: int | None = None,
+                 exclude: Sequence[str] = ("outcome",)) -> np.ndarray:
+  """Per-turn rewards for `algo.turn_reward_weight`: float32[N, S], each turn's reward components but those in
+  `exclude` (by default the outcome: what is left is what the turn itself earned: validity, progress, cost)."""
+  n_turns = [len(t.turns) for t in trajectories]
+  s = max(n_turns, default=0) if steps is None else steps
+  out = np.zeros((len(trajectories), max(s, 1)), np.float32)
+  for i, t in enumerate(trajectories):
+    for j, turn in enumerate(t.turns[:out.shape[1]]):
+      out[i, j] = sum(v for k, v in turn.reward_components.items() if k not in exclude)
+  return out
+
+
 def _token_advantages(t: Trajectory, adv, level: str, i: int) -> np.ndarray:
   out = np.zeros(len(t), np.float32)
   if adv is None:

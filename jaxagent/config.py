@@ -183,11 +183,20 @@ def _advantage_names() -> list[str]:
 class AlgoConfig:
   """Advantages and losses (jaxagent/algos). Defaults: GRPO (arXiv:2402.03300) with PPO clipping."""
   name: Literal["grpo", "ppo"] = field("grpo", help="grpo: group-relative advantages; ppo: value head + GAE")
-  advantage: str = field("grpo", choices=_advantage_names, help="registered estimator: grpo, rloo, gae, returns")
+  advantage: str = field("grpo", choices=_advantage_names,
+                         help="registered estimator: grpo, rloo, gae, returns, gigpo (GiGPO: episode + anchor-state "
+                         "step advantage, arXiv:2505.10978; needs an env whose steps name their states)")
   gamma: float = field(1.0, ge=0.0, le=1.0, help="discount over turns")
   gae_lambda: float = field(1.0, ge=0.0, le=1.0, help="GAE λ (arXiv:1506.02438)")
   adv_eps: float = field(1e-6, gt=0.0, help="ε in (R − mean) / (std + ε)")
   scale_std: bool = field(True, help="false: no std scaling (Dr. GRPO, arXiv:2503.20783)")
+  step_weight: float = field(1.0, ge=0.0, help="gigpo: ω, the weight of the step advantage A_S next to the "
+                             "episode advantage A_E")
+  step_gamma: float = field(0.95, ge=0.0, le=1.0, help="gigpo: γ of the step returns R_t = Σ γ^k r_{t+k} that A_S "
+                            "compares within an anchor-state group (the episode return uses gamma)")
+  turn_reward_weight: float = field(0.0, ge=0.0, help="weight of the turn advantage (MT-GRPO): each turn's reward "
+                                    "components but the outcome, normalised over the group at the same turn, added "
+                                    "to the estimator's advantage; 0: off")
   ratio_level: Literal["token", "sequence"] = field("token", help="sequence: GSPO ratio (arXiv:2507.18071)")
   eps_low: float = field(0.2, ge=0.0, lt=1.0, help="clip ratio below at 1 − eps_low")
   eps_high: float = field(0.2, ge=0.0, help="clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)")

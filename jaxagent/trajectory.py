@@ -29,11 +29,11 @@ import numpy as np
 
 from envs import INVALID_ACTION_RULES, Outcome, Termination  # one vocabulary from env to record
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # 2 added the per-trajectory stage times of `Timing` (1 reads with zeros); 3 added `sampling_thresholds` (1 and 2
 # read with NaN: sampled from the whole distribution, as every sampler before it did in training); 4 added
-# `behavior_versions` (1 to 3 read with each action's turn version: no weight update reached a running episode).
-READABLE_SCHEMAS = (1, 2, 3, 4)
+# `behavior_versions` (1 to 3 read with each action's turn version: no weight update reached a running episode); 5 added `Turn.state_key` (1 to 4 read with None: no anchor state).
+READABLE_SCHEMAS = (1, 2, 3, 4, 5)
 KIND = "jaxagent.trajectory"
 
 
@@ -111,6 +111,7 @@ class Turn:
   t_decode_s: float = 0.0
   t_env_s: float = 0.0
   outcome: str = "ok"                  # the env step's `envs.Outcome` (finer than the termination)
+  state_key: str | None = None         # the anchor state the action was taken in (`envs.Env.state_key`)
 
   def __post_init__(self):
     try:
@@ -377,7 +378,7 @@ def _turn_to_dict(t: Turn) -> dict[str, Any]:
           {**dataclasses.asdict(t.observation), "span": list(t.observation.span)},
           "reward": t.reward, "reward_components": dict(t.reward_components),
           "policy_version": t.policy_version, "t_decode_s": t.t_decode_s, "t_env_s": t.t_env_s,
-          "outcome": t.outcome}
+          "outcome": t.outcome, "state_key": t.state_key}
 
 
 def _turn_from_dict(d: Any, where: str) -> Turn:

@@ -22,7 +22,7 @@ def _run(name, rewards, mask, groups, **kw):
 
 
 def test_registry_names_and_config_validation():
-  assert sorted(algos.ADVANTAGES) == ["gae", "grpo", "returns", "rloo"]
+  assert sorted(algos.ADVANTAGES) == ["gae", "gigpo", "grpo", "returns", "rloo"]
   with pytest.raises(config_lib.ConfigError, match=r"algo.advantage='grp': not one of .*did you mean 'grpo'"):
     config_lib.load(overrides=["algo.advantage=grp"])
   assert config_lib.load(overrides=["algo.advantage=gae", "algo.name=ppo"]).algo.advantage == "gae"

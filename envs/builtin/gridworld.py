@@ -92,6 +92,11 @@ class GridEnv(Env):
       return StepResult(Observation(self._render()), {"outcome": v.reward}, True, COMPLETED, verdict=v)
     return StepResult(Observation(self._render()), {}, False, None, {})
 
+  def state_key(self) -> str:
+    """Where A stands (layout and goal are the task's): equal keys, equal futures."""
+    p = self.task.payload
+    return f"grid:{p['layout']}:{tuple(p['goal'])}:{tuple(self.pos)}"
+
   def snapshot(self):
     return dict(turn=self.turn, done=self.done, pos=list(self.pos))
 

@@ -47,6 +47,7 @@ class GuessEnv(Env):
     self.high = int(task.payload["high"])
     self.secret = secret(task, seed)
     self.left = budget(self.high)
+    self.lo, self.hi = 1, self.high  # what the replies so far leave possible
     return f"number in 1..{self.high}, {self.left} guesses"
 
   def _step(self, call: Call) -> StepResult:
@@ -61,16 +62,26 @@ class GuessEnv(Env):
       v = self.verifier.verify(self.task, (g, self.secret))
       return StepResult(Observation("correct"), {"outcome": v.reward}, True, COMPLETED, verdict=v)
     text = "higher" if g < self.secret else "lower"
+    if g < self.secret:
+      self.lo = max(self.lo, g + 1)
+    else:
+      self.hi = min(self.hi, g - 1)
     if self.left <= 0:  # the verifier scores the last guess: failed, and the episode ends on the budget.
       v = self.verifier.verify(self.task, (g, self.secret))
       return StepResult(Observation(text), {"outcome": v.reward}, True, TURN_BUDGET_EXHAUSTED, verdict=v)
     return StepResult(Observation(text), {}, False, None, {})
 
+  def state_key(self) -> str:
+    """The secret (episodes of one task with other seeds have other secrets: their states differ), the range
+    the replies so far leave possible and the guesses left (not the order the replies came in)."""
+    return f"guess:{self.secret}:{self.lo}-{self.hi}:{self.left}"
+
   def snapshot(self):
-    return dict(turn=self.turn, done=self.done, left=self.left)
+    return dict(turn=self.turn, done=self.done, left=self.left, lo=self.lo, hi=self.hi)
 
   def restore(self, state) -> None:
     self.turn, self.done, self.left = int(state["turn"]), bool(state["done"]), int(state["left"])
+    self.lo, self.hi = int(state.get("lo", 1)), int(state.get("hi", self.high))
 
 
 def tasks(split: str, n: int, seed: int = 0) -> list[Task]:

@@ -8,7 +8,8 @@
 """
 
 from jaxagent.algos._advantages import (ADVANTAGES, AdvantageOutput, discounted_returns, gae, get_advantage,
-                                        grpo_scalar, register_advantage, rloo_scalar, trajectory_returns)
+                                        grpo_scalar, register_advantage, rloo_scalar, step_group_advantages,
+                                        trajectory_returns, turn_advantages)
 from jaxagent.algos._losses import (AGGREGATIONS, KL_ESTIMATORS, AllMaskedError, aggregate, entropy,
                                     importance_weighted_loss,
                                     loss_normalizer, next_token_entropy, next_token_logprobs, next_token_stats,
@@ -25,7 +26,8 @@ def policy_loss_kwargs(algo) -> dict:
 
 def advantage_kwargs(algo) -> dict:
   """The static keyword arguments of a registered advantage estimator from an `AlgoConfig`."""
-  return dict(gamma=algo.gamma, lam=algo.gae_lambda, eps=algo.adv_eps, scale_std=algo.scale_std)
+  return dict(gamma=algo.gamma, lam=algo.gae_lambda, eps=algo.adv_eps, scale_std=algo.scale_std,
+              step_weight=algo.step_weight, step_gamma=algo.step_gamma)
 
 
 __all__ = [
@@ -33,5 +35,6 @@ __all__ = [
     "aggregate", "discounted_returns", "entropy", "gae", "get_advantage", "grpo_scalar",
     "importance_weighted_loss", "loss_normalizer",
     "next_token_entropy", "next_token_logprobs", "policy_loss", "policy_loss_kwargs", "register_advantage",
-    "rloo_scalar", "token_logprobs", "trajectory_returns", "value_loss",
+    "rloo_scalar", "step_group_advantages", "token_logprobs", "trajectory_returns", "turn_advantages",
+    "value_loss",
 ]

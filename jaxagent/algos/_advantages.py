@@ -2,13 +2,15 @@
 
 Every registered estimator has the signature
 
-    fn(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
-       eps=1e-6, scale_std=True) -> AdvantageOutput
+    fn(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None, gamma=1.0,
+       lam=1.0, eps=1e-6, scale_std=True, step_weight=1.0, step_gamma=1.0) -> AdvantageOutput
 
 Shape letters: N trajectories, S steps (turns). `rewards_ns` holds per-step rewards with the terminal reward
 folded into the last valid step; `mask_ns` marks valid steps (a prefix of each row); `group_ids_n` are dense
 group indices in [0, N) (trajectories of one task). Values at masked steps are never read (they may be NaN).
-Outputs are per step: trajectory-level estimators (grpo, rloo) broadcast their scalar over the valid steps.
+`step_groups_ns` (gigpo) are dense anchor-state group indices in [0, N·S), -1 for a step in none
+(`assembly.step_group_indices`). Outputs are per step: trajectory-level estimators (grpo, rloo) broadcast their
+scalar over the valid steps.
 
 Each estimator also describes the groups it used, over exactly the trajectories it treats as valid (those with
 at least one valid step; a trajectory with an all-False step mask, e.g. one excluded for an infrastructure
@@ -39,12 +41,15 @@ class AdvantageOutput:
     group_return_std: float32[] mean over those groups of the population std of the trajectory returns
       (discounted, with `bootstrap_n`) of the group's valid trajectories; 0 for a group whose returns are all
       equal; 0 when there is no group.
+    step_stats: gigpo only (else None): {"step_groups": step groups of >= 2 steps, "grouped_step_fraction":
+      the fraction of valid steps in one, "step_group_size_mean": their mean size}.
   """
   advantages: jax.Array
   returns: jax.Array
   zero_variance_groups: jax.Array
   groups: jax.Array
   group_return_std: jax.Array
+  step_stats: dict[str, jax.Array] | None = None
 
 
 AdvantageFn = Callable[..., AdvantageOutput]
@@ -131,7 +136,11 @@ def gae(rewards_ns: jax.Array, values_ns: jax.Array, mask_ns: jax.Array,
 
 def _group_stats(x_n, group_ids_n, valid_n):
   """Per-trajectory group count, mean, population variance, and `all equal` flag (segment reductions)."""
-  n = x_n.shape[0]
+  return _group_stats_sized(x_n, group_ids_n, valid_n, x_n.shape[0])
+
+
+def _group_stats_sized(x_n, group_ids_n, valid_n, n):
+  """`_group_stats` over `n` segments (ids in [0, n))."""
   x_n = jnp.where(valid_n, x_n, 0.0)
   w_n = valid_n.astype(jnp.float32)
   count_g = jax.ops.segment_sum(w_n, group_ids_n, num_segments=n)
@@ -195,6 +204,58 @@ def rloo_scalar(returns_n: jax.Array, group_ids_n: jax.Array, valid_n: jax.Array
   return adv_n, flat_g.sum().astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("eps", "scale_std"))
+def step_group_advantages(returns_ns: jax.Array, step_groups_ns: jax.Array, mask_ns: jax.Array, *,
+                          eps: float = 1e-6, scale_std: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """GiGPO's step-level advantage A_S (Feng et al. 2025, arXiv:2505.10978): the return-to-go of each step,
+  normalised within its anchor-state group, `(R_t − mean_g) / (std_g + ε)` (population std; `scale_std=False`:
+  `R_t − mean_g`).
+
+  A step in no group (index -1, or masked), alone in its group (no other step from that state to compare
+  with), or in a group whose returns are all equal gets exactly 0.
+
+  Returns:
+    (A_S float32[N, S], {"step_groups", "grouped_step_fraction", "step_group_size_mean"}).
+  """
+  n, s = returns_ns.shape
+  valid = mask_ns.astype(bool) & (step_groups_ns >= 0)
+  ids = jnp.where(valid, step_groups_ns, 0).reshape(-1)
+  count_g, mean_g, var_g, flat_g = _group_stats(returns_ns.astype(jnp.float32).reshape(-1), ids,
+                                                valid.reshape(-1))
+  r = returns_ns.astype(jnp.float32).reshape(-1)
+  centered = r - mean_g[ids]
+  adv = centered / (jnp.sqrt(var_g[ids]) + eps) if scale_std else centered
+  used = valid.reshape(-1) & (count_g[ids] > 1) & ~flat_g[ids]
+  adv = jnp.where(used, adv, 0.0).reshape(n, s)
+  multi_g = count_g > 1
+  groups = multi_g.sum()
+  grouped = jnp.where(valid.reshape(-1), multi_g[ids], False).sum()
+  stats = {"step_groups": groups.astype(jnp.int32),
+           "grouped_step_fraction": grouped / jnp.maximum(mask_ns.astype(bool).sum(), 1),
+           "step_group_size_mean": jnp.sum(jnp.where(multi_g, count_g, 0.0)) / jnp.maximum(groups, 1)}
+  return adv, stats
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "scale_std"))
+def turn_advantages(turn_rewards_ns: jax.Array, mask_ns: jax.Array, group_ids_n: jax.Array, *,
+                    eps: float = 1e-6, scale_std: bool = True) -> jax.Array:
+  """Turn-level advantages (MT-GRPO, Zeng et al. 2025, arXiv:2505.11821): each turn's own reward normalised
+  over the group's trajectories at the same turn index, `(r_t − mean_{g,t}) / (std_{g,t} + ε)`; 0 at masked
+  steps, for a turn no other trajectory of the group reached, and where the group's turn rewards are equal.
+
+  Returns:
+    float32[N, S].
+  """
+  n, s = turn_rewards_ns.shape
+  mask = mask_ns.astype(bool)
+  ids = (group_ids_n[:, None] * s + jnp.arange(s)[None, :]).reshape(-1)
+  r = turn_rewards_ns.astype(jnp.float32).reshape(-1)
+  count, mean, var, flat = _group_stats_sized(r, ids, mask.reshape(-1), n * s)
+  centered = r - mean[ids]
+  adv = centered / (jnp.sqrt(var[ids]) + eps) if scale_std else centered
+  return jnp.where(mask.reshape(-1) & (count[ids] > 1) & ~flat[ids], adv, 0.0).reshape(n, s)
+
+
 def _group_summary(returns_n, group_ids_n, valid_n):
   """(zero_variance_groups, groups, group_return_std) over the valid trajectories, from `_group_stats`."""
   count_g, _, var_g, flat_g = _group_stats(returns_n.astype(jnp.float32), group_ids_n, valid_n)
@@ -216,14 +277,15 @@ def _output(advantages_ns, returns_ns, trajectory_returns_n, group_ids_n, mask_n
 # Registered estimators (uniform signature).
 
 
-_STATIC = ("gamma", "lam", "eps", "scale_std")
+_STATIC = ("gamma", "lam", "eps", "scale_std", "step_weight", "step_gamma")
 
 
 @register_advantage("grpo")
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _grpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+def _grpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
+          gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
           eps=1e-6, scale_std=True) -> AdvantageOutput:
-  del values_ns, lam
+  del values_ns, lam, step_groups_ns, step_weight, step_gamma
   mask_ns = mask_ns.astype(bool)
   g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
   adv_n, _ = grpo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1), eps=eps, scale_std=scale_std)
@@ -232,9 +294,10 @@ def _grpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None,
 
 @register_advantage("rloo")
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _rloo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+def _rloo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
+          gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
           eps=1e-6, scale_std=True) -> AdvantageOutput:
-  del values_ns, lam, eps, scale_std
+  del values_ns, lam, eps, scale_std, step_groups_ns, step_weight, step_gamma
   mask_ns = mask_ns.astype(bool)
   g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
   adv_n, _ = rloo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1))
@@ -243,9 +306,10 @@ def _rloo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None,
 
 @register_advantage("gae")
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _gae(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+def _gae(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
+         gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
          eps=1e-6, scale_std=True) -> AdvantageOutput:
-  del eps, scale_std
+  del eps, scale_std, step_groups_ns, step_weight, step_gamma
   if values_ns is None:
     raise ValueError("gae needs values_ns (value estimates per step)")
   mask_ns = mask_ns.astype(bool)
@@ -256,10 +320,34 @@ def _gae(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, 
 
 @register_advantage("returns")
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _returns(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, gamma=1.0, lam=1.0,
+def _returns(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
+             gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
              eps=1e-6, scale_std=True) -> AdvantageOutput:
   """REINFORCE: the advantage is the discounted return-to-go itself (no baseline)."""
-  del values_ns, lam, eps, scale_std
+  del values_ns, lam, eps, scale_std, step_groups_ns, step_weight, step_gamma
   mask_ns = mask_ns.astype(bool)
   g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
   return _output(g_ns, g_ns, g_ns[:, 0], group_ids_n, mask_ns)
+
+
+@register_advantage("gigpo")
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _gigpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
+           gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=0.95, eps=1e-6, scale_std=True) -> AdvantageOutput:
+  """GiGPO (Feng et al. 2025, arXiv:2505.10978): `A = A_E(τ) + ω·A_S(s_t, a_t)`.
+
+  A_E is GRPO's episode advantage (the return with `gamma` normalised over the task group); A_S normalises the
+  `step_gamma`-discounted return-to-go R_t = Σ_k step_gamma^k r_{t+k} over the steps of the group taken in the
+  same anchor state (`step_group_advantages`); ω = `step_weight`. Without anchor keys (`step_groups_ns` None or
+  all -1) it is GRPO exactly.
+  """
+  del values_ns, lam
+  mask_ns = mask_ns.astype(bool)
+  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
+  adv_n, _ = grpo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1), eps=eps, scale_std=scale_std)
+  if step_groups_ns is None:
+    step_groups_ns = jnp.full(mask_ns.shape, -1, jnp.int32)
+  r_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=step_gamma)
+  step_adv, stats = step_group_advantages(r_ns, step_groups_ns, mask_ns, eps=eps, scale_std=scale_std)
+  out = _output(_broadcast_steps(adv_n, mask_ns) + step_weight * step_adv, g_ns, g_ns[:, 0], group_ids_n, mask_ns)
+  return out.replace(step_stats=stats)

@@ -350,6 +350,7 @@ class _Episode:
   action_version: int = 0       # the policy version of that action's first token
   version: int = 0              # the policy version when it was admitted (the trajectory's)
   turns: list[tr.Turn] = dataclasses.field(default_factory=list)
+  state_key: str | None = None  # the anchor state its next action is taken in (the last observation's)
   termination: envs.Termination | None = None
   verifier: tr.VerifierRecord = tr.VerifierRecord()
   verify_s: float = 0.0
@@ -500,7 +501,8 @@ class RolloutEngine:
                                              parsed=call),
                             observation=obs, reward=result.reward, reward_components=dict(result.reward_components),
                             policy_version=policy_version, t_decode_s=t_decode, t_env_s=t_env,
-                            outcome=result.outcome.value))
+                            outcome=result.outcome.value, state_key=ep.state_key))
+    ep.state_key = result.observation.state_key
     if result.verdict is not None:
       v = result.verdict
       ep.verifier = tr.VerifierRecord(name=self.env_spec.name, version=str(v.version), passed=bool(v.passed),
@@ -630,6 +632,7 @@ class _Scheduler:
       self._end(ep, envs.Termination(self.pool.slots[ep.slot].termination))
       return
     ep.stream = self.chat.prompt(obs.text)
+    ep.state_key = obs.state_key
     ep.prompt = tuple(ep.stream.tokens(0, len(ep.stream)))
     ep.state, ep.since = _State.FEEDING, ep.answered
     if ep.prompt not in self.resident and ep.prompt not in self.prefilling:
@@ -755,7 +758,7 @@ class _Scheduler:
                      else envs.Termination.CONTEXT_EXHAUSTED)
       # The cut action never reached the env: its outcome is the termination (not "ok").
       ep.turns.append(tr.Turn(action=tr.Action(span=span, text=text, valid=False), policy_version=ep.action_version,
-                              t_decode_s=t_decode, outcome=termination.value))
+                              t_decode_s=t_decode, outcome=termination.value, state_key=ep.state_key))
       self._end(ep, termination)
 
   def _running(self) -> np.ndarray:

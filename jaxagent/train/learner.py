@@ -23,7 +23,7 @@ import envs
 from jaxagent import algos, multihost
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
-from jaxagent.assembly import Batch, advantage_inputs, assemble
+from jaxagent.assembly import Batch, advantage_inputs, assemble, step_group_indices, turn_rewards
 from jaxagent.config import Config
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.rollouts import trained_rows
@@ -47,13 +47,28 @@ class Prepared:
   estimate: algos.AdvantageOutput      # the estimator's output (this process's rows), for diagnostics
 
 
-def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, bootstrap_n=None
+def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, bootstrap_n=None, trajectories=None
               ) -> algos.AdvantageOutput:
-  """The configured advantage estimator, always called the same way (one compiled program per shape)."""
+  """The configured advantage estimator, always called the same way (one compiled program per shape); gigpo
+  also gets the anchor-state step groups of `trajectories`."""
   put = lambda x: None if x is None else jnp.asarray(x)
+  step_groups = None
+  if cfg.algo.advantage == "gigpo":
+    step_groups = step_group_indices(trajectories, steps=mask_ns.shape[1])
   return algos.get_advantage(cfg.algo.advantage)(put(rewards_ns), put(mask_ns), put(group_ids),
                                                  values_ns=put(values_ns), bootstrap_n=put(bootstrap_n),
+                                                 step_groups_ns=put(step_groups),
                                                  **algos.advantage_kwargs(cfg.algo))
+
+
+def _turn_advantages(cfg: Config, trajectories, mask_ns, group_ids) -> np.ndarray:
+  """`algo.turn_reward_weight` × the turn advantages of the turns' own rewards (0 when the weight is 0)."""
+  if not cfg.algo.turn_reward_weight:
+    return np.zeros(mask_ns.shape, np.float32)
+  rewards = turn_rewards(trajectories, steps=mask_ns.shape[1])
+  adv = algos.turn_advantages(jnp.asarray(rewards), jnp.asarray(mask_ns), jnp.asarray(group_ids),
+                              eps=cfg.algo.adv_eps, scale_std=cfg.algo.scale_std)
+  return cfg.algo.turn_reward_weight * np.asarray(adv)
 
 
 def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Trajectory]) -> Prepared:
@@ -79,8 +94,10 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     cut = np.asarray([t.termination in TRUNCATIONS and bool(t.turns) for t in trajectories]) & train
     last = np.asarray([max(len(t) - 1, 0) for t in trajectories])
     bootstrap_n = np.where(cut, values_bt[rows, last], 0.0).astype(np.float32)
-  adv = _estimate(cfg, rewards_ns, mask_ns, group_ids, values_ns, bootstrap_n)
+  adv = _estimate(cfg, rewards_ns, mask_ns, group_ids, values_ns, bootstrap_n, trajectories)
   adv_ns = np.asarray(adv.advantages)
+  if cfg.algo.turn_reward_weight:
+    adv_ns = adv_ns + _turn_advantages(cfg, trajectories, mask_ns, group_ids)
   batch = assemble(trajectories, [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajectories)], level="turn",
                    train=train, **layout)
   value_normalizer = 0.0
@@ -101,8 +118,16 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     batch = batch.replace(proximal_logprobs=run.logprob_fn(state.params, batch))
   return Prepared(batch=batch, normalizer=float(sums[0]),
                   value_targets=None if value_targets is None else run.layout.to_global(value_targets),
-                  value_normalizer=float(sums[1]), stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2])},
+                  value_normalizer=float(sums[1]),
+                  stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2]), **_step_stats(adv)},
                   estimate=adv)
+
+
+def _step_stats(adv: algos.AdvantageOutput) -> dict[str, float]:
+  """gigpo's anchor-state group sizes (this process's rows; a group never spans two processes)."""
+  if adv.step_stats is None:
+    return {}
+  return {f"gigpo/{k}": float(v) for k, v in jax.device_get(adv.step_stats).items()}
 
 
 def group_statistics(run: Run, trajectories: Sequence[tr.Trajectory],
@@ -119,7 +144,7 @@ def group_statistics(run: Run, trajectories: Sequence[tr.Trajectory],
     mask_ns &= trained_rows(run, trajectories)[:, None]
     values = np.zeros(mask_ns.shape, np.float32) if cfg.algo.advantage == "gae" else None  # unused by the groups
     bootstrap = np.zeros(mask_ns.shape[:1], np.float32) if cfg.algo.advantage == "gae" else None
-    estimate = _estimate(cfg, rewards_ns, mask_ns, group_ids, values, bootstrap)
+    estimate = _estimate(cfg, rewards_ns, mask_ns, group_ids, values, bootstrap, trajectories)
   groups, flat, std = (float(x) for x in jax.device_get((estimate.groups, estimate.zero_variance_groups,
                                                          estimate.group_return_std)))
   groups, flat, spread = multihost.host_sum(np.asarray([groups, flat, std * groups]))
