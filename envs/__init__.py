@@ -22,8 +22,9 @@ from envs.builtin import code_repair as _code_repair
 from envs.builtin import faults as _faults
 from envs.builtin import gridworld as _gridworld
 from envs.builtin import guess as _guess
+from envs.builtin import sokoban as _sokoban
 from envs.builtin import terminal as _terminal
 
-for _m in (_calculator, _guess, _gridworld, _terminal, _faults, _code_repair):
+for _m in (_calculator, _guess, _gridworld, _sokoban, _terminal, _faults, _code_repair):
   register(_m.SPEC)
 del _m

@@ -7,7 +7,7 @@ import pytest
 
 import envs
 
-DETERMINISTIC = ("calculator", "guess", "gridworld")
+DETERMINISTIC = ("calculator", "guess", "gridworld", "sokoban")
 
 
 def test_envs_package_never_imports_jax():
@@ -43,7 +43,7 @@ def test_demos_solve_every_task(name, split):
 @pytest.mark.parametrize("name", DETERMINISTIC)
 def test_splits_are_isolated_by_template(name):
   spec = envs.get(name)
-  key = {"calculator": "template", "gridworld": "layout", "guess": "high"}[name]
+  key = {"calculator": "template", "gridworld": "layout", "guess": "high", "sokoban": "layout"}[name]
   templates = {split: {t.payload[key] for t in spec.tasks(split, 40, 1)} for split in envs.SPLITS}
   assert templates["train"].isdisjoint(templates["tune"]) and templates["train"].isdisjoint(templates["eval"])
   assert templates["tune"].isdisjoint(templates["eval"])

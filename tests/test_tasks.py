@@ -308,7 +308,7 @@ def test_execute_runs_an_infrastructure_failure_again_and_reports_it_apart():
 
 
 def test_no_builtin_env_has_near_duplicates_between_its_train_and_held_out_splits():
-  for name in ("calculator", "guess", "gridworld", "terminal", "code_repair"):
+  for name in ("calculator", "guess", "gridworld", "sokoban", "terminal", "code_repair"):
     spec = envs.get(name)
     for split in ("tune", "eval"):
       report = contamination.check(spec.tasks("train", 2000, 0), spec.tasks(split, 200, 1), describe=spec.describe)
