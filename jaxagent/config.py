@@ -283,6 +283,28 @@ class EnvConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MonitorsConfig:
+  """Training-health monitors (jaxagent/train/monitors.py), read from every rl iteration's metrics; thresholds
+  compare the last `window` iterations with the best window so far (README "Training-health monitors")."""
+  echo_trap: bool = field(True, help="RAGEN's echo trap: the within-group reward std falls off a cliff, the "
+                          "entropy drops and the gradient norm spikes, all in one window")
+  template_collapse: bool = field(True, help="RAGEN-2: actions stop telling their tasks apart (task_identification "
+                                  "below its floor) while the entropy stays up")
+  window: int = field(5, ge=2, help="iterations per window; nothing fires before two windows have been seen")
+  std_drop: float = field(0.5, gt=0.0, lt=1.0, help="echo trap: window mean of reward_std_within_group <= "
+                          "(1 - std_drop) x its best window mean")
+  entropy_drop: float = field(0.5, gt=0.0, lt=1.0, help="echo trap: window mean entropy <= (1 - entropy_drop) x "
+                              "its best window mean; template collapse: the entropy stays above that")
+  grad_spike: float = field(3.0, gt=1.0, help="echo trap: the window's largest grad_norm >= grad_spike x the "
+                            "median grad_norm before the window")
+  identification_floor: float = field(0.1, ge=0.0, lt=1.0, help="template collapse: window mean of "
+                                      "monitor/task_identification (0: chance, 1: every action names its task) "
+                                      "<= this")
+  action: Literal["warn", "stop"] = field("warn", help="warn: console, metrics.jsonl and TensorBoard; stop: also "
+                                          "checkpoint and end the run")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """The training loop (jaxagent/train)."""
   iterations: int = field(20, ge=0, help="RL iterations: rollout B x G trajectories, then update")
@@ -319,6 +341,8 @@ class TrainConfig:
       "policy before update k) while update k runs; async: episodes run continuously, complete groups queue, "
       "the learner takes the next batch when it is free and in-flight episodes switch to new weights between "
       "decode chunks (jaxagent/train/freshness.py)")
+  monitors: MonitorsConfig = field(MonitorsConfig(), help="training-health monitors (echo trap, template "
+                                   "collapse)")
   max_staleness: int = field(1, ge=0, help="async: a trained token's policy is at most this many versions "
                              "older than the learner's (admission control, then checked when a group is taken: "
                              "older groups are dropped and rolled out again, counted)")
@@ -327,6 +351,9 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class TasksConfig:
   """Task supply (jaxagent/tasks): which train tasks each iteration draws, and the contamination gate."""
+  variance_filter: float = field(1.0, gt=0.0, le=1.0, help="StarPO-S: train on this fraction of each batch's "
+                                 "groups, those whose returns vary most (ties: the earlier group); the rest are "
+                                 "stored, marked untrained. 1: off")
   sampler: Literal["uniform", "frontier"] = field(
       "uniform", help="uniform: the shuffled train stream; frontier: draw ∝ p(1−p) + exploration from an active "
       "set with per-task success estimates (retire mastered / never-solved tasks, refill from the stream)")

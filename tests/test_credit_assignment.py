@@ -133,3 +133,33 @@ def test_trajectory_records_keep_state_keys():
   for turn in old["turns"]:
     del turn["state_key"]
   assert all(x.state_key is None for x in tj.Trajectory.from_dict(old).turns)
+
+
+def test_gigpo_run_on_sokoban_groups_steps_by_anchor_state(tmp_path):
+  """A tiny GiGPO run: stored turns carry state keys, the step groups are logged, turn rewards and the variance
+  filter apply, and the monitors log their signals."""
+  import json
+  from jaxagent import config as config_lib
+  from jaxagent import trajectory_store
+  from jaxagent.train import loop
+  from tests.test_train import TINY
+  config = config_lib.load("sokoban_cpu", TINY + [
+      f"run.root={tmp_path}", "train.iterations=2", "train.eval_episodes=0", "train.plots=false",
+      "algo.turn_reward_weight=0.5", "tasks.variance_filter=0.5", "env.max_turns=4", "rollout.max_context=256"])
+  loop.train(config, run_dir=tmp_path / "run")
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if "reward_mean" in r]
+  assert len(rl) == 2
+  for r in rl:
+    assert r["gigpo/step_groups"] >= 1 and 0 < r["gigpo/grouped_step_fraction"] <= 1
+    assert r["variance_filter/dropped_trajectories"] == 4  # 1 of 2 groups of 4 kept
+    assert -1 <= r["monitor/task_identification"] <= 1 and r["monitor/echo_trap"] == 0
+  stored = list(trajectory_store.read(tmp_path / "run" / "trajectories"))
+  assert all(turn.state_key is not None for t in stored for turn in t.turns)
+  assert sum(t.metadata.get("excluded") == "variance_filter" for t in stored) == 8
+  # The first action of every episode of a task starts from the same anchor state.
+  firsts = {}
+  for t in stored:
+    if t.turns:
+      firsts.setdefault(t.task.id, set()).add(t.turns[0].state_key)
+  assert all(len(keys) == 1 for keys in firsts.values())

@@ -43,7 +43,7 @@ from jaxagent import seeds
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
 from jaxagent.rollout.engine import RolloutStats, RolloutStream, SampledActions
-from jaxagent.train import learner
+from jaxagent.train import learner, monitors
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.rollouts import record_outcomes, trained_rows
 from jaxagent.train.run import Run
@@ -203,11 +203,8 @@ class Freshness:
     stats = self.stream.stats()
     curriculum = record_outcomes(run, self.supply, [self.slots.pop(slot).task for slot, _ in taken], trajs)
     if writer is not None:
-      train = trained_rows(run, trajs)
-      for t, used in zip(trajs, train):
-        meta = {**t.metadata, "trained_version": version}
-        writer.write(dataclasses.replace(t, metadata=meta if used else {**meta, "trained": False,
-                                                                          "excluded": t.termination.value}))
+      for t, why in zip(trajs, prepared.excluded):
+        writer.write(learner.stored(t, why, trained_version=version))
       for t in dropped:
         writer.write(t)
       writer.flush()
@@ -252,6 +249,9 @@ class Freshness:
       out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in trajs]))
     counts = [sum(t.termination.value == n for t in trajs) for n in names]
     out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
+    ident = monitors.task_identification(trajs)
+    if ident is not None:
+      out[monitors.TASK_IDENTIFICATION] = ident
     return out
 
   # -- between iterations

@@ -45,6 +45,14 @@ class Prepared:
   value_normalizer: float
   stats: dict[str, float]
   estimate: algos.AdvantageOutput      # the estimator's output (this process's rows), for diagnostics
+  excluded: tuple[str | None, ...] = ()  # per row: why it is not trained on (its termination, or
+                                         # "variance_filter"), None when it is
+
+
+def stored(t: tr.Trajectory, excluded: str | None, **metadata) -> tr.Trajectory:
+  """`t` as the trajectory store keeps it: `metadata` added, and marked untrained (with why) when `excluded`."""
+  extra = {} if excluded is None else {"trained": False, "excluded": excluded}
+  return dataclasses.replace(t, metadata={**t.metadata, **metadata, **extra}) if metadata or extra else t
 
 
 def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, bootstrap_n=None, trajectories=None
@@ -71,10 +79,29 @@ def _turn_advantages(cfg: Config, trajectories, mask_ns, group_ids) -> np.ndarra
   return cfg.algo.turn_reward_weight * np.asarray(adv)
 
 
+def variance_kept(fraction: float, trajectories: Sequence[tr.Trajectory], train: np.ndarray) -> np.ndarray:
+  """StarPO-S's variance filter (`tasks.variance_filter`): bool[N], the trajectories of the ceil(fraction · groups)
+  groups whose trained members' returns have the largest population std (a stable sort: ties keep the earlier
+  group). Every row is kept at fraction 1."""
+  kept = np.ones(len(trajectories), bool)
+  if fraction >= 1.0:
+    return kept
+  groups: dict[str, list[int]] = {}
+  for i, t in enumerate(trajectories):
+    groups.setdefault(t.group_id, []).append(i)
+  names = list(groups)
+  std = [float(np.std([trajectories[i].reward.total for i in groups[g] if train[i]] or [0.0])) for g in names]
+  order = sorted(range(len(names)), key=lambda k: -std[k])
+  keep = {names[k] for k in order[:int(np.ceil(fraction * len(names)))]}
+  return np.asarray([t.group_id in keep for t in trajectories], bool)
+
+
 def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Trajectory]) -> Prepared:
   """Assembly, advantages (PPO: values at collection time and GAE with bootstrap) and the loss normalizers."""
   cfg = run.config
-  train = trained_rows(run, trajectories)
+  infrastructure_ok = trained_rows(run, trajectories)
+  kept = variance_kept(cfg.tasks.variance_filter, trajectories, infrastructure_ok)
+  train = infrastructure_ok & kept
   rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
   mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
   layout = dict(length=cfg.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id,
@@ -112,15 +139,20 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     value_normalizer = float(vmask.sum())
   normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
                                      norm_length=cfg.algo.norm_length, allow_empty=True)
-  sums = multihost.host_sum(np.asarray([float(normalizer), value_normalizer, float((~train).sum())]))
+  sums = multihost.host_sum(np.asarray([float(normalizer), value_normalizer, float((~infrastructure_ok).sum()),
+                                        float((infrastructure_ok & ~kept).sum())]))
   batch = run.layout.to_global(batch)
   if run.logprob_fn is not None:  # decoupled PPO: π_prox, the parameters this update starts from
     batch = batch.replace(proximal_logprobs=run.logprob_fn(state.params, batch))
   return Prepared(batch=batch, normalizer=float(sums[0]),
                   value_targets=None if value_targets is None else run.layout.to_global(value_targets),
                   value_normalizer=float(sums[1]),
-                  stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2]), **_step_stats(adv)},
-                  estimate=adv)
+                  stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2]), **_step_stats(adv),
+                         **({"variance_filter/dropped_trajectories": int(sums[3])}
+                            if cfg.tasks.variance_filter < 1.0 else {})},
+                  estimate=adv,
+                  excluded=tuple(None if used else ("variance_filter" if ok else t.termination.value)
+                                 for t, used, ok in zip(trajectories, train, infrastructure_ok)))
 
 
 def _step_stats(adv: algos.AdvantageOutput) -> dict[str, float]:

@@ -36,7 +36,7 @@ from jaxagent.config import Config
 from jaxagent.rollout.engine import ScriptedActions
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train import freshness, paradigms
+from jaxagent.train import freshness, learner, monitors, paradigms
 from jaxagent.train.learner import TRUNCATIONS, Prepared, group_statistics, prepare_batch, update  # noqa: F401
 from jaxagent.train.resume import EnvChangedError, check_env_versions, lora_settings, restore, save  # noqa: F401
 from jaxagent.train.rollouts import (EvalResult, collect, evaluate, record_outcomes, sample_round,  # noqa: F401
@@ -177,10 +177,8 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
     state, m = update(run, state, prepared)
   if writer is not None:
     with timer("write"):
-      train = trained_rows(run, trajs)
-      for t, used in zip(trajs, train):
-        writer.write(t if used else dataclasses.replace(
-            t, metadata={**t.metadata, "trained": False, "excluded": t.termination.value}))
+      for t, why in zip(trajs, prepared.excluded):
+        writer.write(learner.stored(t, why))
       for t in extra:  # sampled by dynamic sampling but not trained on: kept, marked
         writer.write(dataclasses.replace(t, metadata={**t.metadata, "trained": False}))
       writer.flush()
@@ -218,6 +216,9 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   for key in sorted({k for t in sampled for k in t.reward.components}):
     out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in sampled]))
   out.update({f"termination/{n}": int(c) for n, c in zip(names, counts["terminations"]) if c})
+  ident = monitors.task_identification(sampled)  # this process's rows, like the reward components
+  if ident is not None:
+    out[monitors.TASK_IDENTIFICATION] = ident
   out.update({"env/replays": int(counts["replays"]), "env/replay_divergences": int(counts["replay_divergences"])})
   return dataclasses.replace(progress, state=state, iteration=it + 1, counters=counters), out
 
@@ -263,6 +264,7 @@ class _Session:
   start_wall: float
   bar: metrics_lib.Progress | None = None
   stream: freshness.Freshness | None = None  # train.freshness one_step_off / async: built with the rl stage
+  monitors: monitors.Monitors | None = None
   resume_stream: Mapping[str, Any] | None = None  # what the restored checkpoint holds of it
 
 
@@ -358,7 +360,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
   session = _Session(logger=logger, writer=_open_writer(run, resume_meta),
                      env_change=(resume_meta or {}).get("env_change_allowed"),
                      start_wall=time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS],
-                     resume_stream=(resume_meta or {}).get("stream"))
+                     resume_stream=(resume_meta or {}).get("stream"),
+                     monitors=monitors.Monitors(cfg.train.monitors))
   before = after = None
   stages = config_lib.stages(cfg)
   explicit = bool(cfg.curriculum.stages)
@@ -374,7 +377,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
     bar.update(progress.iteration)
     saved = progress.iteration
     data = None  # a non-rl stage's data (paradigms.StageData), built when the stage starts or resumes
-    while progress.stage < len(stages):
+    stopped = False  # a monitor stopped the run (train.monitors.action=stop)
+    while progress.stage < len(stages) and not stopped:
       i, stage = progress.stage, stages[progress.stage]
       end = progress.stage_start + stage.steps
       promoted = False
@@ -392,11 +396,24 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
         it = progress.iteration
         if explicit:
           m["curriculum/stage"] = i
+        alerts = session.monitors.observe(it, m) if stage.paradigm == "rl" else []
         logger.log(int(progress.state.step), m, iteration=it)
+        for alert in alerts:
+          bar.write(f"WARNING iteration {it}: {alert.message}")
         bar.update(1, **{short: f"{m[key]:.2f}" for key, short in _BAR_FIELDS if key in m})
         progress, promoted, checkpointed = _after_iteration(run, session, progress, end)
         if checkpointed:
           saved = it
+        if alerts and cfg.train.monitors.action == "stop":
+          if not checkpointed:
+            save(run, progress, session.writer, session.env_change, session.stream)
+            saved = it
+          bar.write(f"stopping at iteration {it} (train.monitors.action=stop), checkpointed: resume with --resume "
+                    "after changing what collapsed (e.g. a lower optim.learning_rate)")
+          stopped = True
+          break
+      if stopped:
+        break
       if progress.stage == i:  # the stage has no iteration left (resumed at its end, or 0 steps)
         if i + 1 == len(stages):
           break
