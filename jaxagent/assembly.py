@@ -94,7 +94,9 @@ def advantage_inputs(trajectories: Sequence[Trajectory], *, steps: int | None = 
 def step_group_indices(trajectories: Sequence[Trajectory], *, steps: int | None = None) -> np.ndarray:
   """GiGPO's anchor-state groups: int32[N, S], equal for the steps of one advantage group (`group_id`) taken in
   the same anchor state (`Turn.state_key`), dense in first-seen order; -1 for a step without a key or past the
-  trajectory's turns. Steps of different task groups never share an index, even with equal keys."""
+  trajectory's turns. Steps of different task groups never share an index, even with equal keys. A branch
+  (`metadata.branch`) counts in its parent's group: its continuations are the counterfactuals of the parent's
+  steps from the same states."""
   n_turns = [len(t.turns) for t in trajectories]
   s = max(n_turns, default=0) if steps is None else steps
   out = np.full((len(trajectories), max(s, 1)), -1, np.int32)
@@ -102,7 +104,8 @@ def step_group_indices(trajectories: Sequence[Trajectory], *, steps: int | None 
   for i, t in enumerate(trajectories):
     for j, turn in enumerate(t.turns[:out.shape[1]]):
       if turn.state_key is not None:
-        out[i, j] = index.setdefault((t.group_id, turn.state_key), len(index))
+        owner = (t.metadata.get("branch") or {}).get("group", t.group_id)
+        out[i, j] = index.setdefault((owner, turn.state_key), len(index))
   return out
 
 

@@ -234,6 +234,19 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BranchConfig:
+  """Branching rollouts (Tree-GRPO / TreeRL style, from env state): after an rl iteration's rollout, `k`
+  continuations of `parents` trajectories per group from just before each of their turns in `at` (env reset and
+  the parent's actions replayed, tokens copied). Branches train with the batch (the parent's shared prefix carries
+  no loss); gigpo groups their steps with the parent's by anchor state, so their returns are the baselines of the
+  parent's steps; grpo normalises each branch set's returns among themselves."""
+  at: tuple[int, ...] = field((), help="turns to branch from (0: the first action); empty: no branching")
+  k: int = field(2, ge=1, help="continuations per branch point")
+  parents: int = field(1, ge=1, help="trajectories of each group branched (the group's first ones that reach the "
+                       "turn)")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
   """Sampling of actions (jaxagent/rollout)."""
   temperature: float = field(1.0, ge=0.0, help="0: greedy")
@@ -255,6 +268,8 @@ class RolloutConfig:
       "one jitted program per rollout reaches the envs through io_callback (single process)")
   decode_chunk: int = field(8, ge=1, help="decode steps between looks at the envs (finished actions leave and "
                             "fed rows join at chunk boundaries)")
+  branch: BranchConfig = field(BranchConfig(), help="branching rollouts: continuations from the states of "
+                               "sampled trajectories (needs a deterministic env)")
   on_weight_update: Literal["keep_cache", "refill"] = field(
       "keep_cache", help="train.freshness=async, a weight update reaching episodes in flight: keep_cache (their "
       "KV caches and next-token logits stay the old weights'), refill (recomputed from their tokens under the "
@@ -571,6 +586,20 @@ def check_combinations(config: Config, num_processes: int) -> None:
                       "trains every batch one version late: needs train.max_staleness >= 1")):
       if bad:
         raise ConfigError(f"{where} {why}")
+  if rollout.branch.at:
+    where = f"rollout.branch.at={list(rollout.branch.at)}"
+    for bad, why in ((any(t < 0 or t >= config.env.max_turns for t in rollout.branch.at),
+                      f"turns are 0..env.max_turns-1 = {config.env.max_turns - 1}"),
+                     (train.freshness != "sync", "needs train.freshness=sync"),
+                     (num_processes > 1, f"runs in one process for now, not {num_processes} (each would branch a "
+                      "different number of episodes, and feeds are collective)"),
+                     (train.dynamic_sampling, "with train.dynamic_sampling: branch from one round; set "
+                      "train.dynamic_sampling=false"),
+                     (rollout.env_transport != "host_loop", "needs rollout.env_transport=host_loop"),
+                     (rollout.branch.parents > train.group_size,
+                      f"rollout.branch.parents={rollout.branch.parents} > train.group_size={train.group_size}")):
+      if bad:
+        raise ConfigError(f"{where}: {why}")
   if train.freshness != "async" and rollout.on_weight_update != "keep_cache":
     raise ConfigError(f"rollout.on_weight_update={rollout.on_weight_update!r} applies to train.freshness=async "
                       "(no weight update reaches a running episode otherwise)")

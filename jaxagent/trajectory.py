@@ -480,6 +480,19 @@ class TokenStream:
   def __len__(self) -> int:
     return len(self._tokens)
 
+  @classmethod
+  def prefix_of(cls, t: "Trajectory", stop: int) -> "TokenStream":
+    """The first `stop` tokens of `t` as recorded (roles, log-probs, thresholds, versions), none of them carrying
+    loss: the part of a branch it shares with its parent (trained, if at all, in the parent)."""
+    z = cls()
+    z._tokens = [int(x) for x in t.tokens[:stop]]
+    z._roles = [int(x) for x in t.roles[:stop]]
+    z._mask = [False] * len(z._tokens)
+    z._logp = [float(x) for x in t.behavior_logprobs[:stop]]
+    z._tau = [float(x) for x in t.sampling_thresholds[:stop]]
+    z._ver = [int(x) for x in t.behavior_versions[:stop]]
+    return z
+
   def _append(self, tokens: Sequence[int], role: Role, mask: bool, logp: Sequence[float] | None,
               thresholds: Sequence[float] | None = None, versions: Sequence[int] | None = None):
     start = len(self._tokens)

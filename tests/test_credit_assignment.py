@@ -145,21 +145,82 @@ def test_gigpo_run_on_sokoban_groups_steps_by_anchor_state(tmp_path):
   from tests.test_train import TINY
   config = config_lib.load("sokoban_cpu", TINY + [
       f"run.root={tmp_path}", "train.iterations=2", "train.eval_episodes=0", "train.plots=false",
-      "algo.turn_reward_weight=0.5", "tasks.variance_filter=0.5", "env.max_turns=4", "rollout.max_context=256"])
+      "algo.turn_reward_weight=0.5", "tasks.variance_filter=0.5", "env.max_turns=4", "rollout.max_context=256",
+      "rollout.branch.at=[0]", "rollout.branch.k=2"])
   loop.train(config, run_dir=tmp_path / "run")
   rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in rows if "reward_mean" in r]
   assert len(rl) == 2
   for r in rl:
     assert r["gigpo/step_groups"] >= 1 and 0 < r["gigpo/grouped_step_fraction"] <= 1
-    assert r["variance_filter/dropped_trajectories"] == 4  # 1 of 2 groups of 4 kept
+    # 2 tasks x 1 parent x 2 branches from its first action, each branch pair its own group
+    assert r["branch/trajectories"] == 4 and r["branch/diverged"] == 0 and r["branch/replayed_steps"] == 0
+    assert r["variance_filter/dropped_trajectories"] >= 2  # at least one of the >= 2 groups dropped
     assert -1 <= r["monitor/task_identification"] <= 1 and r["monitor/echo_trap"] == 0
   stored = list(trajectory_store.read(tmp_path / "run" / "trajectories"))
   assert all(turn.state_key is not None for t in stored for turn in t.turns)
-  assert sum(t.metadata.get("excluded") == "variance_filter" for t in stored) == 8
+  assert sum(t.metadata.get("excluded") == "variance_filter" for t in stored) == sum(
+      r["variance_filter/dropped_trajectories"] for r in rl)
+  branches = [t for t in stored if "branch" in t.metadata]
+  assert len(branches) == sum(r["branch/trajectories"] for r in rl)
+  assert all(not t.loss_mask[:t.turns[0].action.span[0]].any() and t.loss_mask.any() for t in branches)
   # The first action of every episode of a task starts from the same anchor state.
   firsts = {}
   for t in stored:
+    if "branch" in t.metadata:
+      continue
     if t.turns:
       firsts.setdefault(t.task.id, set()).add(t.turns[0].state_key)
   assert all(len(keys) == 1 for keys in firsts.values())
+
+
+def test_branches_continue_their_parent_and_equal_a_brute_force_replay():
+  """A branch from turn t of a scripted sokoban episode: its prefix is the parent's (tokens as recorded, no
+  loss), its env state the parent's at t, and its observations, rewards and return those of a fresh env that
+  replays the parent's first t actions and then the branch's."""
+  import models
+  from envs.builtin import sokoban
+  from jaxagent.chat import ControlTokenChat
+  from jaxagent.rollout.engine import Branch, RolloutEngine, ScriptedActions
+  chat = ControlTokenChat(models.ByteTokenizer(), max_observation_tokens=40)
+  spec = envs.get("sokoban")
+  task = next(t for t in sokoban.tasks("train", 20, 0) if t.payload["moves"] >= 3)
+  solution = sokoban.demo(task)
+  wander = ["move up", "move left", "move down"]
+  parent_actions = wander + solution  # wander first (invalid pushes included), then maybe solve
+  probe = spec.make()
+  probe.reset(task, 7)
+  for a in wander[:2]:
+    probe.step(a)
+  p = task.payload
+  from_two = [f"move {m}" for m in sokoban.solve(p["room"], probe.player, probe.boxes, p["goals"])]
+  cont = [from_two, ["move right"] * 2 + solution]  # two continuations from turn 2: one solves it
+  with envs.pool.make_pool(2, env="sokoban", kind="inprocess") as pool:
+    engine = RolloutEngine(pool, spec, chat, max_turns=12)
+    script = lambda acts: [chat.action_tokens(a) for a in acts]
+    (parent,), _ = engine.run(ScriptedActions([script(parent_actions)], 1024), [task], [7], group_size=1,
+                              policy_version=0)
+    branches, _ = engine.run(ScriptedActions([script(c) for c in cont], 1024), [], [], group_size=1,
+                             policy_version=0, branches=[Branch(task, parent, 2), Branch(task, parent, 2)])
+  start = parent.turns[2].action.span[0]
+  for b, actions in zip(branches, cont):
+    assert b.metadata["branch"] == {"parent": parent.id, "turn": 2, "group": parent.group_id, "diverged": False}
+    assert b.group_id == branches[0].group_id != parent.group_id and b.env.seed == parent.env.seed
+    np.testing.assert_array_equal(b.tokens[:start], parent.tokens[:start])
+    assert not b.loss_mask[:start].any() and b.loss_mask[start:].any()
+    assert b.turns[:2] == parent.turns[:2] and b.turns[2].state_key == parent.turns[2].state_key
+    # Brute force: a fresh env, the parent's first two actions, then the branch's.
+    env = spec.make(max_turns=12)
+    env.reset(task, 7)
+    replay = [env.step(a) for a in parent_actions[:2] + actions]
+    assert [t.action.text for t in b.turns] == parent_actions[:2] + actions[:len(b.turns) - 2]
+    assert [t.reward for t in b.turns] == [r.reward for r in replay[:len(b.turns)]]
+    assert [t.observation.text for t in b.turns if t.observation is not None] == \
+        [r.observation.text for r in replay[:len(b.turns)] if not r.done]
+    assert b.reward.total == pytest.approx(sum(r.reward for r in replay[:len(b.turns)]))
+    verdicts = [r.verdict.passed for r in replay[:len(b.turns)] if r.verdict is not None]
+    assert b.verifier.passed == (verdicts[-1] if verdicts else None)
+  assert branches[0].verifier.passed and branches[0].termination == envs.Termination.COMPLETED
+  # GiGPO puts the branches' steps in the parent's step groups: turn 2 of all three share an index.
+  steps = step_group_indices([parent] + branches)
+  assert steps[0, 2] == steps[1, 2] == steps[2, 2] >= 0

@@ -321,6 +321,23 @@ class ScriptedActions(Actor):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Branch:
+  """An episode that continues `parent` from just before its action `turn` (a counterfactual for that step).
+
+  The env is reset with the parent's task and seed and the parent's first `turn` actions are replayed on it
+  (a deterministic env is then in the parent's state: `Env.state_key` says whether it is); the token stream
+  starts as the parent's first tokens up to that action, fed as one prompt, carrying no loss. The branch is
+  recorded with `metadata.branch = {parent, turn, group}` (its parent's id, the turn, the parent's group)."""
+  task: envs.Task
+  parent: tr.Trajectory
+  turn: int
+
+  def __post_init__(self):
+    if not 0 <= self.turn < len(self.parent.turns):
+      raise ValueError(f"branch at turn {self.turn}: the parent has turns 0..{len(self.parent.turns) - 1}")
+
+
 class _State(enum.Enum):
   QUEUED = "queued"        # not admitted yet
   RESETTING = "resetting"  # its env's reset is running
@@ -351,6 +368,7 @@ class _Episode:
   version: int = 0              # the policy version when it was admitted (the trajectory's)
   turns: list[tr.Turn] = dataclasses.field(default_factory=list)
   state_key: str | None = None  # the anchor state its next action is taken in (the last observation's)
+  branch: Branch | None = None  # continues another trajectory (see `Branch`)
   termination: envs.Termination | None = None
   verifier: tr.VerifierRecord = tr.VerifierRecord()
   verify_s: float = 0.0
@@ -447,8 +465,9 @@ class RolloutEngine:
     return len(self.pool.slots)
 
   def run(self, actor: Actor, tasks: Sequence[envs.Task], seeds: Sequence[int], *, group_size: int,
-          policy_version: int) -> tuple[list[tr.Trajectory], RolloutStats]:
-    """Rolls out `group_size` episodes of each task; episode `i` is task `i // group_size` with seed `seeds[i]`.
+          policy_version: int, branches: Sequence[Branch] = ()) -> tuple[list[tr.Trajectory], RolloutStats]:
+    """Rolls out `group_size` episodes of each task; episode `i` is task `i // group_size` with seed `seeds[i]`;
+    then (in the same slots) the `branches`, each in the group of the branches of its parent and turn.
 
     Returns the trajectories in episode order (whatever order they finished in) and the stage times.
     """
@@ -459,6 +478,10 @@ class RolloutEngine:
     # slots that drew the same question stay two groups, in every batch, round and topology.
     episodes = [_Episode(index=i, task=tasks[i // group_size], seed=int(seeds[i]),
                          group_id=f"{tasks[i // group_size].id}/{seeds[i - i % group_size]}") for i in range(n)]
+    episodes += [_Episode(index=n + j, task=b.task, seed=b.parent.env.seed, branch=b,
+                          group_id=f"{b.parent.group_id}/branch-{b.parent.id[:8]}-{b.turn}")
+                 for j, b in enumerate(branches)]
+    n = len(episodes)
     actor.begin(self.slots, first_episode=jax.process_index() * n)
     sched = _Scheduler(self, actor, episodes, policy_version)
     if self.transport == "callback" and isinstance(actor, SampledActions):
@@ -596,7 +619,11 @@ class _Scheduler:
                        "env_worker_pid": self.pids[worker]}
       self.slot_episode[slot] = ep
       self.live += 1
-      ep.future = self._answered(ep, self.pool.reset_async(slot, ep.task, ep.seed))
+      if ep.branch is None:
+        ep.future = self._answered(ep, self.pool.reset_async(slot, ep.task, ep.seed))
+      else:
+        ep.future = self._answered(ep, self._replay_executor().submit(self._replay, slot, ep.task, ep.seed,
+                                                                       ep.branch))
 
   @staticmethod
   def _answered(ep: _Episode, future: concurrent.futures.Future) -> concurrent.futures.Future:
@@ -621,6 +648,27 @@ class _Scheduler:
       else:
         self._on_step(ep, result)
 
+  def _replay_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    if getattr(self, "_replayer", None) is None:
+      self._replayer = concurrent.futures.ThreadPoolExecutor(max(1, len(self.slot_episode)),
+                                                             thread_name_prefix="branch-replay")
+    return self._replayer
+
+  def _replay(self, slot: int, task: envs.Task, seed: int, branch: Branch):
+    """A branch's reset: the env reset, then the parent's first `branch.turn` actions replayed. Returns the last
+    observation (its state key that of the replayed state), or the exception that ended the episode, or a
+    `StepResult` when a replayed step ended it (the env did not do what it did for the parent)."""
+    try:
+      obs = self.pool.reset(slot, task, seed)
+    except Exception as e:  # pylint: disable=broad-except  (as reset_async: the fault ends the episode)
+      return e
+    for turn in branch.parent.turns[:branch.turn]:
+      result = self.pool.step(slot, turn.action.text)
+      if result.done:
+        return result
+      obs = result.observation
+    return obs
+
   def _on_reset(self, ep: _Episode, obs) -> None:
     ep.reset_s = ep.answered - ep.since
     self.engine.env_times.append(ep.reset_s)
@@ -631,7 +679,24 @@ class _Scheduler:
       ep.provenance["reset_error"] = str(obs)
       self._end(ep, envs.Termination(self.pool.slots[ep.slot].termination))
       return
-    ep.stream = self.chat.prompt(obs.text)
+    if ep.branch is not None:
+      b = ep.branch
+      ep.provenance["branch"] = {"parent": b.parent.id, "turn": b.turn, "group": b.parent.group_id}
+      if isinstance(obs, envs.StepResult):  # the replay ended early: the env is not the parent's
+        ep.stream = self.chat.prompt("")
+        ep.provenance["branch"]["diverged"] = True
+        self._end(ep, envs.Termination.ENV_ERROR)
+        return
+      expected = b.parent.turns[b.turn].state_key
+      ep.provenance["branch"]["diverged"] = expected is not None and obs.state_key != expected
+      # The parent's tokens up to the branch's first action (the chat's assistant header included), no loss.
+      ep.stream = tr.TokenStream.prefix_of(b.parent, b.parent.turns[b.turn].action.span[0])
+      ep.turns = list(b.parent.turns[:b.turn])
+      for k, turn in enumerate(ep.turns):
+        for key, value in turn.reward_components.items():
+          ep.components[key] = ep.components.get(key, 0.0) + float(value) * self.engine.gamma ** k
+    else:
+      ep.stream = self.chat.prompt(obs.text)
     ep.state_key = obs.state_key
     ep.prompt = tuple(ep.stream.tokens(0, len(ep.stream)))
     ep.state, ep.since = _State.FEEDING, ep.answered

@@ -104,7 +104,7 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
   train = infrastructure_ok & kept
   rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
   mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
-  layout = dict(length=cfg.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id,
+  layout = dict(length=cfg.rollout.max_context, rows=run.train_rows, pad_id=run.tokenizer.pad_id,
                 thresholds=config_lib.truncates(cfg.rollout))
   values_ns = bootstrap_n = value_targets = None
   if cfg.algo.name == "ppo":

@@ -39,8 +39,8 @@ from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import freshness, learner, monitors, paradigms
 from jaxagent.train.learner import TRUNCATIONS, Prepared, group_statistics, prepare_batch, update  # noqa: F401
 from jaxagent.train.resume import EnvChangedError, check_env_versions, lora_settings, restore, save  # noqa: F401
-from jaxagent.train.rollouts import (EvalResult, collect, evaluate, record_outcomes, sample_round,  # noqa: F401
-                                     trained_rows)
+from jaxagent.train.rollouts import (EvalResult, branch_round, collect, evaluate, record_outcomes,  # noqa: F401
+                                     sample_round, trained_rows)
 from jaxagent.train.run import Run, build_run
 from jaxagent.train.state import LoopState, TrainState
 
@@ -171,6 +171,19 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
     trajs, extra, refill = sampled, [], {}
     if cfg.train.dynamic_sampling:
       state, trajs, extra, stats, refill = _dynamic_sampling(run, state, it, sampled, stats, supply)
+    branched = {}
+    if cfg.rollout.branch.at:  # continuations from the sampled trajectories' states, trained with them
+      t0 = time.perf_counter()
+      state, branches, bstats = branch_round(run, state, first, it)
+      trajs = sampled + branches
+      replayed = sum(int(t.metadata["branch"]["turn"]) for t in branches)  # env steps a replay took
+      branched = {"branch/trajectories": len(branches), "branch/replayed_steps": replayed,
+                  "branch/diverged": sum(bool(t.metadata["branch"].get("diverged")) for t in branches),
+                  "time/branch_s": time.perf_counter() - t0,
+                  "_steps": replayed + (bstats.env_steps if bstats else 0),
+                  "_tokens": bstats.action_tokens if bstats else 0}
+      if branches:
+        branched["branch/success_rate"] = float(np.mean([bool(t.verifier.passed) for t in branches]))
   with timer("advantages"):
     prepared = prepare_batch(run, state, trajs)
   with timer("update"):
@@ -193,7 +206,8 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
   counts = multihost.host_sums({
       "terminations": np.asarray([sum(t.termination.value == n for t in sampled) for n in names]),
       "replays": run.pool.replays, "replay_divergences": run.pool.replay_divergences,
-      "env_steps": stats.env_steps, "action_tokens": stats.action_tokens})
+      "env_steps": stats.env_steps + branched.pop("_steps", 0),
+      "action_tokens": stats.action_tokens + branched.pop("_tokens", 0)})
   counters = metrics_lib.advance(progress.counters, env_interactions=counts["env_steps"],
                                  action_tokens=counts["action_tokens"],
                                  device_s=stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0),
@@ -209,7 +223,7 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
       "time/extend_s": stats.extend_s, "time/rollout_idle_s": stats.idle_s,
       **({"time/weight_transfer_s": stats.transfer_s} if run.layout.disaggregated else {}),
       "time/iteration_s": time.perf_counter() - wall0,
-      **stage, **{k: float(v) for k, v in m.items()}, **counters, **curriculum, **refill,
+      **stage, **{k: float(v) for k, v in m.items()}, **counters, **curriculum, **refill, **branched,
   }
   # Like reward_mean, over the first-round sample. Reward components: this process's rows (their names
   # come from the env and may differ between processes, so they are not gathered).

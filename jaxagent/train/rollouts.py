@@ -28,7 +28,7 @@ import envs
 from jaxagent import config as config_lib
 from jaxagent import multihost, seeds
 from jaxagent import trajectory as tr
-from jaxagent.rollout.engine import RolloutStats, SampledActions
+from jaxagent.rollout.engine import Branch, RolloutStats, SampledActions
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import resume
@@ -56,7 +56,8 @@ class EvalResult:
 
 
 def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], env_seeds: Sequence[int], *, group_size: int,
-            rng: jax.Array, evaluation: bool = False) -> tuple[TrainState, list[tr.Trajectory], RolloutStats]:
+            rng: jax.Array, evaluation: bool = False, branches: Sequence[Branch] = ()
+            ) -> tuple[TrainState, list[tr.Trajectory], RolloutStats]:
   """Reshards the policy into the rollout layout, rolls out, reshards back (donating each time)."""
   t0 = time.perf_counter()
   policy = run.layout.to_rollout(state.params)
@@ -65,10 +66,42 @@ def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], env_seeds: 
     source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, run.layout.rollout_key(rng),
                             decode_chunk=run.config.rollout.decode_chunk, version=int(state.policy_version))
     trajs, stats = run.engine.run(source, tasks, env_seeds, group_size=group_size,
-                                  policy_version=int(state.policy_version))
+                                  policy_version=int(state.policy_version), branches=branches)
     stats = dataclasses.replace(stats, transfer_s=transfer_s)
   finally:
     state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy, state.params["policy"])})
+  return state, trajs, stats
+
+
+# The sampling round of an iteration's branches (`run.rollout_key(rng, iteration, round_)`): apart from any
+# dynamic-sampling or rft round.
+BRANCH_ROUND = 1 << 20
+
+
+def branch_points(cfg, tasks: Sequence[envs.Task], trajectories: Sequence[tr.Trajectory]) -> list[Branch]:
+  """`rollout.branch`: for each group (task-major, `train.group_size` each) and each turn t in `at`, the first
+  `parents` trajectories with more than t turns, `k` branches each."""
+  b, g = cfg.rollout.branch, cfg.train.group_size
+  out = []
+  for i, task in enumerate(tasks):
+    group = trajectories[i * g:(i + 1) * g]
+    for turn in b.at:
+      for parent in [t for t in group if len(t.turns) > turn][:b.parents]:
+        out += [Branch(task=task, parent=parent, turn=turn)] * b.k
+  return out
+
+
+def branch_round(run: Run, state: TrainState, first: SampledRound, iteration: int
+                 ) -> tuple[TrainState, list[tr.Trajectory], RolloutStats | None]:
+  """The branches of an rl iteration's first round (`branch_points`), rolled out with the same policy."""
+  if not run.env_spec.deterministic:
+    raise config_lib.ConfigError(f"rollout.branch: env {run.env_spec.name!r} is not deterministic (EnvSpec."
+                                 "deterministic): replaying the parent's actions would not reach its state")
+  points = branch_points(run.config, first.tasks, first.trajectories)
+  if not points:
+    return state, [], None
+  state, trajs, stats = collect(run, state, [], [], group_size=run.config.train.group_size,
+                                rng=run.rollout_key(state.rng, iteration, BRANCH_ROUND), branches=points)
   return state, trajs, stats
 
 

@@ -153,6 +153,8 @@ class Run:
   checkpointer: checkpointing.TrainCheckpointer
   model_config: dict[str, Any]         # HF-style, stored with checkpoints
   rows: int                            # this process's rollout rows (global_rows over the processes)
+  train_rows: int                      # rows of an rl update batch: `rows`, plus room for rollout.branch's
+                                       # branches (rounded up to a multiple of the device count)
   global_rows: int                     # train.tasks_per_iteration x train.group_size
   bc_rows: int                         # this process's rows of a supervised batch (train.bc_batch_size)
   echo: bool
@@ -515,6 +517,15 @@ class _Rollout:
   eval_sampler: Sampler
 
 
+def _train_rows(cfg: Config, rows: int, devices: int) -> int:
+  """An rl batch's rows: the rollout's, and with rollout.branch the most branches an iteration can add."""
+  b = cfg.rollout.branch
+  if not b.at:
+    return rows
+  most = cfg.train.tasks_per_iteration * len(b.at) * b.parents * b.k
+  return -(-(rows + most) // devices) * devices
+
+
 def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: int) -> _Rollout:
   """The env pool (one env instance per decode slot), the samplers (rollout and evaluation temperature) over
   the rollout copy of the policy, and the engine between them."""
@@ -582,5 +593,6 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
                                                    frozen=policy.frozen),
       model_config=models.config_to_hf(policy.model.config), rows=global_rows // num_processes,
+      train_rows=_train_rows(cfg, global_rows // num_processes, policy.layout.mesh.devices.size),
       global_rows=global_rows, bc_rows=cfg.train.bc_batch_size // num_processes,
       echo=echo and process == 0)
