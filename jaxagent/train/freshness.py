@@ -45,7 +45,7 @@ from jaxagent import trajectory_store
 from jaxagent.rollout.engine import RolloutStats, RolloutStream, SampledActions
 from jaxagent.train import learner, monitors
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train.rollouts import record_outcomes, trained_rows
+from jaxagent.train.rollouts import record_outcomes
 from jaxagent.train.run import Run
 from jaxagent.train.state import LoopState
 

@@ -264,7 +264,7 @@ _BAR_FIELDS = ((metrics_lib.REWARD_MEAN, "reward"), (metrics_lib.SUCCESS_RATE, "
 def _bar_label(cfg: Config, stages) -> str:
   kinds = sorted({s.paradigm for s in stages if not s.kind.cold_start}, key=list(config_lib.PARADIGMS).index)
   if kinds in ([], ["rl"]):
-    return "GRPO" if cfg.algo.name == "grpo" else "PPO"
+    return "PPO" if cfg.algo.name == "ppo" else "GiGPO" if cfg.algo.advantage == "gigpo" else "GRPO"
   return "+".join(k.upper() for k in kinds)
 
 
@@ -442,7 +442,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
       state, after = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
       label = _bar_label(cfg, stages)
-      run.print(f"{'after RL:        ' if label in ('GRPO', 'PPO') else f'after {label}:':<17} {after.line()}")
+      run.print(f"{'after RL:        ' if label in ('GRPO', 'GiGPO', 'PPO') else f'after {label}:':<17} {after.line()}")
       logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: after.success_rate, **progress.counters},
                  iteration=progress.iteration)
     if cfg.train.plots and jax.process_index() == 0:
