@@ -315,6 +315,9 @@ class MonitorsConfig:
   identification_floor: float = field(0.1, ge=0.0, lt=1.0, help="template collapse: window mean of "
                                       "monitor/task_identification (0: chance, 1: every action names its task) "
                                       "<= this")
+  identification_peak: float = field(0.3, gt=0.0, le=1.0, help="template collapse is a fall: the best window mean "
+                                     "of monitor/task_identification must have reached this (actions that never "
+                                     "told tasks apart, e.g. a four-move vocabulary early on, do not fire)")
   action: Literal["warn", "stop"] = field("warn", help="warn: console, metrics.jsonl and TensorBoard; stop: also "
                                           "checkpoint and end the run")
 

@@ -47,6 +47,8 @@ def test_template_collapse_fires_when_actions_stop_naming_tasks_while_entropy_st
   assert fired == [("template_collapse", 11)]
   low_entropy = [{**m, "entropy": 0.1} for m in blind]  # collapsed to one output: that is not this alarm
   assert ("template_collapse", 11) not in _feed(_healthy(9) + low_entropy)[0]
+  # Actions that never told tasks apart (a small action vocabulary, an untrained policy) never fell: no alarm.
+  assert _feed([{**m, monitors.TASK_IDENTIFICATION: 0.05} for m in _healthy(20)])[0] == []
 
 
 def _traj(task, actions):

@@ -112,16 +112,16 @@ class Monitors:
 
   def template_collapse(self) -> str | None:
     cfg, w = self.cfg, self.cfg.window
-    ident = self._series(TASK_IDENTIFICATION)
+    ident = self._window_means(TASK_IDENTIFICATION)
     ent = self._window_means("entropy")
-    if ent is None or len(ident) < w:
+    if ent is None or ident is None:
       return None
-    ident_now = _mean(ident[-w:])
-    ent_now, ent_best = ent
-    if ident_now <= cfg.identification_floor and ent_now > (1 - cfg.entropy_drop) * ent_best:
+    (ident_now, ident_best), (ent_now, ent_best) = ident, ent
+    if ident_now <= cfg.identification_floor and ident_best >= cfg.identification_peak \
+        and ent_now > (1 - cfg.entropy_drop) * ent_best:
       return (f"template collapse: actions identify their task at {ident_now:.3f} (0 = chance, floor "
-              f"{cfg.identification_floor}) over the last {w} iterations while the entropy stays at {ent_now:.3f} "
-              f"(best window {ent_best:.3f}): outputs no longer depend on the input")
+              f"{cfg.identification_floor}; best window {ident_best:.3f}) over the last {w} iterations while the "
+              f"entropy stays at {ent_now:.3f} (best window {ent_best:.3f}): outputs no longer depend on the input")
     return None
 
   def observe(self, iteration: int, metrics: dict) -> list[Alert]:
