@@ -1,9 +1,10 @@
-"""Credit-assignment benchmark: GiGPO vs GRPO on Sokoban from one cold start per seed, in one run.
+"""Credit-assignment benchmark: GiGPO vs GRPO on Sokoban or gridworld from one cold start per seed, in one run.
 
-    .venv/bin/python bench/credit.py [--iterations 40 --seeds 0 1 --advantages gigpo grpo --root DIR]
+    .venv/bin/python bench/credit.py [--recipe sokoban_cpu|gridworld_cpu --iterations 40 --seeds 0 1
+                                      --advantages gigpo grpo --root DIR --set KEY=VALUE]
 
-Per seed: one behavior-cloning cold start (`launch/configs/sokoban_cpu.yaml`: 120 BC steps on BFS solutions,
-then its held-out success), copied once per estimator and resumed for `--iterations` rl iterations (B=8 x G=8,
+Per seed: one behavior-cloning cold start (the recipe's, e.g. `launch/configs/sokoban_cpu.yaml`: 120 BC steps on
+BFS solutions, then its held-out success), copied once per estimator and resumed for `--iterations` rl iterations (B=8 x G=8,
 the recipe's model, optimizer and env; the copies share the cold start's optimizer state and RNG, so the
 estimator is the only difference), then 200 held-out episodes with Wilson intervals (the run's own final eval).
 

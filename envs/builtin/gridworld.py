@@ -2,6 +2,11 @@
 
 The observation is the grid, one row per line. Splits are isolated by template (wall layout): layouts 0-3
 train, 4 tune, 5-6 eval. Start and goal cells come from the task.
+
+Larger grids: `tasks(..., size=7)` draws `layouts` rooms of `size`x`size` cells with `walls` walls from Sokoban's
+room generator (`envs.builtin.sokoban.rooms`: connected floor, splits by layout number k % 10, held-out rooms
+`SEPARATION` cells from every train room) and keeps start/goal pairs `min_moves`..`max_moves` moves apart; the room
+travels in the task's payload (`rows`).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import collections
 import random
 
+from envs.builtin import sokoban
 from envs._api import (COMPLETED, ActionParser, Call, Env, EnvSpec, InvalidAction, Observation, StepResult,
                        Task, Verdict, Verifier, source_version, Tool)
 
@@ -59,7 +65,7 @@ class GridVerifier(Verifier):
 
 class GridEnv(Env):
   name = "gridworld"
-  description = "5x5 text gridworld, reach G: `move up|down|left|right`"
+  description = "text gridworld, reach G: `move up|down|left|right`"
   parser = ActionParser(tools=(
       Tool.with_arg("move", "Move the agent A one cell; the reply is the new grid.", "direction",
                     "up, down, left or right"),), max_chars=16)
@@ -69,7 +75,7 @@ class GridEnv(Env):
     self.verifier = GridVerifier()
 
   def _render(self) -> str:
-    rows = [list(r) for r in LAYOUTS[self.task.payload["layout"]]]
+    rows = [list(r) for r in _rows(self.task)]
     g = self.task.payload["goal"]
     rows[g[0]][g[1]] = "G"
     rows[self.pos[0]][self.pos[1]] = "A"
@@ -82,7 +88,7 @@ class GridEnv(Env):
   def _step(self, call: Call) -> StepResult:
     if call.arg not in MOVES:
       raise InvalidAction(f"move {call.arg[:16]!r}: use one of {' '.join(MOVES)}")
-    layout = LAYOUTS[self.task.payload["layout"]]
+    layout = _rows(self.task)
     dr, dc = MOVES[call.arg]
     r, c = self.pos[0] + dr, self.pos[1] + dc
     if 0 <= r < len(layout) and 0 <= c < len(layout[0]) and layout[r][c] == ".":
@@ -95,7 +101,7 @@ class GridEnv(Env):
   def state_key(self) -> str:
     """Where A stands (layout and goal are the task's): equal keys, equal futures."""
     p = self.task.payload
-    return f"grid:{p['layout']}:{tuple(p['goal'])}:{tuple(self.pos)}"
+    return f"grid:{len(_rows(self.task))}:{p['layout']}:{tuple(p['goal'])}:{tuple(self.pos)}"
 
   def snapshot(self):
     return dict(turn=self.turn, done=self.done, pos=list(self.pos))
@@ -107,29 +113,65 @@ class GridEnv(Env):
 def describe(task: Task) -> str:
   """The grid with the start `A` and goal `G`: what the agent first sees (a payload of three small numbers
   says little about how alike two tasks are)."""
-  rows = [list(r) for r in LAYOUTS[task.payload["layout"]]]
+  rows = [list(r) for r in _rows(task)]
   (gr, gc), (sr, sc) = task.payload["goal"], task.payload["start"]
   rows[gr][gc], rows[sr][sc] = "G", "A"
   return "\n".join("".join(r) for r in rows)
 
 
-def tasks(split: str, n: int, seed: int = 0) -> list[Task]:
+def _rows(task: Task) -> tuple[str, ...]:
+  """The task's room: its own rows (a generated layout) or a built-in one."""
+  return tuple(task.payload["rows"]) if "rows" in task.payload else LAYOUTS[task.payload["layout"]]
+
+
+def tasks(split: str, n: int, seed: int = 0, *, size: int | None = None, walls: int = 8, layouts: int = 100,
+          min_moves: int = 1, max_moves: int | None = None) -> list[Task]:
+  """`n` tasks of `split` (deterministic in (split, seed, options)).
+
+  Args:
+    size: None: the seven built-in 5x5 layouts; else generated `size`x`size` rooms (`rooms` of sokoban).
+    walls, layouts: a generated room's walls, and how many distinct rooms (8/10 train, 1/10 tune, 1/10 eval).
+    min_moves, max_moves: a task is kept when its shortest path has this many moves (None: no upper bound).
+  """
   if split not in SPLIT_LAYOUTS:
     raise ValueError(f"split={split!r}: not one of {sorted(SPLIT_LAYOUTS)}")
-  rng = random.Random(f"grid:{split}:{seed}")
-  version = source_version(tasks, extra=repr(LAYOUTS))
-  out = []
-  for i in range(n):
-    layout = SPLIT_LAYOUTS[split][i % len(SPLIT_LAYOUTS[split])]
-    start, goal = rng.sample(_free(LAYOUTS[layout]), 2)
-    out.append(Task(id=f"grid-{layout}-{start[0]}{start[1]}-{goal[0]}{goal[1]}", split=split,
-                    payload=dict(layout=layout, start=list(start), goal=list(goal)), version=version))
+  if not 1 <= min_moves <= (max_moves or min_moves):
+    raise ValueError(f"min_moves={min_moves}, max_moves={max_moves}: need 1 <= min_moves <= max_moves")
+  if size is None:
+    rooms, mine = LAYOUTS, SPLIT_LAYOUTS[split]
+    rng = random.Random(f"grid:{split}:{seed}" + ("" if (min_moves, max_moves) == (1, None)
+                                                   else f":{min_moves}:{max_moves}"))
+  else:
+    if layouts < 10:
+      raise ValueError(f"layouts={layouts}: must be >= 10 (every split needs a layout)")
+    # sokoban's rooms have a border wall: a size+2 room inside its border is a size x size grid
+    rooms = tuple(tuple(row[1:-1].replace("_", ".") for row in room[1:-1])
+                  for room in sokoban.rooms(size + 2, walls, layouts))
+    mine = [k for k in range(layouts) if sokoban.SPLIT_OF_LAYOUT[k % 10] == split]
+    rng = random.Random(f"grid:{split}:{seed}:{size}:{walls}:{layouts}:{min_moves}:{max_moves}")
+  version = source_version(tasks, extra=repr(LAYOUTS) if size is None else f"{size}:{walls}:{layouts}")
+  out, attempts = [], 0
+  while len(out) < n:
+    attempts += 1
+    if attempts > 200 * n + 1000:
+      raise ValueError(f"gridworld: only {len(out)} of {n} {split} tasks {min_moves}..{max_moves} moves apart "
+                       f"after {attempts - 1} draws (size={size}): widen the move range")
+    layout = mine[len(out) % len(mine)] if size is None else rng.choice(mine)
+    start, goal = rng.sample(_free(rooms[layout]), 2)
+    moves = len(shortest_path(rooms[layout], start, goal))
+    if not min_moves <= moves <= (max_moves or moves):
+      continue
+    payload = dict(layout=layout, start=list(start), goal=list(goal))
+    if size is not None:
+      payload["rows"] = list(rooms[layout])
+    out.append(Task(id=f"grid-{'' if size is None else f'{size}-'}{layout}-{start[0]}{start[1]}-"
+                       f"{goal[0]}{goal[1]}", split=split, payload=payload, version=version))
   return out
 
 
 def demo(task: Task, seed: int = 0) -> list[str]:
   p = task.payload
-  return [f"move {m}" for m in shortest_path(LAYOUTS[p["layout"]], p["start"], p["goal"])]
+  return [f"move {m}" for m in shortest_path(_rows(task), p["start"], p["goal"])]
 
 
 SPEC = EnvSpec(name="gridworld", description=GridEnv.description, make=GridEnv, tasks=tasks, demo=demo,
