@@ -101,7 +101,7 @@ class GridEnv(Env):
   def state_key(self) -> str:
     """Where A stands (layout and goal are the task's): equal keys, equal futures."""
     p = self.task.payload
-    return f"grid:{len(_rows(self.task))}:{p['layout']}:{tuple(p['goal'])}:{tuple(self.pos)}"
+    return f"grid:{p['layout']}:{tuple(p['goal'])}:{tuple(self.pos)}"
 
   def snapshot(self):
     return dict(turn=self.turn, done=self.done, pos=list(self.pos))
@@ -139,8 +139,7 @@ def tasks(split: str, n: int, seed: int = 0, *, size: int | None = None, walls: 
     raise ValueError(f"min_moves={min_moves}, max_moves={max_moves}: need 1 <= min_moves <= max_moves")
   if size is None:
     rooms, mine = LAYOUTS, SPLIT_LAYOUTS[split]
-    rng = random.Random(f"grid:{split}:{seed}" + ("" if (min_moves, max_moves) == (1, None)
-                                                   else f":{min_moves}:{max_moves}"))
+    rng = random.Random(f"grid:{split}:{seed}")  # the move range only rejects draws: default tasks as before
   else:
     if layouts < 10:
       raise ValueError(f"layouts={layouts}: must be >= 10 (every split needs a layout)")
@@ -149,7 +148,8 @@ def tasks(split: str, n: int, seed: int = 0, *, size: int | None = None, walls: 
                   for room in sokoban.rooms(size + 2, walls, layouts))
     mine = [k for k in range(layouts) if sokoban.SPLIT_OF_LAYOUT[k % 10] == split]
     rng = random.Random(f"grid:{split}:{seed}:{size}:{walls}:{layouts}:{min_moves}:{max_moves}")
-  version = source_version(tasks, extra=repr(LAYOUTS) if size is None else f"{size}:{walls}:{layouts}")
+  version = (source_version(tasks, extra=repr(LAYOUTS)) if size is None
+             else source_version(tasks, sokoban.rooms.__wrapped__, extra=f"{size}:{walls}:{layouts}"))
   out, attempts = [], 0
   while len(out) < n:
     attempts += 1
