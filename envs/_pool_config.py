@@ -8,9 +8,10 @@ import dataclasses
 import logging
 from pathlib import Path
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from envs._api import ACTION_SYNTAXES, INVALID_ACTION_RULES
+from envs.perturb import Perturbation
 
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class PoolConfig(WorkerConfig):
   invalid_action: str = "error_observation"  # docs/design.md §2.3: one of INVALID_ACTION_RULES
   penalty: float = 0.1  # validity penalty under the "penalty" rule
   action_syntax: str = "line"  # how actions are written: one of ACTION_SYNTAXES (line `NAME ARG`, json calls)
+  # tool faults injected by the worker around the env (envs.perturb.Perturbation's fields; None: none)
+  perturb: Mapping[str, Any] | None = None
 
   def __post_init__(self):
     super().__post_init__()
@@ -100,6 +103,8 @@ class PoolConfig(WorkerConfig):
       raise _invalid(self, "penalty", "must be >= 0")
     if self.action_syntax not in ACTION_SYNTAXES:
       raise _invalid(self, "action_syntax", f"not one of {ACTION_SYNTAXES}")
+    if self.perturb is not None:
+      object.__setattr__(self, "perturb", Perturbation.from_dict(self.perturb).to_dict() or None)
 
   @classmethod
   def from_workers(cls, workers: WorkerConfig, **episode_fields: Any) -> "PoolConfig":
@@ -116,6 +121,8 @@ class PoolConfig(WorkerConfig):
       opts["max_turns"] = self.max_turns
     if self.action_syntax != "line":  # the default is not sent: a line-syntax pool talks to any server
       opts["action_syntax"] = self.action_syntax
+    if self.perturb:  # nor is an empty perturbation
+      opts["perturb"] = dict(self.perturb)
     return opts
 
 

@@ -24,11 +24,12 @@ from typing import Any, Mapping
 
 from envs import _protocol as P
 from envs import _sandbox
+from envs import perturb as perturb_lib
 from envs._api import Env, InvalidActionRule, Task
 from envs._registry import UnknownEnvError, get
 
 RESET_OPTIONS = {"max_turns": int, "invalid_action": str, "penalty": float, "max_obs_bytes": int,
-                 "action_syntax": str}
+                 "action_syntax": str, "perturb": dict}
 MAX_INSTANCES = 4096
 
 
@@ -126,10 +127,12 @@ class Host:
       if "invalid_action" in kwargs or "penalty" in kwargs:
         kwargs["invalid_action"] = InvalidActionRule(kwargs.pop("invalid_action", "error_observation"),
                                                      kwargs.pop("penalty", 0.1))
+      perturb = kwargs.pop("perturb", None)
       env = self.spec.make(**kwargs)
+      env.episode_sandbox = self.episode_sandbox
+      env = perturb_lib.wrap(env, perturb)  # the env under test is never edited: its tools are wrapped
     except (ValueError, TypeError) as e:
       raise RequestError("bad_args", f"options: {e}") from None
-    env.episode_sandbox = self.episode_sandbox
     with self._lock:
       full = instance not in self._instances and len(self._instances) >= self.max_instances
       old = None if full else self._instances.pop(instance, None)

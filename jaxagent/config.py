@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypeVar,
 import yaml
 
 import envs
+import envs.perturb
 import envs.pool
 import models
 from jaxagent import algos
@@ -280,6 +281,10 @@ def _check_env_name(name: str) -> None:
   envs.check_name(name)  # a registered name, an installed entry point, or package.module:ATTR naming an EnvSpec
 
 
+def _check_perturb(perturb: dict[str, Any] | None) -> None:
+  envs.perturb.Perturbation.from_dict(perturb)  # unknown keys and bad values name themselves
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
   """Which environment, and how its workers run (envs/)."""
@@ -295,6 +300,9 @@ class EnvConfig:
   options: dict[str, Any] | None = field(None, help="keyword arguments of the task generator (e.g. max_operand)")
   demo_options: dict[str, Any] | None = field(None, help="keyword arguments of the scripted demonstrations "
                                               "(e.g. style: direct for calculator)")
+  perturb: dict[str, Any] | None = field(None, check=_check_perturb, help="tool faults the env workers inject "
+                                         "around the env (envs/perturb.py: latency, transient_p, down_tool, "
+                                         "implicit_p, truncate_fraction); evaluation suites set it per condition")
 
 
 @dataclasses.dataclass(frozen=True)
