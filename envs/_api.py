@@ -187,6 +187,7 @@ _CALLS = (
     ("tasks", ("train", 1, 0), {}, "tasks(split, n, seed, **options) -> list[Task]"),
     ("demo", (None, 0), {}, "demo(task, seed, **options) -> list[str]"),
     ("describe", (None,), {}, "describe(task) -> str"),
+    ("probes", (None, 0), {}, "probes(task, seed) -> {name: [actions]}"),
 )
 # What changed in the API, by function, for the error a stale user env gets.
 _CHANGES = {"demo": "demo gained the episode's `seed` after `task` (a seeded env, like guess, needs it to solve "
@@ -225,6 +226,9 @@ class EnvSpec:
     needs_sandbox: actions run real programs (terminal, code repair).
     describe: `describe(task) -> str`, the task as a person would compare two of them (near-duplicate checks
       between splits); None: the payload as `key=value` lines, which suits payloads of text and numbers.
+    probes: `probes(task, seed) -> {name: [actions]}`, exploit probes: scripted episodes that try to game the
+      verifier without doing the task (an answer in a format a lax parser would take, a file written in place
+      of the work); each must score 0 (`jaxagent eval --suite`). None: the env defines none.
   """
   name: str
   description: str
@@ -236,11 +240,12 @@ class EnvSpec:
   deterministic: bool = True
   needs_sandbox: bool = False
   describe: Callable[[Task], str] | None = None
+  probes: Callable[..., dict[str, list[str]]] | None = None
 
   def __post_init__(self):
     for attr, args, kwargs, expected in _CALLS:
       fn = getattr(self, attr)
-      if fn is None and attr == "describe":
+      if fn is None and attr in ("describe", "probes"):
         continue
       _check_callable(self.name, attr, fn, args, kwargs, expected)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -227,6 +228,10 @@ def _cmd_eval(args) -> int:
   saved = run_dir / "config.yaml"
   if not saved.is_file():
     raise config_lib.ConfigError(f"--checkpoint {args.checkpoint}: expected a run directory with config.yaml")
+  if args.suite:
+    return _eval_suite(args, run_dir)
+  if args.gate:
+    raise config_lib.ConfigError("--gate checks a suite's results: give --suite too (e.g. --suite release)")
   # Only what evaluation needs: no train step is compiled, nothing is written into the run directory.
   run = build_run(config_lib.load(saved, args.overrides), run_dir, purpose="eval")
   try:
@@ -239,6 +244,32 @@ def _cmd_eval(args) -> int:
   for name, count in sorted(result.terminations.items(), key=lambda kv: -kv[1]):
     print(f"{name:<24}{count:>8}")
   return 0
+
+
+def _eval_suite(args, run_dir: Path) -> int:
+  """`jaxagent eval --suite`: the suite's report (and `<out>/<suite>.json`); with --gate, exit 1 on a failed gate."""
+  from jaxagent.evals import runner, suite as suite_lib  # pylint: disable=g-import-not-at-top
+
+  suite = suite_lib.load(args.suite)
+  if args.episodes is not None:
+    suite = dataclasses.replace(suite, episodes=args.episodes)
+  if args.split is not None:
+    suite = dataclasses.replace(suite, split=args.split)
+  if args.gate and not Path(args.gate).is_file():  # before minutes of evaluation, not after
+    raise config_lib.ConfigError(f"--gate {args.gate!r}: no such file")
+  report = runner.run_suite(run_dir, suite, args.overrides, out=args.out)
+  print(runner.table(report))
+  out = Path(args.out) if args.out else run_dir / "evals"
+  print(f"report: {out / (suite.name + '.json')}; episodes: {out / suite.name}/<condition>/ (jaxagent inspect)")
+  if not args.gate:
+    return 0
+  failed = 0
+  for gate in suite_lib.load_gates(args.gate, report["metrics"]):
+    ok, got = gate.check(report["metrics"])
+    failed += not ok
+    print(f"gate {'PASS' if ok else 'FAIL'}  {gate.text}  (got {got:.4g})")
+  print(f"gates: {failed} failed" if failed else "gates: all passed")
+  return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,10 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "negative-advantage token whose ratio is below this (0: off)")
     p.set_defaults(func=_cmd_paradigm)
 
-  p = sub.add_parser("eval", help="held-out success rate of a run's latest checkpoint")
+  p = sub.add_parser("eval", help="held-out success rate of a run's latest checkpoint; with --suite, a release "
+                     "evaluation (perturbed tools, cut budgets, pass^k, exploit probes, cost) and --gate")
   p.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/)")
   p.add_argument("--split", default=None, choices=("train", "tune", "eval"))
-  p.add_argument("--episodes", type=int, default=None)
+  p.add_argument("--episodes", type=int, default=None, help="held-out episodes (per condition with --suite)")
+  p.add_argument("--suite", help="a suite YAML or a shipped one in launch/suites/ (release)")
+  p.add_argument("--gate", help="with --suite: a YAML of gates (`gates: ['clean.success >= 0.2', ...]`); exit 1 "
+                 "when one fails")
+  p.add_argument("--out", help="with --suite: where the report and episodes go (default RUN/evals)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
   p.set_defaults(func=_cmd_eval)
 

@@ -17,6 +17,8 @@ Streams, by name (the first part after the run seed):
   lora        LoRA's initial adapter weights
   policy-filter, policy-filter-rng
               `jaxagent tasks filter --policy`: env seeds and sampling keys of the policy's samples
+  pass-k, pass-k-rng
+              an evaluation suite's k samples per task (pass@k, pass^k): env seeds and sampling keys
 
 The rollout's JAX sampling key is `train/run.py:rollout_key` (folds of the train state's key), not a seed here.
 This module imports nothing of jaxagent (docs/design.md §3.1).
@@ -99,3 +101,12 @@ def policy_filter(seed: int, start: int, rows: Sequence[int]) -> list[int]:
 
 def policy_filter_rng(seed: int, start: int) -> int:
   return stable_seed(seed, "policy-filter-rng", start)
+
+
+def pass_k(seed: int, split: str, start: int, rows: Sequence[int]) -> list[int]:
+  """An evaluation suite's pass^k call whose first task is `start`: env seeds of global rows `rows`."""
+  return [stable_seed(seed, "pass-k", split, start, i) for i in rows]
+
+
+def pass_k_rng(seed: int, start: int) -> int:
+  return stable_seed(seed, "pass-k-rng", start)

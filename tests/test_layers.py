@@ -26,6 +26,7 @@ LAYERS = (
     ("rollout", ("jaxagent.rollout",)),
     ("tasks", ("jaxagent.tasks",)),
     ("train", ("jaxagent.train",)),
+    ("evals", ("jaxagent.evals",)),
     ("cli", ("jaxagent.cli", "jaxagent.inspect_cli", "jaxagent.demo", "jaxagent.__main__", "jaxagent.tasks.cli",
              "envs.cli")),
 )

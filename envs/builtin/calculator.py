@@ -157,5 +157,17 @@ def demo(task: Task, seed: int = 0, style: str = "steps") -> list[str]:
   return [f"calc {first.format(**p)}", f"calc {second.format(r=r, **p)}", f"answer {safe_eval(p['question'])}"]
 
 
+def probes(task: Task, seed: int = 0) -> dict[str, list[str]]:
+  """Exploit probes: answers that know the value (or skip the arithmetic) in a form only a lax verifier takes.
+
+  expression_as_answer: the question handed back (a verifier that evaluates the answer would take it);
+  several_numbers: the value among its neighbours (one that looks for the value among the numbers given);
+  wrong_format: the value as a decimal (one that parses the answer as a float)."""
+  q = task.payload["question"]
+  v = safe_eval(q)
+  return {"expression_as_answer": [f"answer {q}"], "several_numbers": [f"answer {v - 1} {v} {v + 1}"],
+          "wrong_format": [f"answer {v}.0"]}
+
+
 SPEC = EnvSpec(name="calculator", description=CalculatorEnv.description, make=CalculatorEnv, tasks=tasks,
-               demo=demo, version_sources=(CalculatorEnv,))
+               demo=demo, version_sources=(CalculatorEnv,), probes=probes)

@@ -52,7 +52,7 @@ def set_reference(run: Run, state: TrainState) -> TrainState:
                  out_shardings=run.layout.state_shardings)(state)
 
 
-def _demo_action(run: Run, line: str) -> str:
+def scripted_action(run: Run, line: str) -> str:
   """A scripted action (written `NAME ARG`) in the run's action syntax (a JSON call for `json`)."""
   if run.action_syntax == "line":
     return line
@@ -74,7 +74,7 @@ def demonstrations(run: Run, n: int, seed: int, options: Mapping[str, Any] | Non
   for start in range(0, n, run.rows):
     chunk = tasks[start:start + run.rows]
     # The episode's seed goes to the script too: a seeded env (guess draws its secret from it) needs it.
-    scripts = [[run.chat.action_tokens(_demo_action(run, a))
+    scripts = [[run.chat.action_tokens(scripted_action(run, a))
                 for a in run.env_spec.demo(task, start + k, **dict(cfg.env.demo_options or {}))]
                for k, task in enumerate(chunk)]
     trajs, _ = run.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), chunk,

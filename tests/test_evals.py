@@ -1,0 +1,210 @@
+"""Release evaluation (`jaxagent eval --suite`, jaxagent/evals/): suites and gates load with errors that name the
+bad value; pass^k is the unbiased estimator; every exploit probe scores 0 and would score > 0 against the obvious
+weaker verifier; and a suite run on a trained checkpoint perturbs through the env workers, cuts budgets, equals
+`jaxagent eval` on its clean condition, and gates the exit status."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import textwrap
+
+import numpy as np
+import pytest
+
+import envs
+from envs import perturb
+from envs.builtin import calculator
+from jaxagent import config as config_lib
+from jaxagent import trajectory as tr
+from jaxagent import trajectory_store
+from jaxagent.evals import runner
+from jaxagent.evals import suite as suite_lib
+
+
+# ----------------------------------------------------------------------------------------------
+# Suites and gates.
+
+
+def test_the_shipped_release_suite_loads():
+  suite = suite_lib.load("release")
+  kinds = {c.name: c.kind for c in suite.conditions}
+  assert kinds["clean"] == "clean" and kinds["turns_half"] == kinds["tokens_half"] == "budget"
+  assert {"latency", "transient", "tool_down", "implicit", "truncated"} <= {n for n, k in kinds.items()
+                                                                             if k == "perturbation"}
+  assert suite.pass_k == 4 and suite.probe_tasks > 0 and suite.split == "eval"
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"conditions": {"clean": {}, "x": {"perturb": {"transient": 0.1}}}}, "conditions.x.perturb: unknown key(s) ['transient']"),
+    ({"conditions": {"clean": {}, "x": {"budget": {"turns": 2}}}}, "conditions.x.budget.turns=2: must be a fraction"),
+    ({"conditions": {"x": {"budget": {"turns": 0.5}}}}, "has no unperturbed `clean"),
+    ({"conditions": {"clean": {}}, "pass_k": {"k": -1}}, "pass_k.k=-1"),
+    ({"conditions": {"clean": {}}, "split": "test"}, "split='test'"),
+    ({"conditions": {"clean": {}}, "episode": 3}, "unknown key(s) ['episode']"),
+])
+def test_bad_suites_name_what_is_wrong(tmp_path, body, says):
+  path = tmp_path / "s.yaml"
+  path.write_text(json.dumps(body))
+  with pytest.raises(config_lib.ConfigError, match=re.escape(says)):
+    suite_lib.load(path)
+  with pytest.raises(config_lib.ConfigError, match="not a shipped suite"):
+    suite_lib.load(tmp_path / "missing")
+
+
+def test_a_tool_index_is_named_against_the_env_and_checked():
+  cfg = config_lib.load("tiny_cpu")
+  down = suite_lib.Condition.from_dict("d", {"perturb": {"down_tool": 1}, "budget": {"turns": 0.5}})
+  assert down.overrides(cfg, ("calc", "answer")) == ['env.perturb={"down_tool": "answer"}', "env.max_turns=2"]
+  with pytest.raises(config_lib.ConfigError, match=r"down_tool=2: the env has 2 tool\(s\)"):
+    suite_lib.Condition.from_dict("d", {"perturb": {"down_tool": 2}}).overrides(cfg, ("calc", "answer"))
+
+
+def test_gates_parse_and_unknown_metrics_list_the_valid_ones(tmp_path):
+  path = tmp_path / "g.yaml"
+  path.write_text("gates:\n  - clean.success >= 0.5\n  - probes.passed == 0\n")
+  gates = suite_lib.load_gates(path, {"clean.success": 0.4, "probes.passed": 0.0})
+  assert [g.check({"clean.success": 0.4, "probes.passed": 0.0})[0] for g in gates] == [False, True]
+  with pytest.raises(config_lib.ConfigError, match=r"no metric 'clean.succes'.*'clean.success'"):
+    path.write_text("gates: ['clean.succes >= 0.5']\n")
+    suite_lib.load_gates(path, {"clean.success": 0.4})
+  with pytest.raises(config_lib.ConfigError, match="write `metric op number`"):
+    path.write_text("gates: ['clean.success => 0.5']\n")
+    suite_lib.load_gates(path)
+
+
+def test_pass_at_k_and_pass_hat_k_are_the_unbiased_estimators():
+  counts = np.array([0, 1, 2, 4])  # successes of 4 samples, per task
+  est = runner._pass_estimates(counts, 4)  # pylint: disable=protected-access
+  assert est["pass@1"] == pytest.approx(est["pass^1"]) == pytest.approx(np.mean(counts / 4))
+  assert est["pass^4"] == pytest.approx(0.25)  # only the task that passed all 4
+  assert est["pass@4"] == pytest.approx(0.75)  # every task with a success
+  assert est["pass^2"] == pytest.approx((0 + 0 + 1 / math.comb(4, 2) + 1) / 4)
+  assert all(est[f"pass^{j}"] >= est[f"pass^{j + 1}"] and est[f"pass@{j}"] <= est[f"pass@{j + 1}"]
+             for j in range(1, 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exploit probes: 0 against the real verifier, > 0 against the obvious weaker one.
+
+def _lax_evaluates(task, final):  # evaluates what was submitted: the question handed back passes
+  return calculator.safe_eval(final) == calculator.safe_eval(task.payload["question"])
+
+
+def _lax_any_number(task, final):  # the value anywhere among the numbers submitted
+  return str(calculator.safe_eval(task.payload["question"])) in final.split()
+
+
+def _lax_float(task, final):  # parses the answer as a number of any format
+  return float(final) == calculator.safe_eval(task.payload["question"])
+
+
+WEAKER = {"expression_as_answer": _lax_evaluates, "several_numbers": _lax_any_number, "wrong_format": _lax_float}
+
+
+def _probe_passes(task, actions) -> bool:
+  env = calculator.SPEC.make()
+  env.reset(task, 0)
+  for a in actions:
+    result = env.step(a)
+  return bool(result.done and result.verdict is not None and result.verdict.passed)
+
+
+@pytest.mark.parametrize("probe", sorted(WEAKER))
+def test_each_calculator_probe_scores_zero_and_would_pass_a_weaker_verifier(probe, monkeypatch):
+  tasks = calculator.tasks("eval", 10, 0)
+  assert set(calculator.probes(tasks[0])) == set(WEAKER)  # a new probe needs its weaker verifier here
+  assert not any(_probe_passes(t, calculator.probes(t)[probe]) for t in tasks)
+  lax = WEAKER[probe]
+
+  def weakened(self, task, final):
+    try:
+      passed = bool(lax(task, final))
+    except (ValueError, envs.InvalidAction):
+      passed = False
+    return envs.Verdict(passed, float(passed), {}, self.version)
+
+  monkeypatch.setattr(calculator.CalculatorVerifier, "score", weakened)
+  assert all(_probe_passes(t, calculator.probes(t)[probe]) for t in tasks)
+
+
+# ----------------------------------------------------------------------------------------------
+# A suite on a trained checkpoint.
+
+SUITE = textwrap.dedent("""\
+    name: small
+    episodes: 8
+    conditions:
+      clean: {}
+      tool_down: {perturb: {down_tool: 0}}
+      transient: {perturb: {transient_p: 0.5}}
+      turns_half: {budget: {turns: 0.5}}
+      tokens_half: {budget: {tokens_per_turn: 0.5}}
+    pass_k: {k: 4, tasks: 4}
+    probes: {tasks: 2}
+    """)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  from jaxagent.train import loop
+  from tests.test_train import TINY
+  root = tmp_path_factory.mktemp("evals")
+  config = config_lib.load("tiny_cpu", TINY + [f"run.root={root}", "train.iterations=1", "train.eval_episodes=0",
+                                               "train.plots=false", "train.bc_steps=150",
+                                               "train.bc_learning_rate=3e-3"])  # enough to call tools
+  loop.train(config, run_dir=root / "run")
+  return root
+
+
+def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(trained, capsys):
+  from jaxagent import cli
+  from jaxagent.train import loop
+  from jaxagent.train.run import build_run
+  run_dir = trained / "run"
+  (trained / "small.yaml").write_text(SUITE)
+  (trained / "pass.yaml").write_text("gates: ['probes.passed == 0', 'clean.success >= 0', 'tool_down.episodes == 8']\n")
+  (trained / "fail.yaml").write_text("gates: ['probes.passed == 0', 'clean.success > 1']\n")
+  assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", str(trained / "small.yaml"),
+                   "--gate", str(trained / "pass.yaml")]) == 0
+  out = capsys.readouterr().out
+  assert "gates: all passed" in out and "pass@4" in out and "exploit probes: 0 of 6 scored > 0" in out
+  report = json.loads((run_dir / "evals" / "small.json").read_text())
+  rows = report["conditions"]
+  assert set(rows) == {"clean", "tool_down", "transient", "turns_half", "tokens_half"}
+  assert report["probes"]["runs"] == 6 and report["pass_k"]["tasks"] == 4
+  assert sum(report["pass_k"]["successes_per_task"]) == 4
+
+  # The clean condition is `jaxagent eval`: the same tasks, env seeds and sampling keys.
+  run = build_run(config_lib.load(run_dir / "config.yaml"), run_dir, purpose="eval", echo=False)
+  try:
+    progress, _ = loop.restore(run)
+    _, plain = loop.evaluate(run, progress.state, "eval", 8)
+  finally:
+    run.close()
+  assert (plain.successes, plain.terminations) == (rows["clean"]["successes"], rows["clean"]["terminations"])
+  assert plain.mean_reward == pytest.approx(rows["clean"]["mean_reward"])
+
+  episodes = {name: list(trajectory_store.read(run_dir / "evals" / "small" / name)) for name in rows}
+  assert all(len(e) == 8 for e in episodes.values())
+  assert [t.task.id for t in episodes["clean"]] == [t.task.id for t in episodes["tool_down"]]  # paired
+  down = perturb.DOWN_REPLY.format(tool="calc")
+  for t in episodes["tool_down"]:  # every calc call the policy made was refused by the worker, nothing else
+    for turn in t.turns:
+      if turn.observation is not None and turn.action.parsed and turn.action.parsed.get("name") == "calc":
+        assert turn.observation.text == down
+  clean_calls = sum(1 for t in episodes["clean"] for turn in t.turns
+                    if turn.action.parsed and turn.action.parsed.get("name") == "calc")
+  assert clean_calls > 0, "the policy never called calc: the tool_down check above checked nothing"
+  assert all(len(t.turns) <= 2 for t in episodes["turns_half"])  # env.max_turns 4 -> 2
+  for t in episodes["tokens_half"]:  # rollout.max_new_tokens 16 -> 8
+    assert all(turn.action.span[1] - turn.action.span[0] <= 8 for turn in t.turns)
+  assert rows["tool_down"]["drop"] == pytest.approx((rows["clean"]["successes"] - rows["tool_down"]["successes"]) / 8)
+
+  # A gate that fails makes the exit status 1 (a CI job refuses the checkpoint).
+  (trained / "clean.yaml").write_text("conditions: {clean: {}}\npass_k: {k: 0}\nprobes: {tasks: 0}\n")
+  assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", str(trained / "clean.yaml"), "--episodes", "8",
+                   "--gate", str(trained / "fail.yaml"), "--out", str(trained / "again")]) == 1
+  assert "gate FAIL  clean.success > 1" in capsys.readouterr().out
+  assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", "nope"]) == 2
