@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import html
+import itertools
 import json
 import re
 import sys
 from typing import Any, Iterable
 
+from envs import Outcome, Termination
 from jaxagent.trajectory import Role, Trajectory
 
 ANSI = {Role.SYSTEM: "90", Role.PROMPT: "34", Role.POLICY: "32", Role.TOOL: "33", Role.ERROR: "31",
@@ -27,7 +29,7 @@ def summary(t: Trajectory) -> dict[str, Any]:
   """The `--format jsonl` object: exactly the keys of issue 4 (use `--full` for the whole record)."""
   return {
       "schema": t.schema,
-      "task": {"id": t.task.id, "split": t.task.split, "version": t.task.version},
+      "task": {"id": t.task.id, "split": t.task.split, "version": t.task.version, "prompt": t.task.prompt},
       "env": {"name": t.env.name, "version": t.env.version, "seed": t.env.seed},
       "policy_version": t.policy_version,
       "termination": t.termination.value,
@@ -60,11 +62,33 @@ def _role_runs(t: Trajectory) -> Iterable[tuple[Role, int, int]]:
       start = j
 
 
+def _verdict(t: Trajectory) -> str:
+  return {True: "pass", False: "fail", None: "none"}[t.verifier.passed]
+
+
+def final_outcome(t: Trajectory) -> str:
+  """How the episode ended, at the env's finer grain (its last step's outcome; the termination before any)."""
+  return t.turns[-1].outcome if t.turns else t.termination.value
+
+
+def keep(t: Trajectory, args) -> bool:
+  """The filters of `jaxagent inspect` (every one given must hold)."""
+  return ((args.min_reward is None or t.reward.total >= args.min_reward)
+          and (args.max_reward is None or t.reward.total <= args.max_reward)
+          and (not args.verdict or _verdict(t) in args.verdict)
+          and (not args.termination or t.termination.value in args.termination)
+          and (not args.outcome or final_outcome(t) in args.outcome)
+          and (not args.split or t.task.split in args.split)
+          and (not args.task or any(t.task.id == x or t.task.id.startswith(x) for x in args.task)))
+
+
 def _header(t: Trajectory) -> list[str]:
   verdict = {True: "pass", False: "fail", None: "n/a"}[t.verifier.passed]
+  prompt = _safe(t.task.prompt) if t.task.prompt else "(not recorded: schema < 6)"
   return [
       f"trajectory {t.id or '?'}  task {t.task.id} ({t.task.split}, {t.task.version})  "
       f"env {t.env.name}@{t.env.version} seed {t.env.seed}",
+      f"prompt: {prompt}",
       f"termination {t.termination.value}  return {t.reward.total:g} (γ={t.reward.gamma:g}) "
       f"{dict(t.reward.components)}  verifier {t.verifier.name or '?'} {t.verifier.version} {verdict}",
       f"policy v{t.policy_version}  {len(t)} tokens, {int(t.loss_mask.sum())} trained  "
@@ -131,7 +155,9 @@ def _cmd_inspect(args) -> int:
   out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
   errors: list[trajectory_store.TrajectoryReadError] = []
   try:
-    records = trajectory_store.read(args.path, errors)
+    records = (t for t in trajectory_store.read(args.path, errors) if keep(t, args))
+    if args.limit is not None:
+      records = itertools.islice(records, args.limit)
     if args.format == "html":
       out.write(render_html(list(records), tokenizer, errors=[str(e) for e in errors]))
     else:
@@ -166,6 +192,16 @@ def register(subparsers) -> None:
                  "show the decoded token stream by role")
   p.add_argument("--color", default="auto", choices=("auto", "always", "never"), help="text format")
   p.add_argument("-o", "--output", help="write here instead of stdout")
+  f = p.add_argument_group("filters (each given must hold; repeat a flag for any of several values)")
+  f.add_argument("--min-reward", type=float, help="return >= this")
+  f.add_argument("--max-reward", type=float, help="return <= this")
+  f.add_argument("--verdict", action="append", choices=("pass", "fail", "none"), help="the verifier's verdict")
+  f.add_argument("--termination", action="append", choices=[x.value for x in Termination])
+  f.add_argument("--outcome", action="append", choices=[x.value for x in Outcome],
+                 help="how the episode ended at the env's grain (its last step's outcome)")
+  f.add_argument("--split", action="append", choices=("train", "tune", "eval"))
+  f.add_argument("--task", action="append", help="a task id, or the start of one")
+  f.add_argument("--limit", type=int, help="show at most this many")
   p.set_defaults(func=_cmd_inspect)
 
 

@@ -29,11 +29,11 @@ import numpy as np
 
 from envs import INVALID_ACTION_RULES, Outcome, Termination  # one vocabulary from env to record
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # 2 added the per-trajectory stage times of `Timing` (1 reads with zeros); 3 added `sampling_thresholds` (1 and 2
 # read with NaN: sampled from the whole distribution, as every sampler before it did in training); 4 added
-# `behavior_versions` (1 to 3 read with each action's turn version: no weight update reached a running episode); 5 added `Turn.state_key` (1 to 4 read with None: no anchor state).
-READABLE_SCHEMAS = (1, 2, 3, 4, 5)
+# `behavior_versions` (1 to 3 read with each action's turn version: no weight update reached a running episode); 5 added `Turn.state_key` (1 to 4 read with None: no anchor state); 6 added `TaskRecord.prompt` (1 to 5 read with "").
+READABLE_SCHEMAS = (1, 2, 3, 4, 5, 6)
 KIND = "jaxagent.trajectory"
 
 
@@ -68,6 +68,7 @@ class TaskRecord:
   id: str
   split: Literal["train", "tune", "eval"] = "train"
   version: str = ""                    # task / dataset version
+  prompt: str = ""                     # the env's first observation: what the agent was asked (schema 6)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ def make(tokenizer=None, *, turns=(("ls", "a.txt b.txt"), ("cat a.txt", "hello <
         reward=0.1 * i, reward_components={"progress": 0.1 * i}, policy_version=policy_version,
         t_decode_s=0.01, t_env_s=0.02))
   return tj.Trajectory(
-      task=tj.TaskRecord(id=task_id, split="train", version="v1"),
+      task=tj.TaskRecord(id=task_id, split="train", version="v1", prompt="List the files."),
       env=tj.EnvInfo(name="shell", version="sha256:abc", seed=seed),
       policy_version=policy_version, termination=termination,
       reward=tj.Reward(total=reward + sum(t.reward for t in recorded), gamma=1.0, terminal=reward,

@@ -78,7 +78,7 @@ def test_invariants_are_checked():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(schema=99), r"unknown schema version 99 .*reads versions \(1, 2, 3, 4, 5\)"),
+    (lambda d: d.update(schema=99), r"unknown schema version 99 .*reads versions \(1, 2, 3, 4, 5, 6\)"),
     (lambda d: d.pop("schema"), "unknown schema version None"),
     (lambda d: d.update(kind="other"), "record kind 'other'"),
     (lambda d: d.pop("env"), "missing field 'env'"),
@@ -192,7 +192,8 @@ def test_inspect_cli(tmp_path, capsys):
   obj = json.loads(capsys.readouterr().out.strip())
   assert set(obj) == {"schema", "task", "env", "policy_version", "termination", "reward", "turns", "tokens",
                       "roles", "loss_mask", "behavior_logprobs", "timing", "verifier"}
-  assert set(obj["task"]) == {"id", "split", "version"} and set(obj["env"]) == {"name", "version", "seed"}
+  assert set(obj["task"]) == {"id", "split", "version", "prompt"} and set(obj["env"]) == {"name", "version", "seed"}
+  assert obj["task"]["prompt"] == "List the files."
   assert set(obj["reward"]) == {"total", "components", "gamma"}
   assert set(obj["turns"][0]) == {"action", "observation", "reward", "policy_version", "t_decode_s", "t_env_s"}
   assert set(obj["turns"][0]["action"]) == {"text", "valid"}
@@ -205,7 +206,7 @@ def test_inspect_cli(tmp_path, capsys):
   text = capsys.readouterr().out
   assert "\x1b[32mls<|eot|>\x1b[0m" in text          # policy tokens in green
   assert "\x1b[2J" not in text and "\\x1b[2J" in text  # the tool output cannot drive the terminal
-  assert "termination completed" in text
+  assert "termination completed" in text and "prompt: List the files." in text
 
   page = tmp_path / "p.html"
   assert cli.main(["inspect", str(d), "--format", "html", "-o", str(page)]) == 0
@@ -217,3 +218,29 @@ def test_inspect_cli(tmp_path, capsys):
   out = capsys.readouterr()
   assert len(out.out.strip().splitlines()) == 5
   assert "b-mixed.array_record: record 1: unknown schema version 99" in out.err
+
+
+def test_inspect_filters_by_reward_verdict_termination_outcome_split_and_task(tmp_path, capsys):
+  d = tmp_path / "t"
+  made = [_trajectories.make(task_id=f"calc-{i}", seed=i, reward=float(i % 2),
+                             termination=tj.Termination.COMPLETED if i < 4 else tj.Termination.MAX_TURNS)
+          for i in range(6)]
+  made[2] = dataclasses.replace(made[2], task=dataclasses.replace(made[2].task, split="eval"))
+  made[3] = dataclasses.replace(made[3], turns=made[3].turns[:-1] + (
+      dataclasses.replace(made[3].turns[-1], outcome="invalid_action"),))
+  with trajectory_store.TrajectoryWriter(d) as w:
+    for t in made:
+      w.write(t)
+
+  def shown(*flags):
+    assert cli.main(["inspect", str(d), *flags]) == 0
+    return [json.loads(x)["task"]["id"] for x in capsys.readouterr().out.split("\n") if x]
+
+  assert shown("--min-reward", "1.05") == ["calc-1", "calc-3", "calc-5"]   # 1 + the turn rewards (0.1)
+  assert shown("--max-reward", "0.5", "--termination", "max_turns") == ["calc-4"]
+  assert shown("--verdict", "pass") == ["calc-1", "calc-3", "calc-5"]
+  assert shown("--split", "eval") == ["calc-2"]
+  assert shown("--outcome", "invalid_action") == ["calc-3"]
+  assert shown("--task", "calc-4", "--task", "calc-0") == ["calc-0", "calc-4"]
+  assert shown("--task", "calc-", "--limit", "2") == ["calc-0", "calc-1"]
+  assert shown("--verdict", "fail", "--verdict", "none") == ["calc-0", "calc-2", "calc-4"]

@@ -359,6 +359,7 @@ class _Episode:
   slot: int | None = None
   stream: tr.TokenStream | None = None
   prompt: tuple[int, ...] = ()
+  first_text: str = ""          # the env's first observation (TaskRecord.prompt)
   pending: list[int] = dataclasses.field(default_factory=list)  # tokens still to feed
   fed_prompt: bool = False      # the prompt is in the cache
   frame: Frame | None = None    # the observation frame being fed
@@ -537,7 +538,7 @@ class RolloutEngine:
   def _trajectory(self, ep: _Episode, policy_version: int) -> tr.Trajectory:
     total = sum(t.reward * self.gamma ** k for k, t in enumerate(ep.turns))
     return tr.Trajectory(
-        task=tr.TaskRecord(id=ep.task.id, split=ep.task.split, version=ep.task.version),
+        task=tr.TaskRecord(id=ep.task.id, split=ep.task.split, version=ep.task.version, prompt=ep.first_text),
         env=tr.EnvInfo(name=self.env_spec.name, version=self.env_version, seed=ep.seed,
                        network="none" if self.pool.sandboxed else "host",  # cut only inside a sandbox
                        invalid_action_rule=self.rule),
@@ -691,12 +692,13 @@ class _Scheduler:
       ep.provenance["branch"]["diverged"] = expected is not None and obs.state_key != expected
       # The parent's tokens up to the branch's first action (the chat's assistant header included), no loss.
       ep.stream = tr.TokenStream.prefix_of(b.parent, b.parent.turns[b.turn].action.span[0])
+      ep.first_text = b.parent.task.prompt
       ep.turns = list(b.parent.turns[:b.turn])
       for k, turn in enumerate(ep.turns):
         for key, value in turn.reward_components.items():
           ep.components[key] = ep.components.get(key, 0.0) + float(value) * self.engine.gamma ** k
     else:
-      ep.stream = self.chat.prompt(obs.text)
+      ep.stream, ep.first_text = self.chat.prompt(obs.text), obs.text
     ep.state_key = obs.state_key
     ep.prompt = tuple(ep.stream.tokens(0, len(ep.stream)))
     ep.state, ep.since = _State.FEEDING, ep.answered
