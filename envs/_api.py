@@ -59,6 +59,11 @@ class Env(abc.ABC):
   description: str = ""
   parser: ActionParser
   verifier: Verifier | None = None  # set by envs that score their episodes
+  # An independent check of the same final state, apart from the training verifier: it never feeds a reward.
+  # It scores only when the worker is asked to (`score_heldout`, an evaluation's pool) and its verdict rides
+  # in the training verdict's evidence under "heldout" (`judge`): the proxy-vs-target gap of docs/design.md §2.5.
+  heldout_verifier: Verifier | None = None
+  score_heldout: bool = False
   # How the programs an action runs are confined (`envs._sandbox` modes: bwrap, none, auto); the worker that
   # hosts the env sets it (`envs.server --episode-sandbox`). Envs that run programs give it to EpisodeSandbox.
   episode_sandbox: str = "auto"
@@ -106,6 +111,16 @@ class Env(abc.ABC):
     if not isinstance(key, str):
       raise TypeError(f"{self.name}.state_key() returned {type(key).__name__}: must be a str or None")
     return hashlib.sha256(key.encode("utf-8", errors="replace")).hexdigest()[:16]
+
+  def judge(self, final: Any) -> Verdict:
+    """The training verifier's verdict on `final`; with `score_heldout` and a held-out verifier, its verdict
+    too, in `evidence["heldout"]` (never in the reward). Envs call this where they would call
+    `self.verifier.verify(self.task, final)`."""
+    verdict = self.verifier.verify(self.task, final)
+    if self.score_heldout and self.heldout_verifier is not None:
+      held = self.heldout_verifier.verify(self.task, final)
+      verdict = dataclasses.replace(verdict, evidence={**verdict.evidence, "heldout": held.to_wire()})
+    return verdict
 
   def snapshot(self) -> Any:
     raise NotImplementedError(f"{self.name} does not support snapshot()")

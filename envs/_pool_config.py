@@ -92,6 +92,7 @@ class PoolConfig(WorkerConfig):
   action_syntax: str = "line"  # how actions are written: one of ACTION_SYNTAXES (line `NAME ARG`, json calls)
   # tool faults injected by the worker around the env (envs.perturb.Perturbation's fields; None: none)
   perturb: Mapping[str, Any] | None = None
+  score_heldout: bool = False  # also score episodes with the env's held-out verifier (evaluation only)
 
   def __post_init__(self):
     super().__post_init__()
@@ -123,6 +124,8 @@ class PoolConfig(WorkerConfig):
       opts["action_syntax"] = self.action_syntax
     if self.perturb:  # nor is an empty perturbation
       opts["perturb"] = dict(self.perturb)
+    if self.score_heldout:
+      opts["score_heldout"] = True
     return opts
 
 

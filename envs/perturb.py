@@ -110,7 +110,7 @@ class PerturbedEnv(Env):
                      max_obs_bytes=inner.max_obs_bytes)
     self.inner, self.perturbation = inner, perturbation
     self.name, self.description = inner.name, inner.description
-    self.parser, self.verifier = inner.parser, inner.verifier
+    self.parser, self.verifier, self.heldout_verifier = inner.parser, inner.verifier, inner.heldout_verifier
     tools = [t.name for t in inner.parser.tools]
     if perturbation.down_tool is not None and perturbation.down_tool not in tools:
       raise ValueError(f"perturb.down_tool={perturbation.down_tool!r}: {inner.name} has the tools {tools}")

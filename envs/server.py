@@ -29,7 +29,7 @@ from envs._api import Env, InvalidActionRule, Task
 from envs._registry import UnknownEnvError, get
 
 RESET_OPTIONS = {"max_turns": int, "invalid_action": str, "penalty": float, "max_obs_bytes": int,
-                 "action_syntax": str, "perturb": dict}
+                 "action_syntax": str, "perturb": dict, "score_heldout": bool}
 MAX_INSTANCES = 4096
 
 
@@ -127,9 +127,9 @@ class Host:
       if "invalid_action" in kwargs or "penalty" in kwargs:
         kwargs["invalid_action"] = InvalidActionRule(kwargs.pop("invalid_action", "error_observation"),
                                                      kwargs.pop("penalty", 0.1))
-      perturb = kwargs.pop("perturb", None)
+      perturb, heldout = kwargs.pop("perturb", None), kwargs.pop("score_heldout", False)
       env = self.spec.make(**kwargs)
-      env.episode_sandbox = self.episode_sandbox
+      env.episode_sandbox, env.score_heldout = self.episode_sandbox, heldout
       env = perturb_lib.wrap(env, perturb)  # the env under test is never edited: its tools are wrapped
     except (ValueError, TypeError) as e:
       raise RequestError("bad_args", f"options: {e}") from None

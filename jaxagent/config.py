@@ -303,6 +303,8 @@ class EnvConfig:
   perturb: dict[str, Any] | None = field(None, check=_check_perturb, help="tool faults the env workers inject "
                                          "around the env (envs/perturb.py: latency, transient_p, down_tool, "
                                          "implicit_p, truncate_fraction); evaluation suites set it per condition")
+  score_heldout: bool = field(False, help="also score every episode with the env's held-out verifier (its verdict "
+                              "in the evidence, never in the reward); `jaxagent eval --suite` turns it on")
 
 
 @dataclasses.dataclass(frozen=True)

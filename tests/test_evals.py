@@ -5,6 +5,7 @@ weaker verifier; and a suite run on a trained checkpoint perturbs through the en
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -130,6 +131,51 @@ def test_each_calculator_probe_scores_zero_and_would_pass_a_weaker_verifier(prob
 
 
 # ----------------------------------------------------------------------------------------------
+# The held-out verifier and the high-reward-failure report.
+
+
+def test_the_heldout_verifier_scores_only_when_asked_and_never_pays():
+  task = envs.Task(id="c", split="eval", payload=dict(calculator.tasks("eval", 1, 0)[0].payload, question="12*7"),
+                   version="v")
+  for asked in (False, True):
+    with envs.pool.make_pool(1, env="calculator", kind="inprocess", score_heldout=asked) as pool:
+      pool.reset(0, task, 0)
+      result = pool.step_many([0], ["answer 084"])[0]
+    assert result.verdict.passed and result.reward == 1.0  # int("084") == 84: the training verifier's rule
+    assert ("heldout" in result.verdict.evidence) == asked
+  held = result.verdict.evidence["heldout"]
+  assert held["passed"] is False and held["version"] == "calc-canonical-v1"
+
+
+def test_the_report_lists_heldout_perturbation_and_reward_failures(tmp_path):
+  from jaxagent.evals import report
+  from tests import _trajectories
+
+  def episode(task_id, *, passed, reward=1.0, heldout=None, seed=0):
+    t = _trajectories.make(task_id=task_id, seed=seed, reward=reward)
+    evidence = {"expected": 1} if heldout is None else {"expected": 1, "heldout": {
+        "passed": heldout, "version": "h1", "evidence": {"got": "01"}}}
+    return dataclasses.replace(t, verifier=tr.VerifierRecord(name="v", version="t1", passed=passed,
+                                                             evidence=evidence))
+
+  result = lambda *ts, overrides=(): runner.ConditionResult(  # noqa: E731
+      "x", "clean", overrides, np.zeros(len(ts), bool), 0.0, {}, {}, 0.0, (0, 0), tuple(ts))
+  results = {"clean": result(episode("a", passed=True, heldout=False), episode("b", passed=True, heldout=True),
+                             episode("c", passed=False, reward=0.9)),
+             "transient": result(episode("a", passed=True), episode("b", passed=False, reward=0.0),
+                                 episode("c", passed=False, reward=0.0), overrides=("env.perturb={}",))}
+  found = report.find(results, min_reward=0.5)
+  assert [(f.kind, f.condition, f.trajectory.task.id) for f in found] == [
+      ("heldout", "clean", "a"), ("perturbation", "transient", "b"), ("reward", "clean", "c")]
+  assert "held-out verifier h1 rejected it" in found[0].why and "solved clean" in found[1].why
+  page = report.write(tmp_path / "r.html", {"suite": "s", "run": "r", "split": "eval", "episodes": 3, "conditions": {
+      "clean": {"kind": "clean", "success": 0.5, "ci": [0.1, 0.9], "terminations": {"completed": 3}}}}, found)
+  text = page.read_text()
+  assert text.count("<section>") == 3 and "prompt: List the files." in text and "class=rpolicy" in text
+  assert "class=rtool" in text and "solved clean" in text
+
+
+# ----------------------------------------------------------------------------------------------
 # A suite on a trained checkpoint.
 
 SUITE = textwrap.dedent("""\
@@ -174,6 +220,12 @@ def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(tr
   rows = report["conditions"]
   assert set(rows) == {"clean", "tool_down", "transient", "turns_half", "tokens_half"}
   assert report["probes"]["runs"] == 6 and report["pass_k"]["tasks"] == 4
+  for r in rows.values():  # every episode that reached the verifier was scored by the held-out one too
+    assert r.get("heldout_scored", 0) == r["terminations"].get("completed", 0)
+    if "proxy_gap" in r:
+      assert r["proxy_gap"] == pytest.approx(r["success"] - r["heldout_success"])
+  page = (run_dir / "evals" / "small-failures.html").read_text()
+  assert "high-reward failures" in page and report["failures"]["html"].endswith("small-failures.html")
   assert sum(report["pass_k"]["successes_per_task"]) == 4
 
   # The clean condition is `jaxagent eval`: the same tasks, env seeds and sampling keys.

@@ -21,7 +21,7 @@ LAYERS = (
     ("foundations", ("envs", "models", "jaxagent.__init__", "jaxagent.seeds", "jaxagent.mesh_rules",
                      "jaxagent.buckets", "jaxagent.algos", "jaxagent.multihost")),
     ("config", ("jaxagent.config",)),
-    ("records", ("jaxagent.trajectory", "jaxagent.trajectory_store", "jaxagent.chat", "jaxagent.assembly",
+    ("records", ("jaxagent.trajectory", "jaxagent.trajectory_store", "jaxagent.trajectory_render", "jaxagent.chat", "jaxagent.assembly",
                  "jaxagent.data", "jaxagent.weights", "jaxagent.sharding", "jaxagent.distributed")),
     ("rollout", ("jaxagent.rollout",)),
     ("tasks", ("jaxagent.tasks",)),

@@ -81,6 +81,19 @@ class CalculatorVerifier(Verifier):
     return Verdict(passed, 1.0 if passed else 0.0, dict(expected=expected, got=final[:32]), self.version)
 
 
+class CanonicalAnswerVerifier(Verifier):
+  """Held-out: the value written as a person would accept it, a plain decimal integer (no sign but a leading
+  minus, no padding zeros, no underscores, no spaces). The training verifier parses with `int()`, which also
+  takes " +0_89 ": the gap between the two is a parser that grew lax, measured, never trained on."""
+
+  version = "calc-canonical-v1"
+
+  def score(self, task: Task, final: str) -> Verdict:
+    expected = safe_eval(task.payload["question"])
+    passed = final == str(expected)
+    return Verdict(passed, 1.0 if passed else 0.0, dict(expected=str(expected), got=final[:32]), self.version)
+
+
 class CalculatorEnv(Env):
   name = "calculator"
   description = "2-step arithmetic with a calc tool: `calc 12*7` -> `84`, then `answer 89`"
@@ -93,6 +106,7 @@ class CalculatorEnv(Env):
   def __init__(self, max_turns: int = 6, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = CalculatorVerifier()
+    self.heldout_verifier = CanonicalAnswerVerifier()
 
   def _reset(self, task: Task, seed: int) -> str:
     return task.payload["question"]
@@ -101,7 +115,7 @@ class CalculatorEnv(Env):
     if call.name == "calc":
       value = safe_eval(call.arg)
       return StepResult(Observation(str(value)), {"validity": 0.0}, False, None, {})
-    verdict = self.verifier.verify(self.task, call.arg)
+    verdict = self.judge(call.arg)
     return StepResult(Observation("correct" if verdict.passed else "wrong"), {"outcome": verdict.reward}, True,
                       COMPLETED, verdict=verdict)
 

@@ -34,6 +34,7 @@ from jaxagent import config as config_lib
 from jaxagent import multihost, seeds
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
+from jaxagent.evals import report as report_lib
 from jaxagent.evals.suite import Condition, Suite
 from jaxagent.rollout.engine import ScriptedActions
 from jaxagent.train import metrics as metrics_lib
@@ -56,6 +57,8 @@ class ConditionResult:
   terminations: dict[str, int]
   cost: dict[str, float]      # sums over the condition's episodes (COST_KEYS)
   wall_s: float               # the condition's rollout wall time
+  heldout: tuple[int, int]    # (episodes the held-out verifier scored, of which it passed)
+  trajectories: tuple[tr.Trajectory, ...] = dataclasses.field(default=(), repr=False)  # this process's
 
   @property
   def episodes(self) -> int:
@@ -74,6 +77,10 @@ class ConditionResult:
            **{f"{c}_per_episode": v / n for c, v in self.cost.items()},
            **{f"{c}_per_solved": (v / per if k else None) for c, v in self.cost.items()},
            "wall_seconds": self.wall_s, "wall_seconds_per_solved": self.wall_s / per if k else None}
+    scored, held = self.heldout
+    if scored:  # the proxy-vs-target gap: training verifier passes minus held-out verifier passes, per episode
+      # (an episode no verifier scored, e.g. out of turns, fails both)
+      out.update(heldout_scored=scored, heldout_success=held / n, proxy_gap=(k - held) / n)
     if clean is not None:
       out.update(drop=(clean.successes - k) / n, lost=int((clean.solved & ~self.solved).sum()),
                  gained=int((~clean.solved & self.solved).sum()))
@@ -123,12 +130,15 @@ def run_condition(run: Run, state, condition: Condition, suite: Suite, tasks: Se
     terms[names.index(t.termination.value)] += 1
   cost = _cost(trajectories).sum(0)
   reward = sum(t.reward.total for t in trajectories)
-  total = multihost.host_sums(dict(solved=solved, terms=terms, cost=cost, reward=np.float64(reward)))
+  verdicts = [report_lib.heldout_verdict(t) for t in trajectories]
+  heldout = np.asarray([sum(v is not None for v in verdicts), sum(bool(v) for v in verdicts)], np.int64)
+  total = multihost.host_sums(dict(solved=solved, terms=terms, cost=cost, reward=np.float64(reward),
+                                   heldout=heldout))
   _store(store, trajectories)
   return state, ConditionResult(
       condition.name, condition.kind, tuple(overrides), total["solved"] > 0, float(total["reward"]) / len(tasks),
       {n: int(c) for n, c in zip(names, total["terms"]) if c}, dict(zip(COST_KEYS, map(float, total["cost"]))),
-      wall)
+      wall, tuple(int(x) for x in total["heldout"]), tuple(trajectories))
 
 
 def run_pass_k(run: Run, state, suite: Suite, tasks: Sequence) -> tuple[Any, dict[str, Any]]:
@@ -219,7 +229,8 @@ def run_suite(run_dir: Path | str, suite: Suite, overrides: Sequence[str] = (), 
   ordered = sorted(suite.conditions, key=lambda c: c.name != "clean")
   for condition in ordered:
     extra = condition.overrides(base, tools)
-    run = build_run(config_lib.load(saved, list(overrides) + extra), run_dir, purpose="eval", echo=False)
+    run = build_run(config_lib.load(saved, list(overrides) + extra + ["env.score_heldout=true"]), run_dir,
+                    purpose="eval", echo=False)
     try:
       progress, meta = resume.restore(run)
       report.setdefault("checkpoint_step", int(progress.state.step))
@@ -247,6 +258,9 @@ def run_suite(run_dir: Path | str, suite: Suite, overrides: Sequence[str] = (), 
   report["metrics"] = flat_metrics(report)
   if jax.process_index() == 0:
     out.mkdir(parents=True, exist_ok=True)
+    failures = report_lib.find(results)
+    page = report_lib.write(out / f"{suite.name}-failures.html", report, failures)
+    report["failures"] = {"html": str(page), **{k: sum(f.kind == k for f in failures) for k in report_lib.KINDS}}
     (out / f"{suite.name}.json").write_text(json.dumps(report, indent=1, default=_jsonable))
   return report
 
@@ -278,10 +292,19 @@ def table(report: dict[str, Any]) -> str:
     k = pk["k"]
     lines.append(f"pass@k / pass^k over {pk['tasks']} tasks x {k} samples: "
                  + "  ".join(f"pass@{j} {pk[f'pass@{j}']:.3f} pass^{j} {pk[f'pass^{j}']:.3f}" for j in range(1, k + 1)))
+  held = [(n, r) for n, r in report["conditions"].items() if r.get("heldout_scored")]
+  if held:
+    lines.append("held-out verifier: " + ", ".join(
+        f"{n} {r['heldout_success']:.3f} (proxy gap {r['proxy_gap']:+.3f})"
+        for n, r in held))
   probes = report.get("probes") or {}
   if probes.get("runs"):
     lines.append(f"exploit probes: {probes['passed']} of {probes['runs']} scored > 0 ("
                  + ", ".join(f"{n} {r['passed']}/{r['runs']}" for n, r in probes["by_probe"].items()) + ")")
   else:
     lines.append("exploit probes: none defined by this env" if not probes.get("defined") else "exploit probes: off")
+  failures = report.get("failures")
+  if failures:
+    lines.append("high-reward failures to read: " + ", ".join(f"{k} {failures[k]}" for k in report_lib.KINDS)
+                 + f" ({failures['html']})")
   return "\n".join(lines)

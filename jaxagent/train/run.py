@@ -541,7 +541,7 @@ def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: in
         f"sharded over (mesh axes {batch_axes}), or every device would hold every slot's KV cache")
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
       cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
-      action_syntax=io.syntax, perturb=cfg.env.perturb), num_slots=slots)
+      action_syntax=io.syntax, perturb=cfg.env.perturb, score_heldout=cfg.env.score_heldout), num_slots=slots)
   sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=io.chat.stop_sequences)
   # Observation frames are padded to the chat format's longest frame: one compiled extend per run.
