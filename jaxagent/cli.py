@@ -248,6 +248,7 @@ def _cmd_eval(args) -> int:
 
 def _eval_suite(args, run_dir: Path) -> int:
   """`jaxagent eval --suite`: the suite's report (and `<out>/<suite>.json`); with --gate, exit 1 on a failed gate."""
+  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxagent.evals import runner, suite as suite_lib  # pylint: disable=g-import-not-at-top
 
   suite = suite_lib.load(args.suite)
@@ -270,6 +271,14 @@ def _eval_suite(args, run_dir: Path) -> int:
     print(f"gate {'PASS' if ok else 'FAIL'}  {gate.text}  (got {got:.4g})")
   print(f"gates: {failed} failed" if failed else "gates: all passed")
   return 1 if failed else 0
+
+
+def _cmd_compare(args) -> int:
+  from jaxagent.evals import compare  # pylint: disable=g-import-not-at-top
+  rows = compare.compare(args.runs, args.out, args.metric or compare.DEFAULT_METRICS)
+  print(compare.table(rows))
+  print(f"curves: {args.out}")
+  return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,6 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", help="with --suite: where the report and episodes go (default RUN/evals)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
   p.set_defaults(func=_cmd_eval)
+
+  p = sub.add_parser("compare", help="learning curves of several runs on the four x-axes (one PNG) and a table of "
+                     "their final evals")
+  p.add_argument("runs", nargs="+", help="run directories")
+  p.add_argument("--out", default="compare.png", help="the PNG (default ./compare.png)")
+  p.add_argument("--metric", action="append", help="a metrics.jsonl key to draw (repeatable; default: held-out "
+                 "success, train success, mean reward)")
+  p.set_defaults(func=_cmd_compare)
 
   p = sub.add_parser("demo", help="tiny model through init, HF save, Orbax convert, restore, KV-cache decode")
   _add_config_args(p)

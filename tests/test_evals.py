@@ -260,3 +260,40 @@ def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(tr
                    "--gate", str(trained / "fail.yaml"), "--out", str(trained / "again")]) == 1
   assert "gate FAIL  clean.success > 1" in capsys.readouterr().out
   assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", "nope"]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing runs.
+
+
+def _fake_run(path, rates, *, episodes=200, per_iteration=100):
+  path.mkdir(parents=True)
+  (path / "config.yaml").write_text(f"train: {{eval_episodes: {episodes}}}\n")
+  lines = []
+  for i, rate in enumerate(rates, 1):
+    axes = {"env_interactions": i * per_iteration, "action_tokens": i * 10 * per_iteration,
+            "device_seconds": 2.0 * i, "wall_seconds": 3.0 * i}
+    lines.append({"step": i, "iteration": i, "time": 0, "reward_mean": rate, "success_rate": rate, **axes})
+    lines.append({"step": i, "iteration": i, "time": 0, "eval_success_rate": rate})
+  (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  return path
+
+
+def test_compare_draws_every_run_on_four_axes_and_tables_final_evals(tmp_path, capsys):
+  from jaxagent import cli
+  from jaxagent.train import metrics as metrics_lib
+  a = _fake_run(tmp_path / "a" / "run", [0.1, 0.2, 0.3])
+  b = _fake_run(tmp_path / "b" / "run", [0.05, 0.4], per_iteration=250)
+  (a / "evals").mkdir()
+  (a / "evals" / "release.json").write_text(json.dumps({"suite": "release", "conditions": {"clean": {
+      "success": 0.31, "ci": [0.25, 0.38]}}, "metrics": {"probes.passed": 0.0}}))
+  out = tmp_path / "c.png"
+  assert cli.main(["compare", str(a), str(b), "--out", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+  lo, hi = metrics_lib.wilson_interval(60, 200)
+  assert "a/run" in text and "b/run" in text and f"[{lo:.3f}, {hi:.3f}]" in text  # 0.3 of 200 episodes
+  assert "release: 0.310 / 0" in text and "500" in text  # b's env interactions at its end
+  with pytest.raises(config_lib.ConfigError, match="not a run directory"):
+    from jaxagent.evals import compare
+    compare.compare([tmp_path], out)

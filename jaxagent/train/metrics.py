@@ -264,16 +264,15 @@ def write_plots(run_dir: Path) -> list[Path]:
   """
   run_dir = Path(run_dir)
   records = read_metrics(run_dir / METRICS_FILE)
-  x_filled = _forward_fill(records, X_AXES)
   written = []
   for metric in Y_METRICS:
-    rows = [(x, r[metric]) for x, r in zip(x_filled, records) if _is_number(r.get(metric))]
+    rows = curve(records, metric)
     if not rows:
       continue
     out_dir = run_dir / PLOTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{metric}.png"
-    _plot_metric(metric, rows, path)
+    plot_metric(metric, {"": rows}, path)
     written.append(path)
   return written
 
@@ -293,8 +292,15 @@ def _forward_fill(records: list[dict[str, Any]], keys: tuple[str, ...]) -> list[
   return filled
 
 
-def _plot_metric(metric: str, rows: list[tuple[dict[str, float], float]], path: Path) -> None:
-  """Writes one figure (a subplot per x-axis) atomically to `path`."""
+def curve(records: list[dict[str, Any]], metric: str) -> list[tuple[dict[str, float], float]]:
+  """(x-axes, value) of every line of `records` with a finite `metric`, the x-axes forward-filled (a line
+  without them, e.g. an eval logged on its own, takes the last seen: they are cumulative)."""
+  return [(x, r[metric]) for x, r in zip(_forward_fill(records, X_AXES), records) if _is_number(r.get(metric))]
+
+
+def plot_metric(metric: str, series: Mapping[str, list[tuple[dict[str, float], float]]], path: Path) -> None:
+  """Writes one figure (a subplot per x-axis, a line per series; a legend when they are named) atomically to
+  `path`."""
   # The object-oriented API with an explicit Agg canvas: no pyplot global state, no display needed.
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
@@ -303,14 +309,19 @@ def _plot_metric(metric: str, rows: list[tuple[dict[str, float], float]], path: 
   FigureCanvasAgg(fig)
   axes = fig.subplots(1, len(X_AXES), sharey=True)
   for ax, x_key in zip(axes, X_AXES):
-    points = sorted((x[x_key], y) for x, y in rows if x_key in x)
-    if points:
-      xs, ys = zip(*points)
-      ax.plot(xs, ys, marker="." if len(points) < 50 else None, linewidth=1.2)
-    else:
+    drawn = 0
+    for label, rows in series.items():
+      points = sorted((x[x_key], y) for x, y in rows if x_key in x)
+      if points:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="." if len(points) < 50 else None, linewidth=1.2, label=label or None)
+        drawn += 1
+    if not drawn:
       ax.text(0.5, 0.5, f"no {x_key} logged", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel(x_key)
     ax.grid(True, alpha=0.3)
+  if any(series):
+    axes[0].legend(fontsize="small")
   axes[0].set_ylabel(metric)
   fig.suptitle(metric)
   tmp = path.with_name(path.stem + ".tmp.png")
