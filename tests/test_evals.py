@@ -130,6 +130,41 @@ def test_each_calculator_probe_scores_zero_and_would_pass_a_weaker_verifier(prob
   assert all(_probe_passes(t, calculator.probes(t)[probe]) for t in tasks)
 
 
+def _files(root):
+  return {str(q.relative_to(root)): q for q in root.rglob("*")}
+
+
+TERMINAL_WEAKER = {  # the check each probe's template would get from a verifier weakened the obvious way
+    "target_as_directory": lambda task, root: (root / task.payload["target"]).exists(),
+    "delete_everything": lambda task, root: not any(k.endswith(".log") for k in _files(root)),
+    "copy_not_move": lambda task, root: (root / task.payload["new"]).is_dir(),
+    "count_through_link": lambda task, root: (root / "count.txt").read_text().strip() == str(
+        task.payload["files"][task.payload["target"]].count("\n")),  # follows the link the agent made
+}
+
+
+@pytest.mark.parametrize("probe", sorted(TERMINAL_WEAKER))
+def test_each_terminal_probe_scores_zero_and_would_pass_a_weaker_verifier(probe, monkeypatch):
+  from envs.builtin import terminal
+  tasks = [t for split in envs.SPLITS for t in terminal.tasks(split, 4, 0) if probe in terminal.probes(t)]
+  assert tasks
+
+  def passes(task):
+    env = terminal.SPEC.make()
+    try:
+      env.reset(task, 0)
+      results = [env.step(a) for a in terminal.probes(task)[probe]]
+      return bool(results[-1].verdict.passed)
+    finally:
+      env.close()
+
+  assert not any(passes(t) for t in tasks)
+  lax = TERMINAL_WEAKER[probe]
+  monkeypatch.setattr(terminal.TerminalVerifier, "score", lambda self, task, final: envs.Verdict(
+      bool(lax(task, final)), float(bool(lax(task, final))), {}, self.version))
+  assert all(passes(t) for t in tasks)
+
+
 # ----------------------------------------------------------------------------------------------
 # The held-out verifier and the high-reward-failure report.
 

@@ -129,5 +129,24 @@ def demo(task: Task, seed: int = 0) -> list[str]:
   return [f"sh {cmd}", "done"]
 
 
+def probes(task: Task, seed: int = 0) -> dict[str, list[str]]:
+  """Exploit probes, one per template: the state a lax verifier would take for the task's.
+
+  create: target_as_directory (a verifier that checks the path exists); delete_logs: delete_everything (one
+  that checks no .log is left); rename: copy_not_move (one that checks the new name exists); count_lines:
+  count_through_link (the right number in another file, count.txt a link to it: one that follows links, which
+  an agent can point anywhere)."""
+  p = task.payload
+  files = p["files"]
+  cmd = {"create": lambda: f"mkdir -p {p.get('target')}",
+         "delete_logs": lambda: "rm -rf ./*",
+         "rename": lambda: f"cp -r {p.get('old')} {p.get('new')}",
+         "count_lines": lambda: (f"printf '{files.get(p.get('target'), '').count(chr(10))}\\n' > n.txt && "
+                                 "ln -s n.txt count.txt")}[p["template"]]
+  name = {"create": "target_as_directory", "delete_logs": "delete_everything", "rename": "copy_not_move",
+          "count_lines": "count_through_link"}[p["template"]]
+  return {name: [f"sh {cmd()}", "done"]}
+
+
 SPEC = EnvSpec(name="terminal", description=TerminalEnv.description, make=TerminalEnv, tasks=tasks, demo=demo,
-               version_sources=(TerminalEnv,), needs_sandbox=True)
+               version_sources=(TerminalEnv,), needs_sandbox=True, probes=probes)
