@@ -219,15 +219,11 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 def _cmd_eval(args) -> int:
   from jaxagent import config as config_lib
-  from jaxagent.train import loop
+  from jaxagent.train import loop, resume
   from jaxagent.train.run import build_run
 
-  run_dir = Path(args.checkpoint)
-  if run_dir.name == "checkpoints":
-    run_dir = run_dir.parent
+  run_dir = resume.run_directory(args.checkpoint)
   saved = run_dir / "config.yaml"
-  if not saved.is_file():
-    raise config_lib.ConfigError(f"--checkpoint {args.checkpoint}: expected a run directory with config.yaml")
   if args.suite:
     return _eval_suite(args, run_dir)
   if args.gate:

@@ -210,12 +210,8 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
 def run_suite(run_dir: Path | str, suite: Suite, overrides: Sequence[str] = (), *, out: Path | str | None = None,
               echo: bool = True) -> dict[str, Any]:
   """Runs `suite` against the latest checkpoint of the run in `run_dir`; writes and returns the report."""
-  run_dir = Path(run_dir)
-  if run_dir.name == "checkpoints":
-    run_dir = run_dir.parent
+  run_dir = resume.run_directory(run_dir)
   saved = run_dir / "config.yaml"
-  if not saved.is_file():
-    raise config_lib.ConfigError(f"--checkpoint {run_dir}: expected a run directory with config.yaml")
   out = Path(out) if out is not None else run_dir / "evals"
   base = config_lib.load(saved, list(overrides))
   probe_env = envs.get(base.env.name).make(max_turns=base.env.max_turns)

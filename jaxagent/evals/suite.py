@@ -156,6 +156,13 @@ class Suite:
                probe_tasks=_count("probes.tasks", probes.get("tasks", 8), 0))
 
 
+def _read_yaml(path: Path) -> Any:
+  try:
+    return yaml.safe_load(path.read_text())
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path}: invalid YAML: {e}") from None
+
+
 def load(name_or_path: str | Path) -> Suite:
   """A suite YAML: a path, or the name of a shipped suite in `launch/suites/`."""
   path = Path(name_or_path)
@@ -165,11 +172,7 @@ def load(name_or_path: str | Path) -> Suite:
     shipped = sorted(p.stem for p in SUITE_DIR.glob("*.yaml"))
     raise ConfigError(f"--suite {str(name_or_path)!r}: no such file, and not a shipped suite {shipped}")
   try:
-    data = yaml.safe_load(path.read_text())
-  except yaml.YAMLError as e:
-    raise ConfigError(f"{path}: invalid YAML: {e}") from None
-  try:
-    return Suite.from_dict(data, default_name=path.stem)
+    return Suite.from_dict(_read_yaml(path), default_name=path.stem)
   except ConfigError as e:
     raise ConfigError(f"{path}: {e}") from None
 
@@ -199,10 +202,7 @@ def load_gates(path: str | Path, metrics: Mapping[str, float] | None = None) -> 
   path = Path(path)
   if not path.is_file():
     raise ConfigError(f"--gate {str(path)!r}: no such file")
-  try:
-    data = yaml.safe_load(path.read_text())
-  except yaml.YAMLError as e:
-    raise ConfigError(f"{path}: invalid YAML: {e}") from None
+  data = _read_yaml(path)
   items = data.get("gates") if isinstance(data, Mapping) else None
   if not isinstance(items, list) or not items or not all(isinstance(g, str) for g in items):
     raise ConfigError(f"{path}: expected `gates:` with a list of strings like 'clean.success >= 0.2'")

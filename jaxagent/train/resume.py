@@ -11,6 +11,7 @@ The Orbax layer under it (integrity digests, retries, topology changes) is jaxag
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Mapping
 
 import jax
@@ -48,6 +49,17 @@ def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWrite
   if stream is not None:
     meta["stream"] = stream.checkpoint(progress.iteration)
   run.checkpointer.save(progress.iteration, progress.state, meta, run.model_config, config_lib.to_dict(run.config))
+
+
+def run_directory(path: Path | str, flag: str = "--checkpoint") -> Path:
+  """The run directory a command-line path names (the directory itself or its `checkpoints/`); a directory
+  without the run's `config.yaml` is an error naming `flag`."""
+  run_dir = Path(path)
+  if run_dir.name == "checkpoints":
+    run_dir = run_dir.parent
+  if not (run_dir / "config.yaml").is_file():
+    raise config_lib.ConfigError(f"{flag} {path}: expected a run directory with config.yaml")
+  return run_dir
 
 
 def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, Any] | None:

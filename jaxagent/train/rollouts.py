@@ -193,13 +193,8 @@ def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: in
                     overrides: Sequence[str] = ()) -> np.ndarray:
   """Successes of `samples` policy samples on each task ([len(tasks)] ints), from the latest checkpoint of the
   run in `run_dir`, with the run's rollout sampling (its temperature) and env settings."""
-  run_dir = Path(run_dir)
-  if run_dir.name == "checkpoints":
-    run_dir = run_dir.parent
-  saved = run_dir / "config.yaml"
-  if not saved.is_file():
-    raise config_lib.ConfigError(f"--policy {run_dir}: expected a run directory with config.yaml")
-  run = build_run(config_lib.load(saved, list(overrides)), run_dir, purpose="eval", echo=False)
+  run_dir = resume.run_directory(run_dir, "--policy")
+  run = build_run(config_lib.load(run_dir / "config.yaml", list(overrides)), run_dir, purpose="eval", echo=False)
   try:
     if samples < 1 or run.rows % samples:
       raise config_lib.ConfigError(f"--samples {samples}: must divide the run's {run.rows} rollout rows "
