@@ -219,9 +219,7 @@ SUITE = textwrap.dedent("""\
     conditions:
       clean: {}
       tool_down: {perturb: {down_tool: 0}}
-      transient: {perturb: {transient_p: 0.5}}
-      turns_half: {budget: {turns: 0.5}}
-      tokens_half: {budget: {tokens_per_turn: 0.5}}
+      half: {budget: {turns: 0.5, tokens_per_turn: 0.5}}
     pass_k: {k: 4, tasks: 4}
     probes: {tasks: 2}
     """)
@@ -232,7 +230,7 @@ def trained(tmp_path_factory):
   from jaxagent.train import loop
   from tests.test_train import TINY
   root = tmp_path_factory.mktemp("evals")
-  config = config_lib.load("tiny_cpu", TINY + [f"run.root={root}", "train.iterations=1", "train.eval_episodes=0",
+  config = config_lib.load("tiny_cpu", TINY + [f"run.root={root}", "train.iterations=0", "train.eval_episodes=0",
                                                "train.plots=false", "train.bc_steps=150",
                                                "train.bc_learning_rate=3e-3"])  # enough to call tools
   loop.train(config, run_dir=root / "run")
@@ -253,7 +251,7 @@ def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(tr
   assert "gates: all passed" in out and "pass@4" in out and "exploit probes: 0 of 6 scored > 0" in out
   report = json.loads((run_dir / "evals" / "small.json").read_text())
   rows = report["conditions"]
-  assert set(rows) == {"clean", "tool_down", "transient", "turns_half", "tokens_half"}
+  assert set(rows) == {"clean", "tool_down", "half"}
   assert report["probes"]["runs"] == 6 and report["pass_k"]["tasks"] == 4
   for r in rows.values():  # every episode that reached the verifier was scored by the held-out one too
     assert r.get("heldout_scored", 0) == r["terminations"].get("completed", 0)
@@ -284,9 +282,11 @@ def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(tr
   clean_calls = sum(1 for t in episodes["clean"] for turn in t.turns
                     if turn.action.parsed and turn.action.parsed.get("name") == "calc")
   assert clean_calls > 0, "the policy never called calc: the tool_down check above checked nothing"
-  assert all(len(t.turns) <= 2 for t in episodes["turns_half"])  # env.max_turns 4 -> 2
-  for t in episodes["tokens_half"]:  # rollout.max_new_tokens 16 -> 8
-    assert all(turn.action.span[1] - turn.action.span[0] <= 8 for turn in t.turns)
+  for t in episodes["half"]:  # env.max_turns 4 -> 2, rollout.max_new_tokens 16 -> 8
+    assert len(t.turns) <= 2 and all(turn.action.span[1] - turn.action.span[0] <= 8 for turn in t.turns)
+  clean = episodes["clean"]  # what the cuts cut: longer episodes and actions exist without them
+  assert any(len(t.turns) > 2 for t in clean) and any(turn.action.span[1] - turn.action.span[0] > 8
+                                                      for t in clean for turn in t.turns)
   assert rows["tool_down"]["drop"] == pytest.approx((rows["clean"]["successes"] - rows["tool_down"]["successes"]) / 8)
 
   # A gate that fails makes the exit status 1 (a CI job refuses the checkpoint).
