@@ -406,6 +406,9 @@ class TasksConfig:
                          "same few tasks again and again memorizes them instead of learning the skill)")
   train_file: str | None = field(None, help="train on the tasks of this JSONL file (`jaxagent tasks filter` "
                                  "output) instead of the env's generator")
+  train_size: int = field(100_000, ge=1, help="train tasks made by the env's generator, which the supply draws "
+                          "from (a generator that searches for solvable tasks, like sokoban's, takes a while for "
+                          "the default; a short run needs far fewer)")
   contamination: Literal["refuse", "warn", "off"] = field(
       "refuse", help="at startup, near-duplicates of eval tasks among the train tasks the run can draw: refuse "
       "above max_contamination, warn, or skip the check")

@@ -146,7 +146,7 @@ def test_gigpo_run_on_sokoban_groups_steps_by_anchor_state(tmp_path):
   config = config_lib.load("sokoban_cpu", TINY + [
       f"run.root={tmp_path}", "train.iterations=2", "train.eval_episodes=0", "train.plots=false",
       "algo.turn_reward_weight=0.5", "tasks.variance_filter=0.5", "env.max_turns=4", "rollout.max_context=256",
-      "rollout.branch.at=[0]", "rollout.branch.k=2"])
+      "rollout.branch.at=[0]", "rollout.branch.k=2", "tasks.train_size=2000"])
   loop.train(config, run_dir=tmp_path / "run")
   rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   rl = [r for r in rows if "reward_mean" in r]

@@ -65,3 +65,24 @@ def test_splits_use_rooms_far_apart():
       assert len(walls[i] ^ walls[j]) >= sokoban.SEPARATION
   layouts = {s: {t.payload["layout"] for t in sokoban.tasks(s, 100, 0)} for s in envs.SPLITS}
   assert all(sokoban.SPLIT_OF_LAYOUT[k % 10] == s for s, ks in layouts.items() for k in ks)
+
+
+def test_the_generators_lower_bound_never_exceeds_a_shortest_solution():
+  """`lower_bound` lets the task generator skip hopeless draws without a search: it must never be above the true
+  shortest solution (then it would drop solvable tasks), and it should prune (else it is worth nothing)."""
+  import random
+  rng = random.Random(0)
+  rooms = sokoban.rooms(7, 4, 20)
+  pruned = checked = 0
+  for _ in range(400):
+    rows = rooms[rng.randrange(len(rooms))]
+    boxes = rng.choice((1, 2))
+    cells = rng.sample(sorted(sokoban._floor(rows)), 2 * boxes + 1)  # pylint: disable=protected-access
+    player, box_cells, goals = cells[0], cells[1:1 + boxes], cells[1 + boxes:]
+    bound = sokoban.lower_bound(player, box_cells, goals)
+    path = sokoban.solve(rows, player, box_cells, goals, max_moves=12)
+    if path is not None:
+      checked += 1
+      assert bound <= len(path), (rows, player, box_cells, goals, bound, path)
+    pruned += bound > 6
+  assert checked > 30 and pruned > 100

@@ -64,8 +64,26 @@ def rooms(size: int, walls: int, count: int) -> tuple[tuple[str, ...], ...]:
                              for c in range(size)) for r in range(size)) for blocked in kept)
 
 
-def _floor(rows: Iterable[str]) -> set[Cell]:
-  return {(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch != "#"}
+def _floor(rows: Iterable[str]) -> frozenset[Cell]:
+  return _floor_of(tuple(rows))
+
+
+@functools.lru_cache(maxsize=1024)
+def _floor_of(rows: tuple[str, ...]) -> frozenset[Cell]:
+  return frozenset((r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch != "#")
+
+
+def lower_bound(player: Cell, boxes: Iterable[Cell], goals: Iterable[Cell]) -> int:
+  """Moves no solution can take fewer of: every push moves one box one cell, so a box needs at least its
+  Manhattan distance to the nearest goal in pushes; and before the first push the player walks at least to a
+  cell next to a box that must move. The task generator skips draws whose bound exceeds `max_moves` before
+  searching: the same tasks come out, without a breadth-first search for each hopeless draw."""
+  goals = list(goals)
+  far = [(b, min(abs(b[0] - g[0]) + abs(b[1] - g[1]) for g in goals)) for b in boxes]
+  pushes = sum(d for _, d in far)
+  if not pushes:
+    return 0
+  return pushes + min(abs(player[0] - b[0]) + abs(player[1] - b[1]) for b, d in far if d) - 1
 
 
 def _reachable(floor: set[Cell], start: Cell, boxes: Iterable[Cell]) -> set[Cell]:
@@ -234,6 +252,8 @@ def tasks(split: str, n: int, seed: int = 0, *, size: int = 7, boxes: int = 1, w
       continue
     cells = rng.sample(floor, 2 * boxes + 1)
     player, box_cells, goals = cells[0], cells[1:1 + boxes], cells[1 + boxes:]
+    if lower_bound(player, box_cells, goals) > max_moves:
+      continue
     path = solve(rows, player, box_cells, goals, max_moves=max_moves)
     if path is None or len(path) < min_moves:
       continue

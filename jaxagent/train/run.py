@@ -45,7 +45,6 @@ from jaxagent.train.step import (StepOptions, cast_floating, make_logprob_fn, ma
                                  policy_params)
 from jaxagent.train.value import ValueHead
 
-NUM_TRAIN_TASKS = 100_000
 Purpose = Literal["train", "eval"]
 
 
@@ -217,11 +216,11 @@ class ContaminationError(config_lib.ConfigError):
 
 
 def train_tasks(cfg: Config, env_spec: envs.EnvSpec, options: Mapping[str, Any] | None = None) -> list[envs.Task]:
-  """The train task list: `tasks.train_file`'s tasks, or NUM_TRAIN_TASKS from the env's generator (with
+  """The train task list: `tasks.train_file`'s tasks, or `tasks.train_size` from the env's generator (with
   `options`, a stage's, else env.options)."""
   if options is not None or cfg.tasks.train_file is None:
     options = cfg.env.options if options is None else options
-    return env_spec.tasks("train", NUM_TRAIN_TASKS, cfg.run.seed, **dict(options or {}))
+    return env_spec.tasks("train", cfg.tasks.train_size, cfg.run.seed, **dict(options or {}))
   where = f"tasks.train_file={cfg.tasks.train_file!r}"
   try:
     env_name, task_list = pipeline.read_jsonl(cfg.tasks.train_file)
