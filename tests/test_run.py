@@ -92,6 +92,8 @@ def test_resume_refuses_a_changed_env_unless_allowed_and_recorded(tmp_path):
     changed = dataclasses.replace(run, env_versions={**run.env_versions, "verifier": "calculator-v2"})
     with pytest.raises(loop.EnvChangedError, match=r"verifier: checkpoint '\S+' vs now 'calculator-v2'"):
       loop.restore(changed)
+    with pytest.warns(RuntimeWarning, match="evaluating on a changed environment"):  # evaluation asks, not trains
+      assert "env_change_allowed" not in loop.restore(dataclasses.replace(changed, purpose="eval"))[1]
     allowed = dataclasses.replace(changed, config=dataclasses.replace(
         run.config, train=dataclasses.replace(run.config.train, allow_env_change=True)))
     with pytest.warns(RuntimeWarning, match="changed environment"):

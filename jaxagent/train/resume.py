@@ -63,7 +63,8 @@ def run_directory(path: Path | str, flag: str = "--checkpoint") -> Path:
 
 
 def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, Any] | None:
-  """Refuses to resume on a changed env, parser or verifier unless `train.allow_env_change` (then recorded).
+  """Refuses to resume on a changed env, parser or verifier unless `train.allow_env_change` (then recorded);
+  an evaluation (`build_run(purpose="eval")`) warns and goes on.
 
   Returns the change to record in the checkpoint metadata (None when nothing changed).
   """
@@ -75,6 +76,10 @@ def check_env_versions(run: Run, stored: Mapping[str, Any] | None) -> dict[str, 
   if not diff:
     return None
   detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+  if run.purpose == "eval":  # evaluating an old policy on today's env is a question worth asking; say so
+    warnings.warn(f"evaluating on a changed environment ({detail}): the numbers describe this env, not the one "
+                  "the policy was trained on", RuntimeWarning, stacklevel=2)
+    return None
   if not run.config.train.allow_env_change:
     raise EnvChangedError(f"the environment changed since the checkpoint ({detail}); resuming would train the "
                           "policy on other tasks or rewards than it was trained on so far. To resume anyway, pass "
