@@ -142,11 +142,11 @@ class PerturbedEnv(Env):
     p = self.perturbation
     start = time.perf_counter()
     if call.name == p.down_tool:
-      result = StepResult(Observation(DOWN_REPLY.format(tool=call.name)), {}, False, None,
-                          dict(perturbation="down_tool"))
+      result = StepResult(Observation.capped(DOWN_REPLY.format(tool=call.name), self.max_obs_bytes), {}, False,
+                          None, dict(perturbation="down_tool"))
     elif p.transient_p and self._rng("transient").random() < p.transient_p:
-      result = StepResult(Observation(TRANSIENT_REPLY.format(tool=call.name)), {}, False, None,
-                          dict(perturbation="transient"))
+      result = StepResult(Observation.capped(TRANSIENT_REPLY.format(tool=call.name), self.max_obs_bytes), {},
+                          False, None, dict(perturbation="transient"))
     else:
       self.inner.turn = self.turn
       result = self.inner._step(call)  # pylint: disable=protected-access  # the hook Env.step would call

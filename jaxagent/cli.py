@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -254,10 +255,16 @@ def _eval_suite(args, run_dir: Path) -> int:
     suite = dataclasses.replace(suite, split=args.split)
   if args.gate and not Path(args.gate).is_file():  # before minutes of evaluation, not after
     raise config_lib.ConfigError(f"--gate {args.gate!r}: no such file")
-  report = runner.run_suite(run_dir, suite, args.overrides, out=args.out)
-  print(runner.table(report))
   out = Path(args.out) if args.out else run_dir / "evals"
-  print(f"report: {out / (suite.name + '.json')}; episodes: {out / suite.name}/<condition>/ (jaxagent inspect)")
+  saved = out / f"{suite.name}.json"
+  if args.reuse:
+    if not saved.is_file():
+      raise config_lib.ConfigError(f"--reuse: no report {saved}; run the suite once without --reuse")
+    report = json.loads(saved.read_text())
+  else:
+    report = runner.run_suite(run_dir, suite, args.overrides, out=out)
+  print(runner.table(report))
+  print(f"report: {saved}; episodes: {out / suite.name}/<condition>/ (jaxagent inspect)")
   if not args.gate:
     return 0
   failed = 0
@@ -332,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--gate", help="with --suite: a YAML of gates (`gates: ['clean.success >= 0.2', ...]`); exit 1 "
                  "when one fails")
   p.add_argument("--out", help="with --suite: where the report and episodes go (default RUN/evals)")
+  p.add_argument("--reuse", action="store_true", help="with --suite: read the suite's report already under --out "
+                 "instead of running it again (e.g. to try other --gate files)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
   p.set_defaults(func=_cmd_eval)
 

@@ -75,6 +75,21 @@ def test_gates_parse_and_unknown_metrics_list_the_valid_ones(tmp_path):
     suite_lib.load_gates(path)
 
 
+def test_shipped_gate_files_name_metrics_the_release_suite_produces():
+  suite = suite_lib.load("release")
+  clean = runner.ConditionResult("clean", "clean", (), np.array([True, False]), 0.5, {}, dict.fromkeys(
+      runner.COST_KEYS, 1.0), 1.0, (1, 1))
+  report = {"conditions": {c.name: dataclasses.replace(clean, name=c.name, kind=c.kind).summary(
+      None if c.name == "clean" else clean) for c in suite.conditions},
+            "pass_k": runner._pass_estimates(np.array([1, 2]), suite.pass_k),  # pylint: disable=protected-access
+            "probes": {"passed": 0, "by_probe": {}}}
+  metrics = runner.flat_metrics(report)
+  shipped = sorted(suite_lib.SUITE_DIR.glob("*gates*.yaml"))
+  assert len(shipped) >= 2
+  for path in shipped:
+    assert suite_lib.load_gates(path, metrics)  # every metric named exists
+
+
 def test_pass_at_k_and_pass_hat_k_are_the_unbiased_estimators():
   counts = np.array([0, 1, 2, 4])  # successes of 4 samples, per task
   est = runner._pass_estimates(counts, 4)  # pylint: disable=protected-access
@@ -294,6 +309,10 @@ def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(tr
   assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", str(trained / "clean.yaml"), "--episodes", "8",
                    "--gate", str(trained / "fail.yaml"), "--out", str(trained / "again")]) == 1
   assert "gate FAIL  clean.success > 1" in capsys.readouterr().out
+  # --reuse gates the stored report without running the suite again
+  assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", str(trained / "small.yaml"), "--reuse",
+                   "--gate", str(trained / "pass.yaml")]) == 0
+  assert "gates: all passed" in capsys.readouterr().out
   assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", "nope"]) == 2
 
 

@@ -39,6 +39,8 @@ def heldout_verdict(t: tr.Trajectory) -> bool | None:
 
 
 def _evidence(t: tr.Trajectory) -> str:
+  if t.verifier.passed is None:
+    return "none (the episode ended before the verifier ran)"
   evidence = dict(t.verifier.evidence) if isinstance(t.verifier.evidence, Mapping) else {}
   evidence.pop("heldout", None)
   return json.dumps(evidence, default=str)[:400]
