@@ -304,10 +304,14 @@ def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(tr
                                                       for t in clean for turn in t.turns)
   assert rows["tool_down"]["drop"] == pytest.approx((rows["clean"]["successes"] - rows["tool_down"]["successes"]) / 8)
 
-  # A gate that fails makes the exit status 1 (a CI job refuses the checkpoint).
+  # A gate that fails makes the exit status 1 (a CI job refuses the checkpoint). Run again into the same place,
+  # a suite replaces its episodes.
   (trained / "clean.yaml").write_text("conditions: {clean: {}}\npass_k: {k: 0}\nprobes: {tasks: 0}\n")
   assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", str(trained / "clean.yaml"), "--episodes", "8",
                    "--gate", str(trained / "fail.yaml"), "--out", str(trained / "again")]) == 1
+  assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", str(trained / "clean.yaml"), "--episodes", "8",
+                   "--out", str(trained / "again")]) == 0
+  assert len(list(trajectory_store.read(trained / "again" / "clean" / "clean"))) == 8
   assert "gate FAIL  clean.success > 1" in capsys.readouterr().out
   # --reuse gates the stored report without running the suite again
   assert cli.main(["eval", "--checkpoint", str(run_dir), "--suite", str(trained / "small.yaml"), "--reuse",

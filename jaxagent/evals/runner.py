@@ -107,6 +107,11 @@ def _store(directory: Path | None, trajectories: Sequence[tr.Trajectory]) -> Non
   if directory is None:
     return
   prefix = trajectory_store.shard_prefix(jax.process_index(), jax.process_count())
+  if directory.is_dir():  # a suite run again replaces its episodes (they are made again from the checkpoint)
+    pattern = trajectory_store.shard_pattern(prefix)
+    for old in directory.iterdir():
+      if pattern.match(old.name):
+        old.unlink()
   with trajectory_store.TrajectoryWriter(directory, prefix=prefix) as writer:
     for t in trajectories:
       writer.write(t)
