@@ -31,8 +31,20 @@ def _params(model):
   return nnx.split(model)[1]
 
 
+_FORWARDS = {}
+
+
 def _full_logits(model, seq):
-  return np.asarray(model(jnp.asarray([seq], jnp.int32)))[0]
+  """The model's logits for `seq`, one full forward without a cache (the reference the sampler must match).
+
+  Jitted once per model and padded on the right to a multiple of 32 tokens: causal attention keeps padding out
+  of the real positions' logits, and an eager forward per sequence length would compile every op again."""
+  if id(model) not in _FORWARDS:
+    graphdef, _ = nnx.split(model)
+    _FORWARDS[id(model)] = (model, jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)))
+  _, forward = _FORWARDS[id(model)]
+  padded = list(seq) + [PAD] * (-len(seq) % 32)
+  return np.asarray(forward(nnx.split(model)[1], jnp.asarray([padded], jnp.int32)))[0, :len(seq)]
 
 
 PROMPTS = [[5, 9, 3, 7, 1], [2, 4], [8, 8, 6, 11, 13, 17, 19, 23]]
