@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
 SHELL = sorted(p for p in LAUNCH.rglob("*") if p.suffix in (".sh", ".sbatch"))
 # Trainer launchers; configs: tests/test_config.py; k8s (env servers, not a trainer): tests/test_envs_remote.py
-YAML = sorted(p for p in LAUNCH.rglob("*.yaml") if "configs" not in p.parts and "k8s" not in p.parts)
+YAML = sorted(p for p in LAUNCH.rglob("*.yaml") if not {"configs", "k8s", "suites"} & set(p.parts))
 
 
 def test_launchers_exist():
