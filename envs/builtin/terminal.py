@@ -137,15 +137,16 @@ def probes(task: Task, seed: int = 0) -> dict[str, list[str]]:
   count_through_link (the right number in another file, count.txt a link to it: one that follows links, which
   an agent can point anywhere)."""
   p = task.payload
-  files = p["files"]
-  cmd = {"create": lambda: f"mkdir -p {p.get('target')}",
-         "delete_logs": lambda: "rm -rf ./*",
-         "rename": lambda: f"cp -r {p.get('old')} {p.get('new')}",
-         "count_lines": lambda: (f"printf '{files.get(p.get('target'), '').count(chr(10))}\\n' > n.txt && "
-                                 "ln -s n.txt count.txt")}[p["template"]]
-  name = {"create": "target_as_directory", "delete_logs": "delete_everything", "rename": "copy_not_move",
-          "count_lines": "count_through_link"}[p["template"]]
-  return {name: [f"sh {cmd()}", "done"]}
+  if p["template"] == "create":
+    name, cmd = "target_as_directory", f"mkdir -p {p['target']}"
+  elif p["template"] == "delete_logs":
+    name, cmd = "delete_everything", "rm -rf ./*"
+  elif p["template"] == "rename":
+    name, cmd = "copy_not_move", f"cp -r {p['old']} {p['new']}"
+  else:
+    lines = p["files"][p["target"]].count("\n")
+    name, cmd = "count_through_link", f"printf '{lines}\\n' > n.txt && ln -s n.txt count.txt"
+  return {name: [f"sh {cmd}", "done"]}
 
 
 SPEC = EnvSpec(name="terminal", description=TerminalEnv.description, make=TerminalEnv, tasks=tasks, demo=demo,
