@@ -34,13 +34,19 @@ class Tool:
     name: lower-case letters and underscores.
     description: one line, shown to the policy in the system prompt.
     parameters: JSON Schema of the arguments object; JSON calls are validated against it.
-    arg: the parameter that the line syntax `NAME ARG` fills (None: the line form takes no argument).
+    arg: the parameter that the line syntax `NAME ARG` fills (None: the line form takes no argument), and that
+      `Call.arg` holds whichever syntax the call came in.
+    keywords: the line form is `NAME key=value key=value ...` (a tool of several typed parameters): each value is
+      a JSON literal (`"two words"`, `"a\\nb"`, `3`, `[1, 2]`) or a bare word typed by the schema (`7` for an
+      integer, `toolz/dicttoolz.py` for a string); the arguments are validated against the schema as JSON calls
+      are, and `Call.arguments` holds them in both syntaxes.
   """
   name: str
   description: str = ""
   parameters: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: {"type": "object", "properties": {}})
   arg: str | None = None
+  keywords: bool = False
 
   def __post_init__(self):
     if not re.fullmatch(r"[a-z_]+", self.name):
@@ -58,6 +64,14 @@ class Tool:
     return cls(name, description, {"type": "object", "properties": {arg: {"type": arg_type,
                                                                           "description": arg_description}},
                                    "required": [arg]}, arg)
+
+  @classmethod
+  def with_params(cls, name: str, description: str, params: Mapping[str, tuple[str | list[str], str]],
+                  required: tuple[str, ...] = (), arg: str | None = None) -> "Tool":
+    """A tool of several typed parameters {name: (JSON type, description)} and the keyword line form."""
+    return cls(name, description, {"type": "object", "properties": {
+        k: {"type": t, "description": d} for k, (t, d) in params.items()}, "required": list(required),
+        "additionalProperties": False}, arg, keywords=True)
 
   def schema(self) -> dict[str, Any]:
     """The OpenAI-style function schema that `tokenizer.apply_chat_template(tools=...)` renders."""
@@ -90,6 +104,51 @@ def _typed(text: str, schema: Mapping[str, Any]) -> Any:
 
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+_BARE = re.compile(r"[^\s\"\[{]\S*")
+_KEY = re.compile(r"([a-z_][a-z0-9_]*)=")
+
+
+def parse_keywords(text: str, tool: Tool) -> dict[str, Any]:
+  """`key=value key=value ...` (see `Tool.keywords`) as an arguments object; ParseError names the position."""
+  out: dict[str, Any] = {}
+  props = tool.parameters.get("properties", {})
+  decoder, i = json.JSONDecoder(), 0
+  while True:
+    while i < len(text) and text[i] == " ":
+      i += 1
+    if i == len(text):
+      return out
+    key = _KEY.match(text, i)
+    if key is None:
+      raise ParseError(f"{tool.name}: expected key=value at column {i + 1}, got {text[i:i + 20]!r}; keys are "
+                       f"{' '.join(props)}")
+    name, i = key.group(1), key.end()
+    if name in out:
+      raise ParseError(f"{tool.name}: {name}= given twice")
+    if i < len(text) and text[i] in "\"[{":
+      try:
+        value, i = decoder.raw_decode(text, i)
+      except json.JSONDecodeError as e:
+        raise ParseError(f"{tool.name}: {name}= is not a JSON value ({e.msg} at column {e.pos + 1})") from None
+    else:
+      bare = _BARE.match(text, i)
+      word = bare.group(0) if bare else ""
+      i += len(word)
+      value = _typed(word, props.get(name, {})) if word else ""
+    if i < len(text) and text[i] != " ":
+      raise ParseError(f"{tool.name}: expected a space after {name}= at column {i + 1}")
+    out[name] = value
+
+
+def format_keywords(arguments: Mapping[str, Any]) -> str:
+  """The keyword line form of `arguments` (strings bare when they read back as themselves)."""
+  parts = []
+  for k, v in arguments.items():
+    bare = isinstance(v, str) and _BARE.fullmatch(v) and not re.fullmatch(r"-?[\d.]+(e-?\d+)?|true|false|null", v)
+    parts.append(f"{k}={v if bare else json.dumps(v, ensure_ascii=False)}")
+  return " ".join(parts)
 
 
 def _check_wire_ints(value: Any, tool: str) -> None:
@@ -170,7 +229,9 @@ class ActionParser:
     name, _, arg = text.partition(" ")
     if not re.fullmatch(r"[a-z_]+", name):
       raise ParseError(f"bad tool name {name[:20]!r}")
-    self._tool(name)
+    tool = self._tool(name)
+    if tool.keywords:
+      return self._checked(tool, parse_keywords(arg, tool))
     return Call(name, arg.strip())
 
   def _parse_json(self, text: str) -> Call:
@@ -199,6 +260,10 @@ class ActionParser:
         raise ParseError(f"arguments of {tool.name!r}: a string that is not JSON ({e.msg})") from None
     if not isinstance(arguments, dict):
       raise InvalidAction(f"arguments of {tool.name!r} must be a JSON object, got {type(arguments).__name__}")
+    return self._checked(tool, arguments)
+
+  def _checked(self, tool: Tool, arguments: dict[str, Any]) -> Call:
+    """The call of `tool` with `arguments` validated against its schema."""
     import jsonschema  # pylint: disable=g-import-not-at-top  # only JSON-syntax runs need it
     errors = sorted(jsonschema.Draft202012Validator(_plain(tool.parameters)).iter_errors(arguments),
                     key=lambda e: list(map(str, e.absolute_path)))
@@ -214,6 +279,8 @@ class ActionParser:
     """The action text of `call` in this parser's syntax (scripted demonstrations are written as lines); a line
     argument becomes the JSON type its schema asks for (a tool whose `arg` is an integer gets 7, not "7")."""
     tool = self._tool(call.name)
+    if self.syntax == "line" and tool.keywords:
+      return f"{call.name} {format_keywords(call.arguments)}".rstrip()
     if self.syntax == "line":
       return f"{call.name} {call.arg}".rstrip() if tool.arg else call.name
     if call.arguments:

@@ -121,3 +121,37 @@ def test_a_json_syntax_pool_sends_the_syntax_to_its_workers():
     pool.reset_many([0], [TASK], [0])
     result, = pool.step_many([0], ['<tool_call>{"name": "calc", "arguments": {"expression": "3*4"}}</tool_call>'])
   assert result.observation.text == "12" and result.call.arguments == {"expression": "3*4"}
+
+
+EDIT = envs.Tool.with_params("edit", "Replace text.", {"path": ("string", "a file"), "old": ("string", "text"),
+                                                      "new": ("string", "text"), "count": ("integer", "how many")},
+                             required=("path", "old", "new"), arg="path")
+
+
+@pytest.mark.parametrize("line", [
+    'edit path=a/b.py old="x <= 1\\n  y" new=z count=3',    # JSON string values (escapes), bare words typed
+    'edit path=a/b.py old="x <= 1\\n  y" new="z" count=3',  # a string may be quoted or bare
+    'edit  count=3   new=z old="x <= 1\\n  y" path=a/b.py',  # any order, extra spaces
+])
+def test_keyword_line_form_gives_the_json_calls_arguments(line):
+  line_parser = envs.ActionParser((EDIT,))
+  json_parser = line_parser.with_syntax("json")
+  call = line_parser.parse(line)
+  assert dict(call.arguments) == {"path": "a/b.py", "old": "x <= 1\n  y", "new": "z", "count": 3}
+  assert call.arg == "a/b.py"  # Tool.arg's value, whichever syntax
+  assert json_parser.parse(json_parser.format(call)) == call  # a line demo becomes the same JSON call
+  assert line_parser.parse(line_parser.format(call)) == call
+
+
+@pytest.mark.parametrize("line, error, message", [
+    ("edit path=a.py", envs.InvalidAction, "'old' is a required property"),
+    ("edit path=a.py old=x new=y colour=red", envs.InvalidAction, "'colour' was unexpected"),
+    ("edit path=a.py old=x new=y count=many", envs.InvalidAction, "count: 'many' is not of type 'integer'"),
+    ("edit a.py", envs.ParseError, "expected key=value at column 1"),
+    ('edit path="a.py', envs.ParseError, "path= is not a JSON value"),
+    ('edit path=a.py old="x"y new=1', envs.ParseError, "expected a space after old="),
+    ("edit path=a.py path=b.py old=x new=y", envs.ParseError, "path= given twice"),
+])
+def test_keyword_line_form_errors_name_the_bad_part(line, error, message):
+  with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+    envs.ActionParser((EDIT,)).parse(line)
