@@ -34,7 +34,6 @@ import ast
 import concurrent.futures
 import functools
 import hashlib
-import io
 import json
 import os
 import random
@@ -43,11 +42,11 @@ import secrets
 import shutil
 import sys
 import tempfile
-import tokenize
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from envs import _sandbox
+from envs.builtin import mutations as mutations_lib
 from envs._api import (COMPLETED, ENV_TIMEOUT, ActionParser, Call, Env, EnvError, EnvSpec, InvalidAction,
                        Observation, StepResult, Task, Verdict, Verifier, source_version, Tool)
 
@@ -149,73 +148,23 @@ def format_report(report: Mapping[str, Any], only: Sequence[str] = ()) -> str:
 # ----------------------------------------------------------------------------------------------
 # Mutations.
 
-CMP_SWAP = {"<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "!=", "!=": "=="}
-ARITH_FLIP = {"+": "-", "-": "+", "+=": "-=", "-=": "+="}
-BOOL_SWAP = {"and": "or", "or": "and"}
-
-
-def _tokens(source: str) -> list[tokenize.TokenInfo]:
-  return [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-          if t.type in (tokenize.OP, tokenize.NAME)]
-
-
-def _token_between(toks, start: tuple[int, int], end: tuple[int, int], wanted: Mapping[str, str]):
-  hits = [t for t in toks if t.start >= start and t.end <= end and t.string in wanted]
-  if len(hits) != 1 or hits[0].start[0] != hits[0].end[0]:
-    return None
-  return hits[0]
+CODE_REPAIR_KINDS = ("cmp_swap", "const_off_by_one", "arith_flip", "bool_swap", "negate_cond")
 
 
 def candidate_mutations(module: str, source: str) -> list[dict[str, Any]]:
-  """Every single-line mutation of `source` by the operators above, in source order."""
+  """Every single-line mutation of `source` by code_repair's operators (`envs.builtin.mutations`), in source
+  order."""
   if not source.isascii():
-    raise ValueError(f"{module}: the package sources must be ASCII (AST columns are byte offsets)")
-  tree, toks, lines = ast.parse(source), _tokens(source), source.splitlines()
-  out = []
-
-  def add(kind, line, col, original, replacement):
-    if lines[line - 1][col:col + len(original)] != original:
-      raise AssertionError(f"{module}:{line}:{col}: expected {original!r}")  # a bug in this generator
-    out.append(dict(module=module, line=line, col=col, kind=kind, original=original, replacement=replacement))
-
-  def between(a: ast.AST, b: ast.AST, table, kind):
-    t = _token_between(toks, (a.end_lineno, a.end_col_offset), (b.lineno, b.col_offset), table)
-    if t is not None:
-      add(kind, t.start[0], t.start[1], t.string, table[t.string])
-
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Compare):
-      operands = [node.left] + node.comparators
-      for a, b in zip(operands, operands[1:]):
-        between(a, b, CMP_SWAP, "cmp_swap")
-    elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
-      between(node.left, node.right, {"+": "-", "-": "+"}, "arith_flip")
-    elif isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Add, ast.Sub)):
-      between(node.target, node.value, {"+=": "-=", "-=": "+="}, "arith_flip")
-    elif isinstance(node, ast.BoolOp):
-      for a, b in zip(node.values, node.values[1:]):
-        between(a, b, BOOL_SWAP, "bool_swap")
-    elif isinstance(node, ast.Constant) and type(node.value) is int and node.lineno == node.end_lineno:
-      text = lines[node.lineno - 1][node.col_offset:node.end_col_offset]
-      for delta in (1, -1):
-        add("const_off_by_one", node.lineno, node.col_offset, text, str(node.value + delta))
-    elif isinstance(node, (ast.If, ast.While)) and node.test.lineno == node.test.end_lineno:
-      t = node.test
-      text = lines[t.lineno - 1][t.col_offset:t.end_col_offset]
-      add("negate_cond", t.lineno, t.col_offset, text, f"not ({text})")
-  out.sort(key=lambda m: (m["line"], m["col"], m["kind"], m["replacement"]))
-  return out
+    raise ValueError(f"{module}: the package sources must be ASCII")
+  return mutations_lib.candidates(module, source, CODE_REPAIR_KINDS)
 
 
 def apply_mutation(source: str, m: Mapping[str, Any]) -> str:
   """`source` with mutation `m` applied; raises EnvError if `source` is not the text `m` was made from."""
-  lines = source.splitlines(keepends=True)
-  line, col, orig = int(m["line"]), int(m["col"]), str(m["original"])
-  if not 1 <= line <= len(lines) or lines[line - 1][col:col + len(orig)] != orig:
-    raise EnvError(f"mutation {m!r} does not match {m.get('module')} (stale task for another package version?)")
-  text = lines[line - 1]
-  lines[line - 1] = text[:col] + str(m["replacement"]) + text[col + len(orig):]
-  return "".join(lines)
+  try:
+    return mutations_lib.apply(source, m)
+  except mutations_lib.MutationMismatch as e:
+    raise EnvError(str(e)) from None
 
 
 def pristine(module: str) -> str:
@@ -289,11 +238,8 @@ def valid_mutations(module: str) -> tuple[dict[str, Any], ...]:
   return tuple(m for m in found if m is not None)
 
 
-def mutation_id(m: Mapping[str, Any]) -> str:
-  return f"{m['module']}:{m['line']}:{m['col']}:{m['kind']}:{m['replacement']}"
-
-
-TASK_VERSION = source_version(candidate_mutations, data=DATA_FILES)  # this whole file: operators, how applied
+mutation_id = mutations_lib.mutation_id
+TASK_VERSION = source_version(candidate_mutations, mutations_lib.candidates, data=DATA_FILES)  # operators, how applied
 
 
 def tasks(split: str, n: int, seed: int = 0, mutations: int = 1) -> list[Task]:
@@ -381,20 +327,7 @@ def demo(task: Task, seed: int = 0) -> list[str]:
 # Verifier and env.
 
 
-def _identifiers(source: str) -> set[str]:
-  names: set[str] = set()
-  for node in ast.walk(ast.parse(source)):
-    if isinstance(node, ast.Name):
-      names.add(node.id)
-    elif isinstance(node, ast.Attribute):
-      names.add(node.attr)
-    elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-      names.add(node.name)
-    elif isinstance(node, ast.arg):
-      names.add(node.arg)
-    elif isinstance(node, ast.alias):
-      names.add(node.asname or node.name)
-  return names
+_identifiers = mutations_lib.identifiers
 
 
 class CodeRepairVerifier(Verifier):
