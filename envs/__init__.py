@@ -19,12 +19,14 @@ from envs._registry import (ENTRY_POINT_GROUP, UnknownEnvError, check_name, get,
 from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)
 from envs.builtin import calculator as _calculator
 from envs.builtin import code_repair as _code_repair
+from envs.builtin import database as _database
 from envs.builtin import faults as _faults
 from envs.builtin import gridworld as _gridworld
 from envs.builtin import guess as _guess
 from envs.builtin import sokoban as _sokoban
+from envs.builtin import swe as _swe
 from envs.builtin import terminal as _terminal
 
-for _m in (_calculator, _guess, _gridworld, _sokoban, _terminal, _faults, _code_repair):
+for _m in (_calculator, _guess, _gridworld, _sokoban, _terminal, _faults, _code_repair, _swe, _database):
   register(_m.SPEC)
 del _m

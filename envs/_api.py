@@ -17,7 +17,7 @@ import hashlib
 import inspect
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 # The rest of the API, re-exported: built-in envs and user code import it from here or from `envs`.
 from envs._tools import (  # noqa: F401
@@ -244,6 +244,9 @@ class EnvSpec:
     probes: `probes(task, seed) -> {name: [actions]}`, exploit probes: scripted episodes that try to game the
       verifier without doing the task (an answer in a format a lax parser would take, a file written in place
       of the work); each must score 0 (`jaxagent eval --suite`). None: the env defines none.
+    data_dirs: `data_dirs() -> {VARIABLE: directory}`, data the env reads at run time from outside its package (a
+      fetched corpus, in the cache): a sandboxed local worker gets each directory bound read-only at the same
+      path and VARIABLE set to it, so the env finds it there as here. None: the package holds all its data.
   """
   name: str
   description: str
@@ -256,6 +259,7 @@ class EnvSpec:
   needs_sandbox: bool = False
   describe: Callable[[Task], str] | None = None
   probes: Callable[..., dict[str, list[str]]] | None = None
+  data_dirs: Callable[[], Mapping[str, Path]] | None = None
 
   def __post_init__(self):
     for attr, args, kwargs, expected in _CALLS:

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from envs import _registry
 from envs import _sandbox
@@ -66,14 +66,16 @@ def import_roots(module: str | None) -> list[tuple[str, str]]:
   return out
 
 
-def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tuple[str, str]] = ()) -> list[str]:
+def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tuple[str, str]] = (),
+                  data_dirs: Mapping[str, str | os.PathLike] | None = None) -> list[str]:
   """bubblewrap: no network, read-only root of system dirs + the interpreter + envs/, private /tmp.
 
   Nothing else of the host filesystem (home, the repo, datasets, eval answers) exists inside. `user_modules`
   (`import_roots` pairs) are the top-level packages of a user env, each bound read-only under its own
   /opt/userN on PYTHONPATH; nothing else of their sys.path entry is visible, so such a package can use the
   standard library, msgpack and `envs` only (for more, use the docker pool with an image that has them, or
-  sandbox='none').
+  sandbox='none'). `data_dirs` ({VARIABLE: directory}, `EnvSpec.data_dirs`) are bound read-only at the same path,
+  each VARIABLE set to its directory.
   """
   import msgpack  # pylint: disable=g-import-not-at-top
   python = os.path.realpath(sys.executable)
@@ -85,6 +87,9 @@ def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tup
   for i, (root, name) in enumerate(user_modules):
     cmd += ["--ro-bind", os.path.join(root, name), f"/opt/user{i}/{name}"]
     pythonpath.append(f"/opt/user{i}")
+  for var, path in dict(data_dirs or {}).items():
+    path = os.path.realpath(path)
+    cmd += ["--ro-bind", path, path, "--setenv", var, path]
   cmd += ["--setenv", "PYTHONPATH", os.pathsep.join(pythonpath), "--setenv", "HOME", "/tmp",
           "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
           "--chdir", "/tmp", "--remount-ro", "/", python]
@@ -166,6 +171,11 @@ class LocalWorker(Worker):
     super().__init__(cfg, index)
     self.sandbox = sandbox
     self.roots = import_roots(_registry.module_of(cfg.env))
+    try:
+      spec = _registry.get(cfg.env)
+    except Exception:  # pylint: disable=broad-except  (the worker reports an unknown env when it starts)
+      spec = None
+    self.data_dirs = {k: str(v) for k, v in (spec.data_dirs() if spec and spec.data_dirs else {}).items()}
     self.proc: subprocess.Popen | None = None
     self.dir = tempfile.mkdtemp(prefix=f"envw{index}-")
 
@@ -175,12 +185,12 @@ class LocalWorker(Worker):
       os.unlink(sock)
     argv = ["-m", "envs.server", self.env_ref, "--episode-sandbox", "bwrap" if self.sandbox else "none", "--socket"]
     if self.sandbox:
-      cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"], self.roots)
+      cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"], self.roots, self.data_dirs)
       env = None
     else:
       cmd = [sys.executable] + argv + [sock]
       path = [str(ENVS_DIR.parent)] + [root for root, _ in self.roots] + [os.environ.get("PYTHONPATH", "")]
-      env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in dict.fromkeys(path) if p))
+      env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in dict.fromkeys(path) if p), **self.data_dirs)
     self.log = open(os.path.join(self.dir, "stderr.log"), "ab")
     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=env,
                                  start_new_session=True)

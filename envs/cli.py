@@ -1,4 +1,5 @@
-"""`jaxagent envs list | check ENV | serve ENV`: registered envs, measured replay rate, worker server.
+"""`jaxagent envs list | check ENV | swe-corpus | serve ENV`: registered envs, measured replay rate, the swe
+corpus's scale report, worker server.
 
 ENV is a registered name (built-ins and installed `jaxagent.envs` entry points, which `list` shows) or
 `package.module:ATTR` naming an EnvSpec; a bad one exits 2 with one line saying what is valid.
@@ -103,6 +104,11 @@ def register(subparsers) -> None:
   q.add_argument("--workers", type=int, default=1)
   q.add_argument("--seed", type=int, default=0)
   q.set_defaults(func=_cmd_check)
+  q = sub.add_parser("swe-corpus", help="the swe env's corpus: fetch the PyPI packages, run their tests, mine "
+                     "mutants (cached), print the scale report")
+  from envs.builtin import swe_corpus  # pylint: disable=g-import-not-at-top
+  swe_corpus.add_args(q)
+  q.set_defaults(func=swe_corpus.cmd_report)
   q = sub.add_parser("serve", help="host env instances behind the wire protocol (unix socket or loopback TCP)")
   from envs.server import add_serve_args  # pylint: disable=g-import-not-at-top
   add_serve_args(q)

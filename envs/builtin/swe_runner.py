@@ -1,0 +1,150 @@
+"""Test runner of the `swe` env: runs a real package's own pytest tests in a fresh interpreter, inside the
+episode's sandbox (never imported by envs; stdlib + pytest, found on PYTHONPATH).
+
+    python -B swe_runner.py WORK_DIR < SPEC
+
+SPEC (stdin, one JSON object): nonce; paths (test files or directories, relative to WORK_DIR); kept (node ids
+to run, null: all collected); select (node ids to run among those, null: all); per_test_s (an alarm per test);
+trace (directories under WORK_DIR whose executed lines are recorded, null: no tracing); report (where to write
+the report, a JSON file). The one stdout line `NONCE SHA256` vouches for the report: its sha256 (what the code
+under test prints cannot forge it, nor can it swap the file unseen). The report: {results: {node id: passed|failed|error|skipped|timeout}, messages: {node id: the
+exception's one-line message}, durations: {node id: seconds}, collect_errors: {node id: message}, lines: {file:
+[line, ...]}}. Messages name no paths and no line numbers of the code under test (a task's text is written from
+them and must not point at the mutated line).
+"""
+
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import threading
+
+MESSAGE_CHARS = 300
+
+
+class _TestTimeout(BaseException):
+  """Raised by the alarm; a BaseException so `except Exception` in the code under test cannot swallow it."""
+
+
+def _message(report) -> str:
+  crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+  text = crash.message if crash is not None else str(getattr(report, "longrepr", ""))
+  text = re.sub(r"(/[\w.-]+)+\.py(:\d+)?", "<file>", text.strip())  # no paths, no line numbers
+  return text.splitlines()[0][:MESSAGE_CHARS] if text else ""
+
+
+class Report:
+  """The pytest plugin that selects the tests and records what happened to each."""
+
+  def __init__(self, spec):
+    self.kept = None if spec.get("kept") is None else set(spec["kept"])
+    self.select = None if spec.get("select") is None else set(spec["select"])
+    self.per_test_s = float(spec.get("per_test_s") or 0)
+    self.results, self.messages, self.durations, self.collect_errors = {}, {}, {}, {}
+    self.timed_out = set()
+    self.current = None
+
+  def pytest_collection_modifyitems(self, config, items):
+    keep = [i for i in items if (self.kept is None or i.nodeid in self.kept)
+            and (self.select is None or i.nodeid in self.select)]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
+
+  def pytest_collectreport(self, report):
+    if report.failed:
+      self.collect_errors[report.nodeid] = _message(report)
+
+  def pytest_runtest_call(self, item):
+    self.current = item.nodeid
+    if self.per_test_s > 0:
+      signal.setitimer(signal.ITIMER_REAL, self.per_test_s)
+
+  def pytest_runtest_teardown(self, item):
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+  def alarm(self, signum, frame):
+    self.timed_out.add(self.current)
+    raise _TestTimeout(f"the test ran longer than {self.per_test_s:g}s")
+
+  def pytest_runtest_logreport(self, report):
+    nodeid = report.nodeid
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+      if report.passed:
+        status = "passed"
+      elif report.skipped:
+        status = "skipped"
+      elif nodeid in self.timed_out:
+        status = "timeout"
+      else:
+        status = "failed" if report.when == "call" else "error"
+      self.results[nodeid] = status
+      if status in ("failed", "error", "timeout"):
+        self.messages[nodeid] = _message(report)
+      if report.when == "call":
+        self.durations[nodeid] = round(report.duration, 4)
+    elif report.when == "teardown" and report.failed and self.results.get(nodeid) == "passed":
+      self.results[nodeid] = "error"
+      self.messages[nodeid] = _message(report)
+
+
+def _tracer(roots):
+  """A line tracer recording the executed lines of files under `roots`."""
+  lines = {}
+
+  def local(frame, event, arg):
+    if event == "line":
+      lines[frame.f_code.co_filename].add(frame.f_lineno)
+    return local
+
+  def global_(frame, event, arg):
+    name = frame.f_code.co_filename
+    if name.startswith(roots):
+      lines.setdefault(name, set()).add(frame.f_lineno)
+      return local
+    return None
+
+  return global_, lines
+
+
+def main() -> None:
+  work = os.path.abspath(sys.argv[1])
+  spec = json.loads(sys.stdin.readline())
+  nonce = spec["nonce"]
+  out = os.fdopen(os.dup(1), "w")
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)  # pytest's and the code under test's output go nowhere
+  os.dup2(devnull, 2)
+  os.chdir(work)
+  sys.path.insert(0, work)
+  import pytest  # pylint: disable=g-import-not-at-top  (after the output is redirected)
+  plugin = Report(spec)
+  signal.signal(signal.SIGALRM, plugin.alarm)
+  lines = None
+  if spec.get("trace"):
+    roots = tuple(os.path.join(work, d) + os.sep for d in spec["trace"])
+    tracer, lines = _tracer(roots)
+    threading.settrace(tracer)
+    sys.settrace(tracer)
+  args = ["-q", "-p", "no:cacheprovider", "-p", "no:stepwise", "--rootdir", work, "-c", os.devnull,
+          "-o", "addopts=", "--import-mode=prepend", *spec["paths"]]
+  try:
+    code = int(pytest.main(args, plugins=[plugin]))
+  finally:
+    sys.settrace(None)
+    threading.settrace(None)
+  report = dict(exit_code=code, results=plugin.results, messages=plugin.messages, durations=plugin.durations,
+                collect_errors=plugin.collect_errors)
+  if lines is not None:
+    report["lines"] = {os.path.relpath(f, work): sorted(v) for f, v in sorted(lines.items())}
+  data = json.dumps(report).encode()
+  with open(spec["report"], "wb") as f:
+    f.write(data)
+  out.write(f"{nonce} {hashlib.sha256(data).hexdigest()}\n")
+  out.flush()
+  os._exit(0)
+
+
+if __name__ == "__main__":
+  main()
