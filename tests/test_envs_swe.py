@@ -6,6 +6,7 @@ the cache on first use (pinned sha256)."""
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -18,7 +19,7 @@ LIMIT = 10  # mutants tried per package here (the scale report tries more)
 
 
 @pytest.fixture(scope="module")
-def eval_tasks():
+def eval_tasks(swe_eval_corpus):
   return SPEC.tasks("eval", 12, 0, limit=LIMIT)
 
 
@@ -31,7 +32,7 @@ def test_splits_are_by_repository():
 
 
 @pytest.mark.slow
-def test_unmodified_packages_pass_their_kept_tests_and_mutants_fail_some():
+def test_unmodified_packages_pass_their_kept_tests_and_mutants_fail_some(swe_eval_corpus):
   for pkg in corpus.split_packages("eval"):
     base = corpus.baseline(pkg)
     assert base["kept"] and base["package_version"] == pkg.version and base["sha256"] == pkg.sha256
@@ -139,7 +140,12 @@ def test_probes_score_zero_and_the_new_identifier_rule_is_needed(eval_tasks):
 
 @pytest.mark.slow
 def test_contamination_passes_between_repositories_and_finds_a_planted_near_duplicate(eval_tasks):
-  tune = SPEC.tasks("tune", 12, 0, limit=LIMIT)
+  try:
+    tune = SPEC.tasks("tune", 12, 0, limit=LIMIT)
+  except envs.EnvError as e:  # the tune package could not be fetched: as the eval ones, skip only outside CI
+    if os.environ.get("JAXAGENT_REQUIRE_MODELS") == "1":
+      raise
+    pytest.skip(f"the swe tune package is unavailable ({e})")
   clean = contamination.check(tune, eval_tasks, describe=SPEC.describe)
   assert clean.contaminated == 0, clean.line()
   victim = eval_tasks[0]

@@ -90,14 +90,15 @@ def test_format_types_arguments_by_schema_and_refuses_an_argument_nobody_takes()
 
 
 def test_every_builtin_env_declares_tool_schemas():
-  for name in ("calculator", "guess", "gridworld", "terminal", "code_repair"):
+  for name in ("calculator", "guess", "gridworld", "terminal", "code_repair", "database", "swe"):
     env = envs.get(name).make()
     try:
       for tool in env.parser.tools:
         schema = tool.schema()["function"]
         assert schema["description"], (name, tool.name)
         assert schema["parameters"]["type"] == "object"
-        assert tool.arg is None or tool.arg in schema["parameters"]["required"]
+        # A line tool's one argument is required; a keyword tool's are named, `arg` only says which is Call.arg.
+        assert tool.keywords or tool.arg is None or tool.arg in schema["parameters"]["required"]
     finally:
       env.close()
 

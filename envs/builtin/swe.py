@@ -143,9 +143,9 @@ def _unique_snippet(text: str, line: int) -> str:
   """The shortest run of whole lines starting at `line` (1-based) that occurs once in `text`."""
   lines = text.splitlines(keepends=True)
   for end in range(line, len(lines) + 1):
-    snippet = "".join(lines[line - 1:end])
+    snippet = "".join(lines[line - 1:end]).rstrip("\n")  # what `edit` is given: checked as given
     if text.count(snippet) == 1:
-      return snippet.rstrip("\n")
+      return snippet
   return "".join(lines[line - 1:]).rstrip("\n")
 
 
@@ -300,8 +300,9 @@ class SweEnv(_sandbox.SandboxedEpisodes, Env):
         raise EnvError(f"task {task.id}: {e}") from None
       (self.box.work / rel).write_text(text, encoding="utf-8")
     failing = task.payload["failing_tests"]
-    try:
-      report = corpus.run_tests(self.box, pkg.test_paths, kept=self.kept, select=failing)
+    try:  # a reset may take longer than a step: it is bounded by the pool's reset_timeout_s (30 s by default)
+      report = corpus.run_tests(self.box, pkg.test_paths, kept=self.kept, select=failing,
+                                timeout_s=corpus.RESET_RUN_TIMEOUT_S)
     except corpus.RunnerTimeout as e:
       raise EnvError(f"task {task.id}: {e}") from None
     if not any(report["results"].get(t) == "failed" for t in failing):

@@ -49,6 +49,7 @@ RUNNER = HERE / "swe_runner.py"
 KEEP_TEST_S = 0.25          # a test slower than this on the pristine tree is not kept
 PER_TEST_S = 2.0            # the alarm of one test (episodes and mining)
 RUN_TIMEOUT_S = 9.0         # one run of the kept tests (below the pool's default 10 s action timeout)
+RESET_RUN_TIMEOUT_S = 25.0  # the failing tests at reset (below the pool's default 30 s reset timeout)
 BASELINE_TIMEOUT_S = 300.0  # the baseline runs every test of the package
 DEFAULT_LIMIT = 48          # mutants tried per package when a split's tasks are first asked for
 PYTEST_DISTS = ("pytest", "pluggy", "iniconfig", "packaging", "pygments")
