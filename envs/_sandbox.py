@@ -319,6 +319,21 @@ def run_capped(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stdin:
 # Reading an agent's artifacts from outside its sandbox.
 
 
+def replace_file(path: Path, text: str) -> None:
+  """Replaces `path` by a new regular file holding `text` (UTF-8, mode 644), never writing through whatever an
+  agent left at that name (a link, a FIFO); OSError when it cannot (e.g. the agent's code put a directory
+  there), with nothing left behind."""
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".edit-")
+  try:
+    os.fchmod(fd, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except OSError:
+    os.unlink(tmp)
+    raise
+
+
 def read_artifact(root: Path, rel: str, max_bytes: int = ARTIFACT_CAP_BYTES) -> bytes | None:
   """The bytes of regular file `rel` under `root`, or None when it is missing, is not a regular file or has a
   symlink anywhere on its path (an agent's link to a worker file, or a FIFO that would block a reader, is

@@ -447,16 +447,8 @@ class CodeRepairEnv(_sandbox.SandboxedEpisodes, Env):
     """Replaces module `name` by a new file (never writes through whatever the agent left at that name)."""
     self._own_root()
     try:
-      fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".edit-")
-    except OSError as e:
-      raise InvalidAction(f"cannot edit {name}: {e.strerror}") from None
-    try:
-      os.fchmod(fd, 0o644)
-      with os.fdopen(fd, "w") as f:
-        f.write(text)
-      os.replace(tmp, self.root / name)
+      _sandbox.replace_file(self.root / name, text)
     except OSError as e:  # the package's code put a directory at that name
-      os.unlink(tmp)
       raise InvalidAction(f"cannot edit {name}: {e.strerror}") from None
 
   def _own_root(self) -> None:

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -393,14 +392,9 @@ class SweEnv(_sandbox.SandboxedEpisodes, Env):
     target = self.root / rel
     if target.parent.is_symlink() or not target.parent.is_dir():
       raise InvalidAction(f"cannot edit {rel}: its directory is not there any more")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".edit-")
     try:
-      os.fchmod(fd, 0o644)
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-      os.replace(tmp, target)
+      _sandbox.replace_file(target, text)
     except OSError as e:
-      Path(tmp).unlink(missing_ok=True)
       raise InvalidAction(f"cannot edit {rel}: {e.strerror}") from None
 
   def _tool_run_tests(self, args) -> StepResult:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from envs import _sandbox
-from envs._api import EnvError
+from envs._api import EnvError, source_version
 from envs.builtin import mutations as mutations_lib
 
 HERE = Path(__file__).resolve().parent
@@ -431,7 +431,8 @@ def try_mutant(pkg: Package, tree: Path, kept: Sequence[str], ms: Sequence[Mappi
 
 
 def mine(pkg: Package, limit: int = DEFAULT_LIMIT, *, workers: int = 2, mode: str = "auto") -> dict[str, Any]:
-  """The first `limit` candidates of the package tried (cached per mutation); returns the mined record."""
+  """The first `limit` candidates of the package tried (cached per mutation); returns the mined record, with
+  `order` (this limit's candidates, `candidate_order`) and `candidates` (how many there are) added."""
   base = baseline(pkg, mode=mode)
   path = package_dir(pkg) / "mined.json"
   version, digest = _corpus_version(), kept_digest(base)
@@ -448,16 +449,14 @@ def mine(pkg: Package, limit: int = DEFAULT_LIMIT, *, workers: int = 2, mode: st
         record["tried"][mutations_lib.mutation_id(m)] = dict(result, mutation=m)
     record["seconds"] = round(record["seconds"] + time.perf_counter() - started, 2)
     _write_json(path, record)
-  record["candidates"] = len(order)
-  return record
+  return dict(record, candidates=len(order), order=order[:limit])
 
 
 def valid_mutations(pkg: Package, limit: int = DEFAULT_LIMIT) -> list[dict[str, Any]]:
   """The kept single mutations among the package's first `limit` candidates, in candidate order."""
   record = mine(pkg, limit)
-  base = baseline(pkg)
   out = []
-  for m in candidate_order(pkg, base)[:limit]:
+  for m in record["order"]:
     r = record["tried"].get(mutations_lib.mutation_id(m))
     if r is not None and r["verdict"] == "kept":
       out.append(dict(m, failing_tests=r["failing"], messages=r["messages"]))
@@ -469,7 +468,6 @@ MINING_VERSION = 1  # bump when what baseline/mine keep changes (KEEP_TEST_S, cl
 
 def _corpus_version() -> str:
   """Cached baselines and mined mutants are reused while the runner, the operators and MINING_VERSION stay."""
-  from envs._api import source_version  # pylint: disable=g-import-not-at-top
   return source_version(mutations_lib.candidates, data=(RUNNER,), extra=f"mining-{MINING_VERSION}")
 
 
@@ -484,7 +482,7 @@ def report(packages: Sequence[Package] = PACKAGES, limit: int = DEFAULT_LIMIT, w
     started = time.perf_counter()
     base = baseline(pkg)
     record = mine(pkg, limit, workers=workers)
-    tried = [record["tried"][mutations_lib.mutation_id(m)] for m in candidate_order(pkg, base)[:limit]
+    tried = [record["tried"][mutations_lib.mutation_id(m)] for m in record["order"]
              if mutations_lib.mutation_id(m) in record["tried"]]
     reasons = collections.Counter(r["verdict"] for r in tried)
     run_s = [r["s"] for r in tried if r["s"]]
