@@ -33,13 +33,19 @@ def to_global(tree: Any, mesh: Mesh | None, rules: models.Rules) -> Any:
   if mesh is None:
     return jax.tree.map(jax.numpy.asarray, tree)
 
-  def put(x):
-    x = np.asarray(x)
+  def sharding(x):
     shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-    spec = models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), shape, mesh, rules)
-    if spec[0] is None and jax.process_count() > 1:
+    return NamedSharding(mesh, models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), shape, mesh, rules))
+
+  tree = jax.tree.map(np.asarray, tree)
+  if jax.process_count() == 1:  # every row is here: one batched transfer for the whole tree
+    return jax.device_put(tree, jax.tree.map(sharding, tree))
+
+  def put(x):
+    s, shape = sharding(x), (x.shape[0] * jax.process_count(),) + x.shape[1:]
+    if s.spec[0] is None:  # replicated: every process holds every row
       x = host_gather(x)
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, shape)
+    return jax.make_array_from_process_local_data(s, x, shape)
 
   return jax.tree.map(put, tree)
 

@@ -58,6 +58,14 @@ SAMPLED_ROLES = (Role.POLICY, Role.REASONING)
 OBSERVATION_ROLES = (Role.TOOL, Role.ERROR)
 
 
+def _has_role(roles: np.ndarray, allowed) -> np.ndarray:
+  """bool per token: its role is one of `allowed` (a table lookup: `np.isin` costs ~20 us per call, and
+  validation calls it a few times per turn of every trajectory a rollout builds)."""
+  table = np.zeros(256, bool)
+  table[[int(r) & 0xFF for r in allowed]] = True
+  return table[np.asarray(roles, np.int8).view(np.uint8)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Small frozen records.
 
@@ -247,14 +255,14 @@ class Trajectory:
         raise TrajectoryFormatError(f"{name}: length {getattr(self, name).shape[0]} != tokens length {n}")
     if n and ((self.tokens < 0).any()):
       raise TrajectoryFormatError("tokens: negative token id")
-    valid_roles = np.isin(self.roles, [int(r) for r in Role])
+    valid_roles = _has_role(self.roles, Role)
     if not valid_roles.all():
       j = int(np.argmin(valid_roles))
       raise TrajectoryFormatError(f"roles[{j}]={int(self.roles[j])}: not a Role")
     if not self.reasoning.kept and (self.roles == Role.REASONING).any():
       raise TrajectoryFormatError("REASONING tokens present but reasoning.kept is false")
     trainable = [Role.POLICY] + ([Role.REASONING] if self.reasoning.trained else [])
-    bad = self.loss_mask & ~np.isin(self.roles, [int(r) for r in trainable])
+    bad = self.loss_mask & ~_has_role(self.roles, trainable)
     if bad.any():
       j = int(np.argmax(bad))
       raise TrajectoryFormatError(
@@ -283,7 +291,7 @@ class Trajectory:
       raise TrajectoryFormatError(f"{where}.span={tuple(span)}: outside the stream [0, {len(self)}]")
     inside = self.roles[start:stop]
     # Spans may include template control tokens (role SYSTEM) around the content.
-    ok = np.isin(inside, [int(r) for r in roles] + [int(Role.SYSTEM)])
+    ok = _has_role(inside, tuple(roles) + (Role.SYSTEM,))
     if not ok.all():
       j = start + int(np.argmin(ok))
       raise TrajectoryFormatError(f"{where}.span: token {j} has role {Role(int(self.roles[j])).name}")

@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import statistics
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -456,10 +457,20 @@ class RolloutEngine:
     self.reasoning = tr.Reasoning(kept=chat.has_reasoning, trained=chat.has_reasoning and train_reasoning)
     self.env_version = pool.version or env_spec.version
     self.env_times: collections.deque[float] = collections.deque(maxlen=256)  # recent env replies (seconds)
+    self._replies = 0                            # env replies seen
+    self._typical: tuple[int, float] = (0, 0.0)  # (replies seen, their median): `typical_env_s`'s memo
+
+  def env_replied(self, seconds: float) -> None:
+    """Records how long an env reply took (`typical_env_s`)."""
+    self.env_times.append(seconds)
+    self._replies += 1
 
   def typical_env_s(self) -> float:
-    """The median time of the recent env replies (resets and steps); 0 before 8 have been seen."""
-    return float(np.median(self.env_times)) if len(self.env_times) >= 8 else 0.0
+    """The median time of the recent env replies (resets and steps); 0 before 8 have been seen. Recomputed
+    only after new replies (the scheduler asks before every device call)."""
+    if self._typical[0] != self._replies:
+      self._typical = (self._replies, statistics.median(self.env_times) if len(self.env_times) >= 8 else 0.0)
+    return self._typical[1]
 
   @property
   def slots(self) -> int:
@@ -672,7 +683,7 @@ class _Scheduler:
 
   def _on_reset(self, ep: _Episode, obs) -> None:
     ep.reset_s = ep.answered - ep.since
-    self.engine.env_times.append(ep.reset_s)
+    self.engine.env_replied(ep.reset_s)
     if isinstance(obs, Exception):
       # The env never produced a first observation: the episode ends before any turn, recorded with the fault
       # (no action token, so no loss, no advantage-group member).
@@ -709,7 +720,7 @@ class _Scheduler:
   def _on_step(self, ep: _Episode, result: envs.StepResult) -> None:
     span, text, tokens = ep.action
     t_env = ep.answered - ep.since
-    self.engine.env_times.append(t_env)
+    self.engine.env_replied(t_env)
     ep.env_s += t_env
     self.env_steps += 1
     self.engine.record_step(ep, result, span, text, tokens, ep.action_version, ep.last_decode_s, t_env)
