@@ -266,7 +266,7 @@ class RolloutConfig:
       "`slots` episodes whose every turn waits for the wave's slowest env (the engine before v2, for comparison)")
   env_transport: Literal[TRANSPORTS] = field(  # type: ignore[valid-type]
       "host_loop", help="host_loop: Python drives the jitted feed/decode calls between env replies; callback: "
-      "one jitted program per rollout reaches the envs through io_callback (single process)")
+      "one jitted program per rollout reaches the envs through io_callback (each process its own rows' envs)")
   decode_chunk: int = field(8, ge=1, help="decode steps between looks at the envs (finished actions leave and "
                             "fed rows join at chunk boundaries)")
   branch: BranchConfig = field(BranchConfig(), help="branching rollouts: continuations from the states of "
@@ -586,9 +586,6 @@ def check_combinations(config: Config, num_processes: int) -> None:
       raise ConfigError(f"{name}={value}: must be divisible by {where}")
   if rollout.slots is not None and rollout.slots % num_processes:
     raise ConfigError(f"rollout.slots={rollout.slots}: must be divisible by {where} (each runs its share)")
-  if rollout.env_transport == "callback" and num_processes > 1:
-    raise ConfigError(f"rollout.env_transport='callback' runs in a single process for now, not {where}; use "
-                      "rollout.env_transport=host_loop")
   if train.freshness != "sync":
     where = f"train.freshness={train.freshness!r}"
     for bad, why in ((num_processes > 1, f"runs in one process for now, not {num_processes}"),

@@ -8,18 +8,20 @@ rows; jitted code works on global arrays. The helpers here are the only crossing
   host_sum(x) / host_gather(x)   a host value summed / concatenated over processes
   host_sums(named)               several named host values summed in one collective, read back by name
   any_process(flag)              one decision every process agrees on
+  per_shard_callback(fn, ...)    inside jitted code: a host callback per row block, on the host that holds it
 
 Each is the identity (no collective) in a single-process run.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.experimental import io_callback, multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
 
@@ -116,3 +118,41 @@ def host_max(value: Any) -> np.ndarray:
 def any_process(flag: bool) -> bool:
   """True if `flag` is true on any process (the same answer on all of them)."""
   return bool(host_sum(np.asarray(bool(flag), np.int32)) > 0)
+
+def per_shard_callback(fn: Callable, shapes: Sequence[jax.ShapeDtypeStruct], args: Sequence[jax.Array], mesh: Mesh,
+                       batch_axes: str | Sequence[str]) -> tuple[jax.Array, ...]:
+  """`io_callback(fn, shapes, shard, *rows)` once per shard of the batch; traceable.
+
+  Runs inside `shard_map` over `batch_axes`, so each shard (on every host) calls `fn` on its own host with only
+  its own rows: `fn(shard, *args_rows)` gets the shard's index along `batch_axes` (row-major when several) and
+  its rows of each of `args` (batch-leading), and returns arrays of `shapes` (per shard; batch-leading outputs
+  are concatenated over shards like the inputs). Outside `shard_map` the callback would gather the whole batch
+  to one device (docs/design.md §4). Mesh axes the batch is not sharded over hold replicas of each row block:
+  only the replica at index 0 calls the host (an env must be stepped once), the others receive its result
+  through a psum.
+  """
+  axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  axis = axes if len(axes) > 1 else axes[0]
+  replica_axes = tuple(a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1)
+
+  def call(shard, *rows):
+    return io_callback(fn, tuple(shapes), shard, *rows, ordered=False)
+
+  def per_shard(*rows):
+    shard = jax.lax.axis_index(axis)
+    if not replica_axes:
+      return call(shard, *rows)
+    leader = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in replica_axes]))
+    zeros = tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+    out = jax.lax.cond(leader, call, lambda *_: zeros, shard, *rows)
+    out = [jax.lax.psum(o.astype(jnp.int32) if o.dtype == jnp.bool_ else o, replica_axes) for o in out]
+    return tuple(o.astype(s.dtype) for o, s in zip(out, shapes))
+
+  spec = PartitionSpec(axis)
+  # Whatever layout the caller had, the batch goes to its shards (a no-op when it is already there).
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  place = jax.reshard if explicit else jax.lax.with_sharding_constraint
+  args = tuple(place(a, sharding) for a in args)
+  return tuple(jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * len(args), out_specs=(spec,) * len(shapes),
+                             check_vma=False)(*args))

@@ -2,6 +2,7 @@
 resume as 1 process x 8 devices on a different mesh; the result equals an uninterrupted 1-process run. Each host's env workers see only
 that host's trajectories."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,27 @@ def test_named_host_sums_read_back_by_name_with_the_values_dtype():
   mixed = multihost.host_sums({"n": 3, "seconds": 0.5})
   assert mixed["n"].dtype == np.float64 and float(mixed["seconds"]) == 0.5
   assert multihost.host_sums({}) == {}
+
+
+@pytest.mark.slow
+def test_callback_transport_on_two_processes_equals_host_loop(tmp_path):
+  """rollout.env_transport=callback with 2 processes x 2 devices (4 row blocks, 2 per process): each process's
+  program reaches only its own env workers, with only its own rows (io_callback inside shard_map), and produces
+  the trajectories host_loop produces from the same tasks, seeds, key and weights (tests/_callback_rollout.py)."""
+  launched = subprocess.run(
+      [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "2", "--timeout", "420",
+       "--module", "tests._callback_rollout", "--", str(tmp_path)],
+      env=_processes.cpu_env(2), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
+  results = [json.loads((tmp_path / f"p{p}.json").read_text()) for p in (0, 1)]
+  pids = []
+  for p, r in enumerate(results):
+    assert (r["process"], r["processes"], r["devices"]) == (p, 2, 2)
+    assert len(r["same"]) == 32 and all(r["same"])  # this process's 4 tasks x 8 samples
+    for a, b in zip(r["host_loop"], r["callback"]):
+      assert a["logprobs"] == b["logprobs"] and a["termination"] == b["termination"]
+      assert a["process"] == b["process"] == p
+    assert {t["turns"] for t in r["callback"]} == {4}  # frames fed and envs stepped inside the program
+    assert r["exchanges"] > 4
+    pids.append({t["pid"] for t in r["callback"]})
+  assert pids[0] and pids[1] and not pids[0] & pids[1]  # each process stepped only its own env workers

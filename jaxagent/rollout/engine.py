@@ -32,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import statistics
+import threading
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -212,7 +213,7 @@ class SampledActions(Actor):
     self.extend_s += time.perf_counter() - t0
     return {"refill_rows": float(len(rows)), "refill_kl": float(kl[rows].mean())}
 
-  def _global_ids(self, f: Feed) -> Feed:
+  def global_ids(self, f: Feed) -> Feed:
     """Forks and episodes name this process's rows and episodes: make them global."""
     offset = jax.process_index() * self.slots
     return f.replace(fork=np.where(f.fork >= 0, f.fork + offset, -1).astype(np.int32),
@@ -220,7 +221,7 @@ class SampledActions(Actor):
 
   def feed(self, f):
     t0 = time.perf_counter()
-    self.state, ok = self.sampler.feed(self.params, self.state, self._global_ids(f))
+    self.state, ok = self.sampler.feed(self.params, self.state, self.global_ids(f))
     ok = multihost.local_rows(ok)
     self._fed(f, ok)
     self.extend_s += time.perf_counter() - t0
@@ -235,7 +236,7 @@ class SampledActions(Actor):
 
   def feed_decode(self, f, lockstep):
     t0 = time.perf_counter()
-    self.state, ok = self.sampler.step(self.params, self.state, self._global_ids(f), self._steps(lockstep))
+    self.state, ok = self.sampler.step(self.params, self.state, self.global_ids(f), self._steps(lockstep))
     ok = multihost.local_rows(ok)
     self._fed(f, ok)
     self.decode_s += time.perf_counter() - t0
@@ -255,12 +256,66 @@ class SampledActions(Actor):
   # -- the callback transport
 
   def run_program(self, exchange: Callable) -> None:
-    """Runs the rollout as one jitted program (`Sampler.run_callback_program`) whose io_callback is `exchange`."""
-    if jax.process_count() > 1:
-      raise ValueError("rollout.env_transport=callback runs in a single process for now (its io_callback sees "
-                       "every row); use env_transport=host_loop with several processes")
+    """Runs the rollout as one jitted program (`Sampler.run_callback_program`) whose host side is `exchange`
+    (all of this process's rows at once; `_BlockExchange` gathers the program's per-block calls for it)."""
+    rows = self.slots * jax.process_count()
+    _, blocks = self.sampler.batch_shards(rows)
+    per_block = rows // blocks
+    if self.slots % per_block:
+      raise ValueError(f"rollout.env_transport=callback: this process's {self.slots} rows are not whole blocks of "
+                       f"the batch's {blocks} shards ({per_block} rows each)")
     # The exchange adds the device's share (time between exchanges) to decode_s.
-    self.state = self.sampler.run_callback_program(self.params, self.state, exchange, self.width, self.chunk)
+    self.state = self.sampler.run_callback_program(
+        self.params, self.state, _BlockExchange(exchange, self.slots // per_block, per_block,
+                                                first=jax.process_index() * self.slots // per_block),
+        self.width, self.chunk)
+
+
+class _BlockExchange:
+  """The callback program's host side in one process: the program calls once per row block this process holds
+  (on as many threads as it has devices: `multihost.per_shard_callback`); the scheduler exchanges once for all of
+  the process's rows. The last block to arrive runs the exchange; the others wait for its answer.
+
+  Args:
+    exchange: `_Scheduler.exchange` (this process's rows in, this process's next feed and `stop` out).
+    blocks: row blocks held here; rows: rows per block; first: the global index of this process's first block.
+  """
+
+  def __init__(self, exchange: Callable, blocks: int, rows: int, first: int, timeout_s: float = 3600.0):
+    self.exchange, self.blocks, self.rows, self.first, self.timeout_s = exchange, blocks, rows, first, timeout_s
+    self.cond = threading.Condition()
+    self.arrived: dict[int, tuple] = {}
+    self.round = 0
+    self.answers: dict[int, tuple] = {}
+
+  def __call__(self, block, *rows):
+    k = int(np.asarray(block).reshape(-1)[0]) - self.first
+    if not 0 <= k < self.blocks:
+      raise RuntimeError(f"the rollout program called for row block {k + self.first}; this process holds blocks "
+                         f"{self.first}..{self.first + self.blocks - 1}")
+    with self.cond:
+      mine = self.round
+      self.arrived[k] = rows
+      if len(self.arrived) == self.blocks:
+        inputs = [np.concatenate([np.asarray(self.arrived[i][j]) for i in range(self.blocks)])
+                  for j in range(len(rows))]
+        self.arrived = {}
+        try:
+          self.answers[mine] = self.exchange(*inputs)
+        except BaseException as e:  # every waiting block raises it too (no block is left waiting)
+          self.answers[mine] = e
+        self.answers.pop(mine - 1, None)
+        self.round += 1
+        self.cond.notify_all()
+      elif not self.cond.wait_for(lambda: self.round > mine, timeout=self.timeout_s):
+        raise RuntimeError(f"row block {k + self.first} waited {self.timeout_s:.0f} s for this process's other "
+                           "blocks to reach the host exchange")
+      answer = self.answers[mine]
+    if isinstance(answer, BaseException):
+      raise answer
+    *fields, stop = answer
+    cut = slice(k * self.rows, (k + 1) * self.rows)
+    return tuple(np.asarray(x)[cut] for x in fields) + (np.asarray(stop, bool).reshape(1),)
 
 
 class ScriptedActions(Actor):
@@ -951,6 +1006,12 @@ class _Scheduler:
       f, plan = self._poll()
       if f is not None or self._running().any() or self.remaining == 0:
         break
+      if jax.process_count() > 1:
+        # Other processes' rows may have work: waiting here for an env would hold the whole program (and
+        # them) at this exchange. Wait briefly, then let the program run a round with nothing of ours in it.
+        self._wait(0.005)
+        f, plan = self._poll()
+        break
       self._wait(None)
     self.last_feed = plan
     if f is None:
@@ -959,6 +1020,7 @@ class _Scheduler:
       tokens = np.full((self.engine.slots, self.actor.width), self.chat.tokenizer.pad_id, np.int32)
       tokens[:, :f.tokens.shape[1]] = f.tokens
       f = f.replace(tokens=tokens)
+    f = self.actor.global_ids(f)
     self.device_mark = time.perf_counter()
     return (f.tokens, f.lengths, f.reset, f.episode, f.prompt_done, f.fork, f.start,
             np.asarray(self.remaining == 0))

@@ -1,9 +1,9 @@
 """Host-callback bridge: step environments from inside a jitted rollout program.
 
 `EnvBridge.step(action_tokens_ba, action_lengths_b)` is traceable (usable under `jit`, `lax.while_loop`,
-`lax.scan`). It runs `io_callback` inside `shard_map` over the batch axis, so each shard — on every host —
-calls only its own pool with only its own rows; outside `shard_map` the callback would gather the whole batch
-to one device (docs/design.md §4).
+`lax.scan`). It runs `io_callback` inside `shard_map` over the batch axis (`multihost.per_shard_callback`, which
+the rollout engine's callback transport uses too), so each shard — on every host — calls only its own pool with
+only its own rows; outside `shard_map` the callback would gather the whole batch to one device (docs/design.md §4).
 
 Outcome codes (int32) are `envs.OUTCOME_CODES`:
   0 ok, 1 completed, 2 max_turns, 3 context_exhausted, 4 turn_budget_exhausted, 5 invalid_action,
@@ -20,10 +20,10 @@ from typing import Mapping, Protocol, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 import envs
+from jaxagent import multihost
 
 OUTCOME_CODES = dict(envs.OUTCOME_CODES)
 
@@ -138,32 +138,8 @@ class EnvBridge:
     shapes = (jax.ShapeDtypeStruct((rows, self.obs_len), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
               jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.bool_),
               jax.ShapeDtypeStruct((rows,), jnp.int32))
-    axes = self.batch_axes if len(self.batch_axes) > 1 else self.batch_axes[0]
-
-    # Mesh axes the batch is not sharded over hold replicas of each row block; only the replica at index 0
-    # calls the host (an env must be stepped once), the others receive its result through a psum.
-    replica_axes = tuple(a for a in self.mesh.axis_names if a not in self.batch_axes and self.mesh.shape[a] > 1)
-
-    def call(shard, tokens, lengths):
-      return io_callback(self._host_step, shapes, shard, tokens, lengths, ordered=False)
-
-    def per_shard(tokens, lengths):
-      shard = jax.lax.axis_index(axes)
-      if not replica_axes:
-        return call(shard, tokens, lengths)
-      leader = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in replica_axes]))
-      zeros = tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-      out = jax.lax.cond(leader, call, lambda *_: zeros, shard, tokens, lengths)
-      out = [jax.lax.psum(o.astype(jnp.int32) if o.dtype == jnp.bool_ else o, replica_axes) for o in out]
-      return tuple(o.astype(s.dtype) for o, s in zip(out, shapes))
-
-    spec = PartitionSpec(axes)
-    # Whatever layout the caller had, the batch goes to its shards (a no-op when it is already there).
-    sharding = jax.sharding.NamedSharding(self.mesh, spec)
-    tokens = jax.reshard(action_tokens_ba.astype(jnp.int32), sharding)
-    lengths = jax.reshard(action_lengths_b.astype(jnp.int32), sharding)
-    out = jax.shard_map(per_shard, mesh=self.mesh, in_specs=(spec, spec), out_specs=(spec,) * 5,
-                        check_vma=False)(tokens, lengths)
+    out = multihost.per_shard_callback(self._host_step, shapes, (action_tokens_ba.astype(jnp.int32),
+                                                       action_lengths_b.astype(jnp.int32)), self.mesh, self.batch_axes)
     return EnvStep(*out)
 
   def __call__(self, action_tokens_ba, action_lengths_b) -> EnvStep:
@@ -173,3 +149,4 @@ class EnvBridge:
     with self._lock:
       out, self.history = self.history, []
     return out
+

@@ -675,24 +675,41 @@ class Sampler:
         merge(p), st, tokens, lengths, prompts, attention=attention, **shard), donate_argnums=1)
     self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
 
+  def batch_shards(self, rows: int) -> tuple[tuple[str, ...], int]:
+    """The mesh axes a batch of `rows` (global) is sharded over, and into how many row blocks (1: one block)."""
+    if self.mesh is None:
+      return (), 1
+    spec = models.logical_to_spec(("batch",), (rows,), self.mesh, self.rules)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return axes, int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+
   def run_callback_program(self, params: nnx.State, state: SamplerState, exchange: Callable, width: int,
                            chunk: int, max_exchanges: int = 1 << 30) -> SamplerState:
     """A whole rollout as one jitted program: decode `chunk` steps -> `exchange` through io_callback ->
-    feed, until the exchange says stop.
+    feed, until every row block says stop.
 
-    `exchange(finish, n, tokens, logprobs, thresholds, ok)` gets numpy arrays of every row (the running actions' state and
-    the last feed's `ok`) and returns the next `Feed`'s fields (tokens [B, width], lengths, reset, episode,
-    prompt_done, fork, start) and `stop`. One compiled program per (rows, width, chunk); the callback is looked
-    up at run time, so the program outlives one rollout's host scheduler. The state is donated.
+    `exchange(shard, finish, n, tokens, logprobs, thresholds, ok)` is called once per block of rows the batch
+    is sharded into (`batch_shards`), on the host that holds the block, with only that block's rows (numpy:
+    the running actions' state and the last feed's `ok`; `env_bridge.per_shard_callback`), and returns the
+    next `Feed`'s fields for those rows (tokens [rows, width], lengths, reset, episode, prompt_done, fork,
+    start; fork and episode global) and `stop` bool[1]: this block is done. One compiled program per (rows,
+    width, chunk); the callback is looked up at run time, so the program outlives one rollout's host
+    scheduler. The state is donated.
     """
     rows = state.next_position.shape[0]
     key = (rows, width, chunk, max_exchanges)
     if key not in self._programs:
-      b = jax.ShapeDtypeStruct
-      shapes = (b((rows, width), jnp.int32), b((rows,), jnp.int32), b((rows,), jnp.bool_), b((rows,), jnp.int32),
-                b((rows,), jnp.bool_), b((rows,), jnp.int32), b((rows,), jnp.bool_), b((), jnp.bool_))
+      axes, shards = self.batch_shards(rows)
+      b, r = jax.ShapeDtypeStruct, rows // shards
+      shapes = (b((r, width), jnp.int32), b((r,), jnp.int32), b((r,), jnp.bool_), b((r,), jnp.int32),
+                b((r,), jnp.bool_), b((r,), jnp.int32), b((r,), jnp.bool_), b((1,), jnp.bool_))
       trampoline = lambda *args: self._exchange(*args)
       shard = dict(mesh=self.mesh, rules=self.rules)
+
+      def host_call(*args):
+        if shards > 1:  # each block's host gets its own rows (every process calls only its own envs)
+          return multihost.per_shard_callback(trampoline, shapes, args, self.mesh, axes)
+        return io_callback(trampoline, shapes, jnp.zeros((), jnp.int32), *args, ordered=True)
 
       def program(params, state):
         model = self.merge(params)
@@ -700,10 +717,9 @@ class Sampler:
         def body(c):
           state, ok, _, i = c
           state = decode(model, state, self.config, chunk, **shard)
-          *fields, stop = io_callback(trampoline, shapes, state.finish, state.n, state.tokens, state.logprobs,
-                                      state.thresholds, ok, ordered=True)
+          *fields, stop = host_call(state.finish, state.n, state.tokens, state.logprobs, state.thresholds, ok)
           state, ok = feed(model, state, Feed(*fields), pad_id=self.pad_id, attention=self.attention, **shard)
-          return state, ok, stop, i + 1
+          return state, ok, jnp.all(stop), i + 1
 
         init = (state, jnp.ones((rows,), bool), jnp.zeros((), bool), jnp.zeros((), jnp.int32))
         state, _, stop, _ = jax.lax.while_loop(lambda c: ~c[2] & (c[3] < max_exchanges), body, init)
@@ -713,9 +729,10 @@ class Sampler:
     self._exchange = exchange
     try:
       state, stop = self._programs[key](params, state)
+      stop = bool(stop)  # waits for the program: its callbacks look the exchange up until it ends
     finally:
       self._exchange = None
-    if not bool(stop):
+    if not stop:
       raise RuntimeError(f"the rollout program ended after {max_exchanges} exchanges without finishing")
     return state
 
