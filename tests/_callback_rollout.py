@@ -7,7 +7,8 @@ round's tasks with `rollout.env_transport=host_loop`, then the same tasks (same 
 weights) with `callback`: one jitted program whose io_callback, inside shard_map, reaches this process's own
 env workers with this process's own rows. Writes OUT_DIR/p<process>.json: per transport, each trajectory's
 (task, seed, tokens, roles, behavior log-probs, termination, env worker pid), and the program's exchanges.
-Exits 1 if the two transports' trajectories differ.
+Each transport runs twice (the second, warm round's wall time is printed). Exits 1 if the two transports'
+first trajectories differ.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from jaxagent import distributed
@@ -53,19 +55,23 @@ def main(argv: list[str]) -> int:
     # One round's tasks and env seeds (this process's share of the global batch), rolled out twice.
     tasks = run.supply(0).draw(0, 0)
     env_seeds = seeds.episodes(cfg.run.seed, 0, run.rows, jax.process_index())
-    records, calls = {}, []
-    for transport in ("host_loop", "callback"):
+    records, walls = {}, {"host_loop": [], "callback": []}
+    exchange, calls = engine_lib._Scheduler.exchange, []  # the program's host exchanges, per pass
+
+    def counted(self, *args):
+      calls[-1] += 1
+      return exchange(self, *args)
+
+    engine_lib._Scheduler.exchange = counted
+    for transport in ("host_loop", "callback") * 2:  # the second pass is warm: its times are the comparison
       run.engine.transport = transport
-      if transport == "callback":  # count the program's per-process host exchanges
-        exchange = engine_lib._Scheduler.exchange
-
-        def counted(self, *args, _exchange=exchange):
-          calls.append(1)
-          return _exchange(self, *args)
-
-        engine_lib._Scheduler.exchange = counted
+      calls.append(0)
+      t0 = time.perf_counter()
       state, trajectories, _ = rollouts.collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size,
                                                 rng=run.rollout_key(state.rng, 0, 0))
+      walls[transport].append(time.perf_counter() - t0)
+      if transport in records:
+        continue
       records[transport] = [dict(task=t.task.id, seed=t.env.seed, tokens=t.tokens.tolist(), roles=t.roles.tolist(),
                                  logprobs=np.asarray(t.behavior_logprobs).round(5).tolist(),
                                  termination=t.termination.value, turns=len(t.turns), process=t.metadata["process"],
@@ -77,8 +83,9 @@ def main(argv: list[str]) -> int:
   out.mkdir(parents=True, exist_ok=True)
   (out / f"p{jax.process_index()}.json").write_text(json.dumps(
       {"process": jax.process_index(), "processes": jax.process_count(), "devices": jax.local_device_count(),
-       "exchanges": len(calls), "same": same, **records}))
-  print(f"process {jax.process_index()}: {sum(same)}/{len(same)} trajectories equal, {len(calls)} exchanges")
+       "exchanges": calls[1], "wall_s": walls, "same": same, **records}))
+  print(f"process {jax.process_index()}: {sum(same)}/{len(same)} trajectories equal, {calls[1]} exchanges; "
+        f"warm round: host_loop {walls['host_loop'][-1]:.3f} s, callback {walls['callback'][-1]:.3f} s")
   return 0 if same and all(same) else 1
 
 

@@ -56,6 +56,11 @@ _INVALID = (envs.Outcome.PARSER_REJECTED, envs.Outcome.INVALID_ACTION) + _ERROR_
 # majority (0.5) was ready gave 0.93x lockstep with zero env latency, three quarters 1.06x (3.5x lockstep with
 # lognormal latency either way).
 HOLD_READY_FRACTION = 0.75
+# A continuous decode chunk also ends once this fraction of the rows it began with have finished their actions:
+# their envs start now instead of at the chunk's end, and the rest go on in the next call. Measured on a `make
+# run` rollout round (64 slots, calculator; tests of 8 rounds from a BC checkpoint): 0.54 s per round without
+# (1.0: a chunk runs its steps unless every row finishes), 0.49 s at 0.5, 0.45 s at 0.25, 0.49 s at 0.1.
+CHUNK_UNTIL_FINISHED = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,14 +234,15 @@ class SampledActions(Actor):
 
   def decode(self, running, lockstep):
     t0 = time.perf_counter()
-    self.state = self.sampler.decode(self.params, self.state, self._steps(lockstep))
+    self.state = self.sampler.decode(self.params, self.state, self._steps(lockstep), self._until(lockstep))
     actions = self._actions(running)
     self.decode_s += time.perf_counter() - t0
     return actions
 
   def feed_decode(self, f, lockstep):
     t0 = time.perf_counter()
-    self.state, ok = self.sampler.step(self.params, self.state, self.global_ids(f), self._steps(lockstep))
+    self.state, ok = self.sampler.step(self.params, self.state, self.global_ids(f), self._steps(lockstep),
+                                       self._until(lockstep))
     ok = multihost.local_rows(ok)
     self._fed(f, ok)
     self.decode_s += time.perf_counter() - t0
@@ -244,6 +250,9 @@ class SampledActions(Actor):
 
   def _steps(self, lockstep: bool) -> int:
     return self.sampler.config.max_new_tokens if lockstep else self.chunk
+
+  def _until(self, lockstep: bool) -> float:
+    return 1.0 if lockstep else CHUNK_UNTIL_FINISHED
 
   def _actions(self, running):
     st = self.state
@@ -268,7 +277,7 @@ class SampledActions(Actor):
     self.state = self.sampler.run_callback_program(
         self.params, self.state, _BlockExchange(exchange, self.slots // per_block, per_block,
                                                 first=jax.process_index() * self.slots // per_block),
-        self.width, self.chunk)
+        self.width, self.chunk, CHUNK_UNTIL_FINISHED)
 
 
 class _BlockExchange:
@@ -293,6 +302,9 @@ class _BlockExchange:
     if not 0 <= k < self.blocks:
       raise RuntimeError(f"the rollout program called for row block {k + self.first}; this process holds blocks "
                          f"{self.first}..{self.first + self.blocks - 1}")
+    if self.blocks == 1:  # nothing to wait for
+      *fields, stop = self.exchange(*rows)
+      return tuple(fields) + (np.asarray(stop, bool).reshape(1),)
     with self.cond:
       mine = self.round
       self.arrived[k] = rows

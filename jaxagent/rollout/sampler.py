@@ -518,7 +518,8 @@ def refill(model: models.Transformer, state: SamplerState, tokens_bc: jax.Array,
 
 
 def decode(model: models.Transformer, state: SamplerState, config: SamplingConfig, max_steps: int | jax.Array,
-           *, mesh: Mesh | None = None, rules: models.Rules = ()) -> SamplerState:
+           *, mesh: Mesh | None = None, rules: models.Rules = (), until_finished: float | jax.Array = 1.0
+           ) -> SamplerState:
   """Decodes the running rows for at most `max_steps` tokens (`lax.while_loop`; ends early once none runs).
 
   A row stops when it samples a stop sequence (STOP), reaches `max_new_tokens` (BUDGET) or has no cache slot
@@ -536,9 +537,13 @@ def decode(model: models.Transformer, state: SamplerState, config: SamplingConfi
     return jax.vmap(lambda k, p: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(k, impl=impl), p))
                     )(row_key_b, position_b)
 
+  # Ends once `until_finished` of the rows running now have finished (1: all of them), even within max_steps.
+  started = state.running
+  enough = jnp.maximum(jnp.ceil(until_finished * jnp.sum(started)), 1)
+
   def cond(c):
     step, st = c
-    return (step < max_steps) & jnp.any(st.running)
+    return (step < max_steps) & jnp.any(st.running) & (jnp.sum(started & ~st.running) < enough)
 
   def body(c):
     step, st = c
@@ -664,11 +669,12 @@ class Sampler:
     self._extend = jax.jit(extend_fn, donate_argnums=1)
     self._feed = jax.jit(lambda p, st, f: feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard),
                          donate_argnums=1)
-    self._decode = jax.jit(lambda p, st, steps: decode(merge(p), st, config, steps, **shard), donate_argnums=1)
+    self._decode = jax.jit(lambda p, st, steps, until: decode(merge(p), st, config, steps, until_finished=until,
+                                                              **shard), donate_argnums=1)
 
-    def step_fn(p, st, f, steps):
+    def step_fn(p, st, f, steps, until):
       st, ok = feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard)
-      return decode(merge(p), st, config, steps, **shard), ok
+      return decode(merge(p), st, config, steps, until_finished=until, **shard), ok
 
     self._step = jax.jit(step_fn, donate_argnums=1)
     self._refill = jax.jit(lambda p, st, tokens, lengths, prompts: refill(
@@ -684,20 +690,21 @@ class Sampler:
     return axes, int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
 
   def run_callback_program(self, params: nnx.State, state: SamplerState, exchange: Callable, width: int,
-                           chunk: int, max_exchanges: int = 1 << 30) -> SamplerState:
-    """A whole rollout as one jitted program: decode `chunk` steps -> `exchange` through io_callback ->
-    feed, until every row block says stop.
+                           chunk: int, until_finished: float = 1.0, max_exchanges: int = 1 << 30) -> SamplerState:
+    """A whole rollout as one jitted program: decode `chunk` steps (ending once `until_finished` of the rows
+    running have finished; see `decode`) -> `exchange` through io_callback -> feed, until every row block says
+    stop.
 
     `exchange(shard, finish, n, tokens, logprobs, thresholds, ok)` is called once per block of rows the batch
     is sharded into (`batch_shards`), on the host that holds the block, with only that block's rows (numpy:
     the running actions' state and the last feed's `ok`; `env_bridge.per_shard_callback`), and returns the
     next `Feed`'s fields for those rows (tokens [rows, width], lengths, reset, episode, prompt_done, fork,
     start; fork and episode global) and `stop` bool[1]: this block is done. One compiled program per (rows,
-    width, chunk); the callback is looked up at run time, so the program outlives one rollout's host
+    width, chunk, until_finished); the callback is looked up at run time, so the program outlives one rollout's host
     scheduler. The state is donated.
     """
     rows = state.next_position.shape[0]
-    key = (rows, width, chunk, max_exchanges)
+    key = (rows, width, chunk, until_finished, max_exchanges)
     if key not in self._programs:
       axes, shards = self.batch_shards(rows)
       b, r = jax.ShapeDtypeStruct, rows // shards
@@ -716,7 +723,7 @@ class Sampler:
 
         def body(c):
           state, ok, _, i = c
-          state = decode(model, state, self.config, chunk, **shard)
+          state = decode(model, state, self.config, chunk, until_finished=until_finished, **shard)
           *fields, stop = host_call(state.finish, state.n, state.tokens, state.logprobs, state.thresholds, ok)
           state, ok = feed(model, state, Feed(*fields), pad_id=self.pad_id, attention=self.attention, **shard)
           return state, ok, jnp.all(stop), i + 1
@@ -768,10 +775,10 @@ class Sampler:
     to the smallest of `row_buckets` that holds them (one compiled feed per bucket, `Feed.compact`)."""
     return self._feed(params, state, self._device_feed(f))
 
-  def step(self, params: nnx.State, state: SamplerState, f: Feed, max_steps: int
+  def step(self, params: nnx.State, state: SamplerState, f: Feed, max_steps: int, until_finished: float = 1.0
            ) -> tuple[SamplerState, jax.Array]:
     """`feed` then `decode` in one call (one dispatch, one wait). The state is donated."""
-    return self._step(params, state, self._device_feed(f), np.int32(max_steps))
+    return self._step(params, state, self._device_feed(f), np.int32(max_steps), np.float32(until_finished))
 
   def _device_feed(self, f: Feed) -> Feed:
     """The device's copy of a host feed: compacted to a row bucket when only a few rows append tokens."""
@@ -797,14 +804,14 @@ class Sampler:
       return state
     width = max(self.extend_buckets)
     empty = Feed.empty(b, width, self.pad_id)
-    state, _ = self._step(params, state, self._put_batch(empty), np.int32(0))
+    state, _ = self._step(params, state, self._put_batch(empty), np.int32(0), np.float32(1))
     state, _ = self._feed(params, state, self._put_batch(empty))
-    state = self._decode(params, state, np.int32(0))
+    state = self._decode(params, state, np.int32(0), np.float32(1))
     if jax.process_count() == 1 and self._compactable(b):
       for r in self.row_buckets(b):
         f = empty.compact(r)
         state, _ = self._step(params, state, self._put_batch(f.replace(rows=None)).replace(rows=jnp.asarray(f.rows)),
-                              np.int32(0))
+                              np.int32(0), np.float32(1))
     self._warm.add(b)
     return state
 
@@ -823,9 +830,11 @@ class Sampler:
     put = self._put_batch
     return self._refill(params, state, put(tokens), put(lengths), put(prompt_lengths))
 
-  def decode(self, params: nnx.State, state: SamplerState, max_steps: int) -> SamplerState:
-    """At most `max_steps` decode steps of the running rows. The state is donated."""
-    return self._decode(params, state, np.int32(max_steps))
+  def decode(self, params: nnx.State, state: SamplerState, max_steps: int, until_finished: float = 1.0
+             ) -> SamplerState:
+    """At most `max_steps` decode steps of the running rows, ending once `until_finished` of them have finished
+    (1: all; see the module function). The state is donated."""
+    return self._decode(params, state, np.int32(max_steps), np.float32(until_finished))
 
   # -- turns
 
