@@ -13,6 +13,7 @@ import models
 from jaxagent import algos
 from jaxagent import assembly
 from jaxagent import trajectory as tr
+from jaxagent import mesh_rules
 from jaxagent.chat import ControlTokenChat
 from jaxagent.rollout import engine as engine_lib
 from jaxagent.rollout.engine import RolloutEngine, SampledActions
@@ -114,6 +115,26 @@ def test_same_trajectories_under_every_transport_schedule_and_slot_count():
       np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, rtol=0, atol=1e-5, err_msg=str(key))
       assert (a.group_id, a.env.seed, a.termination) == (b.group_id, b.env.seed, b.termination), key
       assert [u.outcome for u in a.turns] == [u.outcome for u in b.turns], key
+
+
+def test_callback_program_with_the_batch_sharded_over_devices_equals_host_loop():
+  """The callback transport with the batch in 8 row blocks (one per device): the program calls the host once
+  per block, concurrently; the blocks meet in one exchange (`engine._BlockExchange`) and get their own rows'
+  feeds back. Same trajectories as host_loop on the same mesh."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(8, 1, 1), ("data", "fsdp", "tensor"))
+  model = models.Transformer(SMALL, rngs=nnx.Rngs(0))
+  sampler = Sampler(model, cache_size=256, pad_id=TOKENIZER.pad_id, extend_buckets=(CHAT.frame_length,),
+                    config=SamplingConfig(max_new_tokens=8, stop_sequences=SHORT_ACTIONS), mesh=mesh,
+                    rules=mesh_rules.REPLICATED_RULES)
+  assert sampler.batch_shards(8)[1] == 8
+  params = jax.device_put(nnx.split(model)[1], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  tasks = FAULTS.tasks("train", 6, 0)
+  host, callback = (_run(sampler, params, tasks, slots=8, group_size=2, transport=t)[0]
+                    for t in ("host_loop", "callback"))
+  assert len({len(t.turns) for t in host}) >= 1 and sum(len(t.turns) for t in host) > 12
+  for a, b in zip(host, callback):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert [u.outcome for u in a.turns] == [u.outcome for u in b.turns]
 
 
 def test_a_slow_env_holds_only_its_own_episode_and_timings_are_per_trajectory():
