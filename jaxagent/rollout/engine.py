@@ -56,10 +56,13 @@ _INVALID = (envs.Outcome.PARSER_REJECTED, envs.Outcome.INVALID_ACTION) + _ERROR_
 # majority (0.5) was ready gave 0.93x lockstep with zero env latency, three quarters 1.06x (3.5x lockstep with
 # lognormal latency either way).
 HOLD_READY_FRACTION = 0.75
-# A continuous decode chunk also ends once this fraction of the rows it began with have finished their actions:
-# their envs start now instead of at the chunk's end, and the rest go on in the next call. Measured on a `make
-# run` rollout round (64 slots, calculator; tests of 8 rounds from a BC checkpoint): 0.54 s per round without
-# (1.0: a chunk runs its steps unless every row finishes), 0.49 s at 0.5, 0.45 s at 0.25, 0.49 s at 0.1.
+# A continuous host_loop decode chunk also ends once this fraction of the rows it began with have finished: their
+# envs start now instead of at the chunk's end, and the rest go on in the next call. Measured on a `make run`
+# rollout round (64 slots, calculator; means of 8 rounds from a BC checkpoint): 0.54 s per round without (1.0: a
+# chunk runs its steps unless every row finishes), 0.49 s at 0.5, 0.45 s at 0.25, 0.49 s at 0.1. The callback
+# program's chunks run their steps: each of its exchanges feeds every row at the full width, and more of them
+# cost more than the early hand-off gains (bench/rollout.py, zero latency: 0.79x lockstep with the rule, 0.99x
+# without).
 CHUNK_UNTIL_FINISHED = 0.25
 
 
@@ -277,7 +280,7 @@ class SampledActions(Actor):
     self.state = self.sampler.run_callback_program(
         self.params, self.state, _BlockExchange(exchange, self.slots // per_block, per_block,
                                                 first=jax.process_index() * self.slots // per_block),
-        self.width, self.chunk, CHUNK_UNTIL_FINISHED)
+        self.width, self.chunk)  # chunks run their steps: every exchange feeds every row at the full width
 
 
 class _BlockExchange:
