@@ -138,8 +138,8 @@ class EnvBridge:
     shapes = (jax.ShapeDtypeStruct((rows, self.obs_len), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
               jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.bool_),
               jax.ShapeDtypeStruct((rows,), jnp.int32))
-    out = multihost.per_shard_callback(self._host_step, shapes, (action_tokens_ba.astype(jnp.int32),
-                                                       action_lengths_b.astype(jnp.int32)), self.mesh, self.batch_axes)
+    args = (action_tokens_ba.astype(jnp.int32), action_lengths_b.astype(jnp.int32))
+    out = multihost.per_shard_callback(self._host_step, shapes, args, self.mesh, self.batch_axes)
     return EnvStep(*out)
 
   def __call__(self, action_tokens_ba, action_lengths_b) -> EnvStep:

@@ -690,21 +690,20 @@ class Sampler:
     return axes, int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
 
   def run_callback_program(self, params: nnx.State, state: SamplerState, exchange: Callable, width: int,
-                           chunk: int, until_finished: float = 1.0, max_exchanges: int = 1 << 30) -> SamplerState:
-    """A whole rollout as one jitted program: decode `chunk` steps (ending once `until_finished` of the rows
-    running have finished; see `decode`) -> `exchange` through io_callback -> feed, until every row block says
-    stop.
+                           chunk: int, max_exchanges: int = 1 << 30) -> SamplerState:
+    """A whole rollout as one jitted program: decode `chunk` steps -> `exchange` through io_callback -> feed,
+    until every row block says stop.
 
     `exchange(shard, finish, n, tokens, logprobs, thresholds, ok)` is called once per block of rows the batch
     is sharded into (`batch_shards`), on the host that holds the block, with only that block's rows (numpy:
     the running actions' state and the last feed's `ok`; `env_bridge.per_shard_callback`), and returns the
     next `Feed`'s fields for those rows (tokens [rows, width], lengths, reset, episode, prompt_done, fork,
     start; fork and episode global) and `stop` bool[1]: this block is done. One compiled program per (rows,
-    width, chunk, until_finished); the callback is looked up at run time, so the program outlives one rollout's host
+    width, chunk); the callback is looked up at run time, so the program outlives one rollout's host
     scheduler. The state is donated.
     """
     rows = state.next_position.shape[0]
-    key = (rows, width, chunk, until_finished, max_exchanges)
+    key = (rows, width, chunk, max_exchanges)
     if key not in self._programs:
       axes, shards = self.batch_shards(rows)
       b, r = jax.ShapeDtypeStruct, rows // shards
@@ -723,7 +722,7 @@ class Sampler:
 
         def body(c):
           state, ok, _, i = c
-          state = decode(model, state, self.config, chunk, until_finished=until_finished, **shard)
+          state = decode(model, state, self.config, chunk, **shard)
           *fields, stop = host_call(state.finish, state.n, state.tokens, state.logprobs, state.thresholds, ok)
           state, ok = feed(model, state, Feed(*fields), pad_id=self.pad_id, attention=self.attention, **shard)
           return state, ok, jnp.all(stop), i + 1
