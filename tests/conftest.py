@@ -5,11 +5,20 @@ run for real on a 2x4 mesh. Single-device code is unaffected: arrays default to 
 """
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent XLA compilation cache for the session and every process it starts (`jaxagent train`
+# subprocesses, multi-process runs): the tests compile the same tiny programs many times over, and a cache hit
+# loads the very executable a compile would have built. Fresh per session unless JAX_COMPILATION_CACHE_DIR is
+# set; programs that compile in under 0.2 s are not worth a file.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxagent-tests-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -21,6 +30,11 @@ import hypothesis  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-impor
 # Property tests draw the same examples on every run: CI is reproducible and a failure names its seed-free case.
 hypothesis.settings.register_profile("jaxagent", derandomize=True, print_blob=True)
 hypothesis.settings.load_profile("jaxagent")
+
+
+def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
+  if "_XLA_CACHE" in globals():
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 

@@ -84,6 +84,9 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
 _COMPILES: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda name, secs, **kw: _COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+# A program loaded from the persistent compilation cache (tests/conftest.py) was still compiled for this run.
+jax.monitoring.register_event_listener(
+    lambda name, **kw: _COMPILES.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
 
 
 def _run(tmp_path, *overrides):
