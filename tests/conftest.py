@@ -16,6 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # subprocesses, multi-process runs): the tests compile the same tiny programs many times over, and a cache hit
 # loads the very executable a compile would have built. Fresh per session unless JAX_COMPILATION_CACHE_DIR is
 # set; programs that compile in under 0.2 s are not worth a file.
+_XLA_CACHE = None  # the directory this session made (and removes at its end); None when the caller chose one
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxagent-tests-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
@@ -33,9 +34,8 @@ hypothesis.settings.load_profile("jaxagent")
 
 
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
-  if "_XLA_CACHE" in globals():
+  if _XLA_CACHE is not None:
     shutil.rmtree(_XLA_CACHE, ignore_errors=True)
-
 
 
 # Isolation probes (env sandbox tests): things a sandboxed action must not reach.
