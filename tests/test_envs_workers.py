@@ -310,3 +310,32 @@ def test_remote_pool_talks_to_a_served_worker(served):
   with make_pool(2, env="faults", kind="remote", addresses=(f"unix:{sock}",)) as p:
     p.reset_many([0, 1], FAULTS.tasks("eval", 2, 0), [0, 1])
     assert [r.observation.text for r in p.step_many([0, 1], ["ok", "echo remote"])] == ["ok 1", "remote"]
+
+
+def test_in_process_connection_keeps_at_most_max_inflight_threads_and_close_stops_them():
+  # Ops run on kept daemon threads (one started per op cost ~4 ms of every env call), never more than
+  # max_inflight at once; close fails what is still queued and stops the idle threads.
+  import threading
+
+  from envs._connections import InProcessConnection
+
+  def env_threads():
+    return [t for t in threading.enumerate() if t.name == "inproc-env"]
+
+  before = len(env_threads())
+  conn = InProcessConnection("guess", max_inflight=3, episode_sandbox="none")
+  for _ in range(20):  # one at a time: the first thread serves them all
+    assert conn.call("ping", {}, 5.0).result(timeout=5)["time"] > 0
+  assert len(env_threads()) - before == 1
+  futures = [conn.call("ping", {}, 5.0) for _ in range(30)]
+  assert all(f.result(timeout=5)["time"] > 0 for f in futures)
+  assert 1 <= len(env_threads()) - before <= 3
+  with pytest.raises(RemoteError, match="unknown_instance"):
+    conn.call("step", dict(instance="nope", action="x"), 5.0).result(timeout=5)
+  conn.close()
+  with pytest.raises(WorkerCrashed, match="closed"):
+    conn.call("ping", {}, 5.0).result(timeout=5)
+  deadline = time.monotonic() + 5
+  while len(env_threads()) > before and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert len(env_threads()) == before, "close left idle in-process env threads running"
