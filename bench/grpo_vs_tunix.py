@@ -10,6 +10,9 @@ rule, stepped in-process on both sides — the tunix side wraps the very same en
 subclass), B tasks x G samples per iteration, at most `--max-new` sampled tokens per turn, observations cut to
 16 tokens, temperature 1.0, stop on "\\n" / <|eot|> / <eos>, GRPO advantages, clipped policy loss (eps 0.2,
 token-mean), no reference model / KL, AdamW 1e-4 with global-norm clip 1.0, one optimizer step per iteration.
+Each side pads its update batch its own way: ours to the smallest length bucket holding the longest
+trajectory (`train.batch_length=bucket`, the library default: 96 for this bench's ~81-token trajectories),
+tunix to its configured maximum lengths.
 `--warmup` untimed iterations (default 2: compilation and warm caches on both sides; tests/test_train.py
 asserts our trainer compiles nothing after its first iteration), then `--iters` timed iterations on both
 sides; we report the mean.
@@ -63,6 +66,7 @@ def run_ours(args) -> dict:
       f"rollout.temperature={args.temperature}", f"rollout.max_new_tokens={args.max_new}",
       f"rollout.max_observation_tokens={OBS_TOKENS}", f"rollout.max_context={MAX_CONTEXT}",
       "algo.kl_coef=0.0", "algo.aggregation=token-mean", f"optim.learning_rate={LR}", "optim.max_grad_norm=1.0",
+      "train.batch_length=bucket",  # the library default (tiny_cpu.yaml pins max_context for make run's tables)
       "run.name=bench-grpo-vs-tunix"]
   cfg = config_lib.load("tiny_cpu", overrides)
   run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
@@ -165,7 +169,7 @@ def main():
     print(f"ratio ours/tunix: trajectories/s {ours['trajectories_per_s'] / tunix['trajectories_per_s']:.2f}x, "
           f"trained tokens/s {ours['trained_tokens_per_s'] / tunix['trained_tokens_per_s']:.2f}x, "
           f"processed tokens/s {ours['processed_tokens_per_s'] / tunix['processed_tokens_per_s']:.2f}x "
-          f"(target >= 3x)")
+          f"(target >= 5x)")
   print(json.dumps({"ours": ours, "tunix": tunix}))
 
 

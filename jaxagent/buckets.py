@@ -22,12 +22,22 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 PREFILL = powers_of_two(16, 32768)   # the sampler's prompt widths
 EXTEND = powers_of_two(4, 4096)      # observation chunks: short, and every slot is one of the shared cache
 BATCH = powers_of_two(128, 32768)    # assembled training batches (jaxagent/assembly.py)
+BATCH_MIN = 32                       # the shortest update batch of a run (`batch_lengths`)
 
 
 def up_to(limit: int, *, lo: int = 16, hi: int = 2048) -> tuple[int, ...]:
   """A run's prompt widths: the powers of two from `lo` below `limit` (at most `hi`), then `limit` itself (a
   prompt longer than `hi` pads to the context length)."""
   return tuple(b for b in powers_of_two(lo, hi) if b < limit) + (limit,)
+
+
+def batch_lengths(limit: int) -> tuple[int, ...]:
+  """A run's update-batch lengths: 32, 48, 64, 96, ... (powers of two from `BATCH_MIN` and 1.5 times each)
+  below `limit` (the context length), then `limit` itself. A batch pads at most a third of its length (above
+  the shortest), and a run compiles at most 2 ceil(log2(limit / 32)) + 1 update shapes, each the first time a
+  batch needs it."""
+  steps = powers_of_two(BATCH_MIN, max(limit, BATCH_MIN))
+  return tuple(sorted({b for p in steps for b in (p, p * 3 // 2) if b < limit})) + (limit,)
 
 
 def fit(length: int, buckets: Sequence[int]) -> int:

@@ -344,6 +344,11 @@ class TrainConfig:
                                    "[B, T, V] logits (same values and gradients); null: all at once")
   remat: Literal["none", "full", "dots"] = field("none", help="per-layer rematerialization in the train step: "
                                                  "full saves nothing inside a layer, dots its matmul outputs")
+  batch_length: Literal["bucket", "max_context"] = field(
+      "bucket", help="length T of update batches: bucket pads to the smallest of 32, 48, 64, 96, 128, 192, ... "
+      "(below rollout.max_context) or rollout.max_context that holds the batch's longest trajectory on any "
+      "process (one compile per length, the first time a batch needs it); max_context always pads to "
+      "rollout.max_context (one shape; the padding is computed)")
   bc_steps: int = field(0, ge=0, help="behavior-cloning cold-start steps on scripted demonstrations")
   bc_batch_size: int = field(32, ge=1)
   bc_learning_rate: float = field(1e-3, gt=0.0)

@@ -106,6 +106,21 @@ def test_text_and_control_doors():
     z.control("<|nope|>", tj.Role.SYSTEM, tok)
 
 
+def test_batch_lengths_pad_at_most_a_third_and_end_at_the_context():
+  from jaxagent import buckets  # pylint: disable=g-import-not-at-top
+  assert buckets.batch_lengths(128) == (32, 48, 64, 96, 128)
+  assert buckets.batch_lengths(100) == (32, 48, 64, 96, 100)
+  assert buckets.batch_lengths(16) == (16,)   # a context below the shortest bucket is the only length
+  for limit in (40, 512, 4096, 5000):
+    lengths = buckets.batch_lengths(limit)
+    assert lengths[-1] == limit and list(lengths) == sorted(set(lengths))
+    assert len(lengths) <= 2 * np.ceil(np.log2(limit / buckets.BATCH_MIN)) + 1
+    for n in range(buckets.BATCH_MIN + 1, limit + 1, 7):  # the padding bound above the shortest bucket
+      assert buckets.fit(n, lengths) < 1.5 * n
+  with pytest.raises(ValueError, match="exceeds the largest bucket 128"):
+    buckets.fit(129, buckets.batch_lengths(128))
+
+
 def test_buckets_rows_and_no_recompile():
   trajs = [_trajectories.make(seed=s) for s in range(3)]      # 81 tokens each
   longer = _trajectories.make(seed=9, turns=(("x" * 60, "y" * 60),))

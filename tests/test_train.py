@@ -100,7 +100,10 @@ def test_no_recompilation_after_the_first_iteration(tmp_path):
   # Start from empty caches, so the first iteration compiles everything it needs whatever ran before (a
   # module-level jit cached by an earlier test hid a later compile once).
   jax.clear_caches()
-  run, progress = _run(tmp_path, "train.iterations=3", "train.bc_steps=0", "train.eval_episodes=0")
+  # One batch length throughout: with train.batch_length=bucket a batch of a length not seen yet compiles once
+  # (test_update_batches_take_the_smallest_bucket_and_equal_the_context_length_update).
+  run, progress = _run(tmp_path, "train.iterations=3", "train.bc_steps=0", "train.eval_episodes=0",
+                       "train.batch_length=max_context")
   names = []  # what compiled after the first iteration, for the failure message
   handler = logging.Handler()
   handler.emit = lambda record: names.append(record.getMessage()[:300])
@@ -118,6 +121,48 @@ def test_no_recompilation_after_the_first_iteration(tmp_path):
     run.close()
   assert first > 0, "the compile counter saw nothing: the check would be vacuous"
   assert later == 0, f"{later} XLA compilations after the first iteration: {[n for n in names if 'ompil' in n]}"
+
+
+def test_update_batches_take_the_smallest_bucket_and_equal_the_context_length_update(tmp_path):
+  # train.batch_length=bucket (the library default) cuts the padding; the update is the context-length one up to float
+  # rounding (the sums over tokens are blocked differently): same loss, gradient norm and parameters.
+  from jaxagent import buckets  # pylint: disable=g-import-not-at-top
+  from jaxagent.train import learner, rollouts  # pylint: disable=g-import-not-at-top
+  run, progress = _run(tmp_path, "train.bc_steps=0", "train.eval_episodes=0", "train.dynamic_sampling=false",
+                       "rollout.max_context=256", "train.batch_length=bucket")  # tiny_cpu.yaml pins max_context
+  try:
+    state, sampled = rollouts.sample_round(run, progress.state, run.supply(progress.stage), 0)
+    trajs = sampled.trajectories
+    longest = max(len(t) for t in trajs)
+    prepared = learner.prepare_batch(run, state, trajs)
+    length = prepared.batch.shape[1]
+    assert length == buckets.fit(longest, buckets.batch_lengths(256)) < 256, (longest, length)
+    assert length < 1.5 * max(longest, buckets.BATCH_MIN)
+    cfg = run.config
+    full_run = dataclasses.replace(run, config=dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, batch_length="max_context")))
+    full = learner.prepare_batch(full_run, state, trajs)
+    assert full.batch.shape == (prepared.batch.shape[0], 256) and full.normalizer == prepared.normalizer
+    np.testing.assert_array_equal(np.asarray(full.batch.tokens)[:, :length], np.asarray(prepared.batch.tokens))
+    assert not np.asarray(full.batch.segment_ids)[:, length:].any()
+    rng = np.random.default_rng(0)  # advantages that are not all zero, so that the gradient is not either
+    advantages = np.where(np.asarray(full.batch.loss_mask), rng.normal(size=full.batch.shape), 0.0)
+    results = []
+    for p in (prepared, full):
+      batch = p.batch.replace(advantages=jax.numpy.asarray(advantages[:, :p.batch.shape[1]], np.float32))
+      copy = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), state)
+      new, metrics = run.rl_step(copy, batch, np.float32(p.normalizer), None, np.float32(0.0))
+      results.append((jax.device_get(new.params), jax.device_get(metrics)))
+    (cut_params, cut), (full_params, whole) = results
+    assert whole["grad_norm"] > 0 and whole["loss_tokens"] == cut["loss_tokens"] > 0
+    np.testing.assert_allclose(cut["grad_norm"], whole["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(cut["loss"], whole["loss"], rtol=1e-5, atol=1e-7)
+    lr = run.config.optim.learning_rate
+    for a, b, old in zip(jax.tree.leaves(cut_params), jax.tree.leaves(full_params), jax.tree.leaves(state.params)):
+      assert np.abs(np.asarray(b) - np.asarray(old)).max() > lr / 2  # the step moved the weights
+      np.testing.assert_allclose(a, b, rtol=0, atol=lr / 100)
+  finally:
+    run.close()
 
 
 def _final_params(run_dir: Path, step: int):

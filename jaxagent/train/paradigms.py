@@ -39,7 +39,7 @@ from jaxagent.assembly import assemble
 from jaxagent.data import chats
 from jaxagent.data import trajectories as stored
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train import rollouts
+from jaxagent.train import learner, rollouts
 from jaxagent.train.run import Run
 from jaxagent.train.state import LoopState
 
@@ -176,11 +176,12 @@ def _sample_key(t: tr.Trajectory) -> tuple:
 
 
 def supervised_batch(run: Run, trajectories, advantages=None):
-  """This process's rows of a supervised batch (train.bc_batch_size over all processes), at the context length."""
+  """This process's rows of a supervised batch (train.bc_batch_size over all processes), at the length
+  `learner.batch_length` picks (every process calls it)."""
   cfg = run.config
   # Offline iw_pg scores logged tokens as the rollout samples (thresholds included); behavior cloning does not.
-  return assemble(trajectories, advantages, level="turn", length=cfg.rollout.max_context, rows=run.bc_rows,
-                  pad_id=run.tokenizer.pad_id, thresholds=advantages is not None and config_lib.truncates(cfg.rollout))
+  return assemble(trajectories, advantages, level="turn", length=learner.batch_length(cfg, trajectories),
+                  rows=run.bc_rows, pad_id=run.tokenizer.pad_id, thresholds=advantages is not None and config_lib.truncates(cfg.rollout))
 
 
 def loss_normalizer(run: Run, batch) -> float:
