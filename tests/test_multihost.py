@@ -18,12 +18,11 @@ from tests.test_train import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 # The frontier sampler with a small active set: its draws span processes and its estimates gather every
-# process's outcomes, so the task sequence itself depends on the gather being right. Update batches in length
-# buckets (the library default; tiny_cpu.yaml pins max_context): every process must pick the same length, from
-# the longest trajectory of any process.
+# process's outcomes, so the task sequence itself depends on the gather being right. Update batches keep
+# tiny_cpu.yaml's max_context length (two processes agreeing on a bucketed length: tests/test_paradigms.py).
 COMMON = TINY + ["train.eval_episodes=0", "train.plots=false", "env.pool.kind=local", "env.pool.num_workers=2",
                  "train.bc_steps=2", "train.checkpoint_every=1", "tasks.sampler=frontier", "tasks.active=3",
-                 "tasks.min_attempts=4", "tasks.unsolved_attempts=4", "train.batch_length=bucket"]
+                 "tasks.min_attempts=4", "tasks.unsolved_attempts=4"]
 
 
 def _sets(overrides):

@@ -313,7 +313,8 @@ def test_each_paradigm_verb_killed_and_resumed_continues_exactly(tmp_path, verb)
 @pytest.mark.slow
 def test_sft_and_offline_stages_on_two_processes_equal_one_process(tmp_path):
   """Each process trains its slice of the global batch (normalizers and offline statistics summed): 2 processes x
-  1 device end where 1 process x 2 devices does."""
+  1 device end where 1 process x 2 devices does. Batches in length buckets: each process holds other chats, and
+  both must pick the length of the longest on any process (`learner.batch_length`), or the global batch fails."""
   from tests import _processes  # pylint: disable=g-import-not-at-top
   chats_file = _write_jsonl(tmp_path / "c.jsonl", CALC_CHATS)
   with trajectory_store.TrajectoryWriter(tmp_path / "store") as w:
@@ -321,7 +322,8 @@ def test_sft_and_offline_stages_on_two_processes_equal_one_process(tmp_path):
       w.write(_stored(i, passed=i % 3 == 0, group=f"g{i // 4}", version=i))
   stages = (f"curriculum.stages=[{{name: s, paradigm: sft, steps: 2, data: '{chats_file}'}}, "
             f"{{name: o, paradigm: offline, steps: 2, data: '{tmp_path / 'store'}', max_ratio: 2.0}}]")
-  common = TINY + ["train.eval_episodes=0", "train.plots=false", "train.bc_steps=0", "train.iterations=4", stages]
+  common = TINY + ["train.eval_episodes=0", "train.plots=false", "train.bc_steps=0", "train.iterations=4",
+            "train.batch_length=bucket", stages]
   sets = lambda overrides: [x for o in overrides for x in ("--set", o)]
   subprocess.run([sys.executable, "-m", "jaxagent", "train", "tiny_cpu",
                   *sets(common + ["mesh.ici.data=2", f"run.root={tmp_path / 'ref'}"])],
