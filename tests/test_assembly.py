@@ -121,6 +121,21 @@ def test_batch_lengths_pad_at_most_a_third_and_end_at_the_context():
     buckets.fit(129, buckets.batch_lengths(128))
 
 
+def test_update_batch_length_is_the_bucket_of_the_longest_and_refuses_a_too_long_trajectory_by_name():
+  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent.train import learner  # pylint: disable=g-import-not-at-top
+  trajs = [_trajectories.make(seed=s) for s in range(2)]      # 81 tokens each
+  cfg = lambda length, context: config_lib.load("tiny_cpu", [f"train.batch_length={length}",
+                                                            f"rollout.max_context={context}"])
+  assert learner.batch_length(cfg("bucket", 256), trajs) == 96
+  assert learner.batch_length(cfg("max_context", 256), trajs) == 256
+  assert learner.batch_length(cfg("bucket", 256), []) == 32
+  too_long = learner.batch_length(cfg("bucket", 64), trajs)   # the context: assembly names what does not fit
+  assert too_long == 64
+  with pytest.raises(ValueError, match="trajectory of 81 tokens does not fit length=64"):
+    assembly.assemble(trajs, level="turn", length=too_long)
+
+
 def test_buckets_rows_and_no_recompile():
   trajs = [_trajectories.make(seed=s) for s in range(3)]      # 81 tokens each
   longer = _trajectories.make(seed=9, turns=(("x" * 60, "y" * 60),))

@@ -111,7 +111,8 @@ def batch_length(cfg: Config, trajectories: Sequence[tr.Trajectory]) -> int:
   if cfg.train.batch_length == "max_context":
     return limit
   longest = int(multihost.host_max(np.asarray(max((len(t) for t in trajectories), default=1), np.int64)))
-  return buckets_lib.fit(longest, buckets_lib.batch_lengths(limit))
+  # Longer than the context: the context length, so that assembly names the trajectory (never truncated).
+  return buckets_lib.fit(min(longest, limit), buckets_lib.batch_lengths(limit))
 
 
 def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Trajectory]) -> Prepared:
