@@ -13,6 +13,7 @@ import pytest
 import envs
 from envs.builtin import swe, swe_corpus as corpus
 from jaxagent.tasks import contamination, pipeline
+from tests._sandbox import require_bwrap
 
 SPEC = envs.get("swe")
 LIMIT = 10  # mutants tried per package here (the scale report tries more)
@@ -51,6 +52,7 @@ def test_unmodified_packages_pass_their_kept_tests_and_mutants_fail_some(swe_eva
 
 @pytest.mark.slow
 def test_every_reference_solution_passes_in_a_sandboxed_pool(eval_tasks):
+  require_bwrap()  # the pool refuses to run swe's real programs unsandboxed
   assert len({t.payload["mutation_id"] for t in eval_tasks}) > 1
   assert {t.payload["package"] for t in eval_tasks} <= {p.name for p in corpus.split_packages("eval")}
   results = pipeline.execute("swe", eval_tasks, kind="local", workers=2)
