@@ -19,7 +19,7 @@ from tests.test_train import TINY
 ROOT = Path(__file__).resolve().parent.parent
 # The frontier sampler with a small active set: its draws span processes and its estimates gather every
 # process's outcomes, so the task sequence itself depends on the gather being right. Update batches keep
-# tiny_cpu.yaml's max_context length (two processes agreeing on a bucketed length: tests/test_paradigms.py).
+# tiny_cpu.yaml's max_context length (two processes agreeing on a bucketed length: the test after it).
 COMMON = TINY + ["train.eval_episodes=0", "train.plots=false", "env.pool.kind=local", "env.pool.num_workers=2",
                  "train.bc_steps=2", "train.checkpoint_every=1", "tasks.sampler=frontier", "tasks.active=3",
                  "tasks.min_attempts=4", "tasks.unsolved_attempts=4"]
@@ -97,6 +97,23 @@ def test_named_host_sums_read_back_by_name_with_the_values_dtype():
   mixed = multihost.host_sums({"n": 3, "seconds": 0.5})
   assert mixed["n"].dtype == np.float64 and float(mixed["seconds"]) == 0.5
   assert multihost.host_sums({}) == {}
+
+
+def test_two_processes_pick_the_bucket_of_the_longest_trajectory_on_either():
+  """train.batch_length=bucket: process 0 alone would pad to 96, process 1 to 192; both must pad to 192 (one
+  update program, one global batch). Values alone would not show a disagreement: on CPU each process would
+  compile its own T and the gradient sum would still agree (tests/_batch_length.py)."""
+  launched = subprocess.run(
+      [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "1", "--timeout", "120",
+       "--module", "tests._batch_length"],
+      env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
+  lines = [json.loads(line.split(" ", 1)[1]) for line in launched.stdout.splitlines()
+           if line.startswith("[p") and '"batch_length"' in line]
+  by_process = {r["process"]: r for r in lines}
+  assert sorted(by_process) == [0, 1]
+  assert (by_process[0]["local_bucket"], by_process[1]["local_bucket"]) == (96, 192)
+  assert by_process[0]["batch_length"] == by_process[1]["batch_length"] == 192
 
 
 @pytest.mark.slow
