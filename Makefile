@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= tiny_cpu
+# pytest-xdist workers for `make test`: auto = one per core; TEST_WORKERS=0 runs in this process (for -s, --pdb).
+TEST_WORKERS ?= auto
 
 .PHONY: run test install install-test clean
 
@@ -26,7 +28,7 @@ run: $(VENV)/.installed
 	$(BIN)/jaxagent train $(CONFIG)
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

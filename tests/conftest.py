@@ -32,6 +32,9 @@ import hypothesis  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-impor
 hypothesis.settings.register_profile("jaxagent", derandomize=True, print_blob=True)
 hypothesis.settings.load_profile("jaxagent")
 
+# `alone` tests under pytest-xdist and the CI time budget (JAXAGENT_TEST_BUDGET_S): tests/_session.py.
+pytest_plugins = ["tests._session"]
+
 
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
   if _XLA_CACHE is not None:

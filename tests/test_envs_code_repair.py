@@ -117,6 +117,7 @@ def test_train_episodes_cannot_read_or_edit_held_out_modules():
   env.close()
 
 
+@pytest.mark.alone  # a runner subprocess killed within bounds: not beside other xdist workers' tests
 def test_hangs_are_bounded(monkeypatch):
   task = next(t for t in SPEC.tasks("eval", 40, 0) if t.payload["failing_test"] != "test_isqrt")
   env = SPEC.make()

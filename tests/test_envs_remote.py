@@ -191,6 +191,7 @@ def test_soak_loses_and_mis_terminates_no_episode_under_injected_faults():
   assert ends["completed"] > 5 * report["slots"], ends  # siblings of crashed and hung episodes completed
 
 
+@pytest.mark.alone  # a step within 2 s beside 74 waiting resets: not beside other xdist workers' tests
 def test_waiting_resets_do_not_hold_up_the_steps_that_would_free_the_server(servers):
   """More slots than the pool has threads, and a server that admits a few: the waiting resets must not starve
   the admitted episodes' steps (whose ends free places), or back-pressure turns into failed episodes."""

@@ -42,6 +42,7 @@ def kind(request):
   return request.param
 
 
+@pytest.mark.alone  # a worker killed and restarted within 4 s: not beside other xdist workers' tests
 def test_hanging_step_times_out_and_others_are_unaffected(kind):
   with _pool(kind) as p:
     assert all(r.outcome == "ok" for r in p.step_many(range(4), ["ok"] * 4))
@@ -74,6 +75,7 @@ def test_env_raising_in_reset_ends_that_episode_only(kind):
     assert p.step(3, "ok").observation.text == "ok 1"
 
 
+@pytest.mark.alone  # retries with worker restarts within 15 s: not beside other xdist workers' tests
 def test_worker_dying_or_hanging_in_reset_exhausts_its_retries():
   # One worker per slot: a reset that kills or wedges its worker must not take the neighbours' resets with it.
   with make_pool(4, env="faults", kind="local", num_workers=4, max_retries=1, reset_timeout_s=1.5) as p:
@@ -170,6 +172,7 @@ def test_worker_crash_without_replay_is_distinct_outcome():
     assert p.step(1, "ok").observation.text == "ok 1"
 
 
+@pytest.mark.alone  # three worker restarts within 10 s: not beside other xdist workers' tests
 def test_crashing_step_exhausts_retries_without_charging_neighbours():
   with _pool("local", max_retries=2) as p:
     t = time.monotonic()
@@ -179,6 +182,7 @@ def test_crashing_step_exhausts_retries_without_charging_neighbours():
     assert time.monotonic() - t < 10
 
 
+@pytest.mark.alone  # a cancel answered within 5 s: not beside other xdist workers' tests
 def test_cancel_returns_in_flight_step_at_once(kind):
   with _pool(kind, action_timeout_s=30.0) as p:
     import threading

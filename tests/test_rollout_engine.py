@@ -137,6 +137,7 @@ def test_callback_program_with_the_batch_sharded_over_devices_equals_host_loop()
     assert [u.outcome for u in a.turns] == [u.outcome for u in b.turns]
 
 
+@pytest.mark.alone  # CPU-bound decoding raced against a 1 s env: not beside other xdist workers' tests
 def test_a_slow_env_holds_only_its_own_episode_and_timings_are_per_trajectory():
   sampler, params = _sampler()
   tasks = FAULTS.tasks("train", 8, 0)
