@@ -246,7 +246,11 @@ def serve(env_name: str, *, socket_path: str | None = None, tcp: str | None = No
   if socket_path is not None:
     if os.path.exists(socket_path):
       os.unlink(socket_path)
-    server = socketserver.ThreadingUnixStreamServer(socket_path, Handler)
+    # Bound and listening under a private name, then renamed: the path appears only once a connect succeeds
+    # (clients wait for it to exist; between bind and listen a connect is refused).
+    staging = os.path.join(os.path.dirname(socket_path) or ".", f".{os.getpid()}.sock")
+    server = socketserver.ThreadingUnixStreamServer(staging, Handler)
+    os.replace(staging, socket_path)
     where = f"unix:{socket_path}"
   else:
     addr, _, port = tcp.rpartition(":")
