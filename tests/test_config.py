@@ -56,10 +56,21 @@ def test_every_shipped_yaml_loads_and_round_trips(path):
     ("rollout.env_transport=grpc", r"rollout\.env_transport='grpc': not one of \['host_loop', 'callback'\]"),
     ("rollout.decode_chunk=0", r"rollout\.decode_chunk=0: must be >= 1"),
     ("rollout.slots=0", r"rollout\.slots=0: must be >= 1"),
+    ("model.architecture=qwen9", r"model\.architecture='qwen9': not one of \['qwen3-0\.6b', 'smollm2-135m'\]"),
 ])
 def test_bad_values_name_the_key_and_what_is_valid(override, pattern):
   with pytest.raises(ConfigError, match=pattern):
     config_lib.load("tiny_cpu", [override])
+
+
+def test_model_architecture_initializes_the_named_shapes_and_refuses_a_checkpoint_beside_it():
+  import models  # pylint: disable=g-import-not-at-top
+  config = config_lib.load("qwen3_0p6b_gpu", ["model.path=null", "model.architecture=qwen3-0.6b"])
+  assert config.model.init == models.architecture("qwen3-0.6b") and config.model.init.num_hidden_layers == 28
+  assert config_lib.from_dict(yaml.safe_load(config_lib.dump(config))) == config  # round-trips
+  with pytest.raises(ConfigError, match=r"architecture='qwen3-0\.6b' initializes random weights, but "
+                     r"path='checkpoints/Qwen3-0\.6B' loads a checkpoint: set one of them \(the other null\)"):
+    config_lib.load("qwen3_0p6b_gpu", ["model.architecture=qwen3-0.6b"])
 
 
 def test_yaml_exponent_without_dot_is_a_number(tmp_path):

@@ -1,0 +1,33 @@
+"""Named real architectures: the published shapes of models we benchmark and test with random weights.
+
+Accelerator machines that cannot reach a model hub (and checkpoints too large to carry) still get the real
+shapes, so speed and memory are measured on the model a user would train. The values are the models' own
+Hugging Face `config.json`s (transcribed; no weights).
+"""
+
+from __future__ import annotations
+
+from models._config import ModelConfig
+
+ARCHITECTURES: dict[str, ModelConfig] = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct: Llama layout, tied embeddings, ChatML tokens 1 (<|im_start|>) /
+    # 2 (<|im_end|>).
+    "smollm2-135m": ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    # Qwen/Qwen3-0.6B: qk-norm, tied embeddings, eos <|im_end|> (151645), pad <|endoftext|> (151643).
+    "qwen3-0.6b": ModelConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True, qk_norm=True, max_position_embeddings=40960, bos_token_id=None,
+        eos_token_id=151645, pad_token_id=151643),
+}
+
+
+def architecture(name: str) -> ModelConfig:
+  """The `ModelConfig` of a named architecture; an unknown name is an error listing the known ones."""
+  try:
+    return ARCHITECTURES[name]
+  except KeyError:
+    raise ValueError(f"unknown architecture {name!r}; known: {sorted(ARCHITECTURES)}") from None
