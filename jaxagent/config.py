@@ -75,6 +75,10 @@ class ModelSection:
   compute_dtype: Literal["float32", "bfloat16"] | None = field(
       None, help="dtype of the forward/backward and of rollouts (mixed precision: dtype float32, compute_dtype "
       "bfloat16); null: model.dtype. Losses and log-probs stay float32")
+  matmul_precision: Literal["float32", "tensorfloat32", "bfloat16", "default"] = field(
+      "float32", help="float32 matmuls (jax_default_matmul_precision, for the whole process): float32 is exact, "
+      "so the sampler's and the learner's log-probs agree whatever their shapes (GPUs would otherwise use TF32, "
+      "TPUs bf16 passes); tensorfloat32 / bfloat16 / default trade that for speed. bfloat16 compute is unaffected")
   chat_format: Literal["auto", "control_tokens", "template"] = field(
       "auto", help="auto: the tokenizer's chat template if it has one (as token deltas), else the byte "
       "tokenizer's control tokens (jaxagent/chat.py)")

@@ -270,3 +270,20 @@ def test_every_paradigm_advances_the_x_axes_by_one_rule():
   assert isinstance(one[m.ENV_INTERACTIONS], int)
   two = m.advance(one, device_s=0.25)
   assert two[m.DEVICE_SECONDS] == 0.75 and two[m.WALL_SECONDS] == 10.0
+
+
+class _Device:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_device_memory_reports_the_largest_device_in_gib_and_nothing_where_the_backend_is_silent():
+  gib = 2**30
+  two = [_Device({"peak_bytes_in_use": 3 * gib, "bytes_in_use": gib}),
+         _Device({"peak_bytes_in_use": 5 * gib, "bytes_in_use": gib // 2})]
+  assert m.device_memory(two) == {"memory/peak_gib": 5.0, "memory/in_use_gib": 1.0}
+  assert m.device_memory([_Device(None)]) == {}   # XLA:CPU reports no memory stats
+  assert m.device_memory() == {}                    # this process's (CPU) devices

@@ -95,6 +95,22 @@ def _run(tmp_path, *overrides):
   return run, loop.LoopState(state=run.init_state())
 
 
+def test_the_run_sets_its_matmul_precision_before_it_builds_any_program(tmp_path):
+  """model.matmul_precision reaches jax_default_matmul_precision (read when each program is traced); float32,
+  the default, makes the programs' float32 dots HIGHEST (exact on a GPU, not TF32)."""
+  try:
+    run, _ = _run(tmp_path, "model.matmul_precision=tensorfloat32", "train.eval_episodes=0")
+    run.close()
+    assert jax.config.jax_default_matmul_precision == "tensorfloat32"
+    run, _ = _run(tmp_path, "train.eval_episodes=0")
+    run.close()
+    assert jax.config.jax_default_matmul_precision == "float32"
+    x = jax.numpy.ones((4, 4))
+    assert "precision = [HIGHEST, HIGHEST]" in jax.jit(lambda a: a @ a).lower(x).as_text()
+  finally:
+    jax.config.update("jax_default_matmul_precision", "float32")  # as tests/conftest.py sets it
+
+
 def test_no_recompilation_after_the_first_iteration(tmp_path):
   import logging  # pylint: disable=g-import-not-at-top
   # Start from empty caches, so the first iteration compiles everything it needs whatever ran before (a

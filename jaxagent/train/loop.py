@@ -222,7 +222,7 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
       "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
       "time/extend_s": stats.extend_s, "time/rollout_idle_s": stats.idle_s,
       **({"time/weight_transfer_s": stats.transfer_s} if run.layout.disaggregated else {}),
-      "time/iteration_s": time.perf_counter() - wall0,
+      "time/iteration_s": time.perf_counter() - wall0, **metrics_lib.device_memory(),
       **stage, **{k: float(v) for k, v in m.items()}, **counters, **curriculum, **refill, **branched,
   }
   # Like reward_mean, over the first-round sample. Reward components: this process's rows (their names

@@ -66,6 +66,22 @@ Y_METRICS = (REWARD_MEAN, SUCCESS_RATE, EVAL_SUCCESS_RATE, "grad_norm", "entropy
              ZERO_VARIANCE_GROUP_FRACTION, REWARD_STD_WITHIN_GROUP)
 
 
+def device_memory(devices=None) -> dict[str, float]:
+  """`memory/peak_gib` and `memory/in_use_gib`: the most any of this process's devices has held since it
+  started, and holds now (GiB), where the backend reports it (GPU, TPU); {} where it does not (CPU)."""
+  stats = [d.memory_stats() for d in (devices if devices is not None else _local_devices())]
+  stats = [s for s in stats if s]
+  if not stats:
+    return {}
+  return {"memory/peak_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30,
+          "memory/in_use_gib": max(s.get("bytes_in_use", 0) for s in stats) / 2**30}
+
+
+def _local_devices():
+  import jax  # pylint: disable=g-import-not-at-top  (this module stays importable without initializing jax)
+  return jax.local_devices()
+
+
 def to_python_scalar(name: str, value: Any) -> int | float:
   """Converts a Python, numpy or jax scalar (or a one-element array) to a Python int or float.
 

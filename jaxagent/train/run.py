@@ -567,6 +567,8 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   cfg = config
   num_processes, process = jax.process_count(), jax.process_index()
   config_lib.check_combinations(cfg, num_processes)
+  # Read when each program is traced: set before any is built, for the samplers and the learner alike.
+  jax.config.update("jax_default_matmul_precision", cfg.model.matmul_precision)
   io = _build_interface(cfg)
   tasks, stage_tasks = _build_supplies(cfg, io.env_spec, purpose, echo)
   policy = _build_policy(cfg, io)
