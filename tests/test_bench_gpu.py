@@ -73,3 +73,16 @@ def test_real_model_bench_random_weights_mode_runs_beside_transformers(capsys):
   assert bench._peaks("NVIDIA H200", "gpu") == (4800.0, 790e3)       # measured there
   assert bench._peaks("NVIDIA A100-SXM4-80GB", "gpu") == (2000.0, 312e3)  # bench/mfu.py's vendor table
   assert bench._peaks("cpu", "cpu") == (25.6, 188.0) and bench._peaks("Mystery 1", "gpu") is None
+
+
+def test_gpu_script_rehearsal_runs_a_stage_in_its_own_invocation_and_writes_the_summary(tmp_path):
+  """`rehearse` (all at toy sizes, on CPU) with STAGES=smoke: the stage runs under `timeout` as its own
+  invocation of the script and its status and table reach $OUT/summary.txt (the full rehearsal: ~7 min)."""
+  env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "STAGES": "smoke"}
+  done = subprocess.run(["bash", str(ROOT / "bench/gpu/run.sh"), "rehearse"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout + done.stderr
+  summary = (tmp_path / "summary.txt").read_text()
+  assert summary.startswith("smoke     rc=0 ") and "bf16 1024^3 matmul" in summary, summary
+  assert "pin jax<0.11,>=0.10.2" in summary and "imports ok: flax 0.12.8" in summary, summary
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["smoke.log", "summary.txt"]

@@ -5,7 +5,9 @@
 #
 #   bench/gpu/prepare.sh                              # here: wheels + Qwen3's tokenizer into .gpu/ (~35 MB)
 #   device run, carry [".gpu"]: bench/gpu/run.sh smoke   # ~1 min: versions, devices, one jit, imports
-#   device run, carry [".gpu"]: bench/gpu/run.sh all     # ~8 min: the stages below, summary.txt
+#   device run, carry [".gpu"]: bench/gpu/run.sh all     # <= 9 min: the stages below, summary.txt
+#   STAGES="bench0p6 qwen3" bench/gpu/run.sh all           # a rerun of some stages only
+#   bench/gpu/run.sh rehearse                         # here, before a device run: `all` at toy sizes on CPU
 #   bench/gpu/run.sh check                            # any machine (CI: tests/test_bench_gpu.py): the wheel pins
 #                                                     # and the train commands' configs validate, nothing runs
 #
@@ -32,6 +34,33 @@ qwen3_args=(train qwen3_0p6b_gpu --set model.path=null --set model.architecture=
             --set "model.tokenizer=$kit/qwen3-tokenizer" --set env.pool.sandbox=none --set train.iterations=2
             --set train.eval_episodes=0 --set train.checkpoint_every=2 --set train.plots=false)
 tiny_args=(train tiny_cpu --set train.iterations=6 --set train.eval_episodes=0 --set train.plots=false)
+bench_sizes=(--batches 1 8 32 128 256 --new 128 --rounds 2 --train-steps 3)
+platforms=(cuda cpu)
+export MATMUL_N=8192   # smoke's bf16 matmul: N^3
+
+if [[ "$what" == rehearse ]]; then
+  export JAXAGENT_GPU_REHEARSE=1   # for the stages, each run as `run.sh _stage NAME ...`
+fi
+if [[ "${JAXAGENT_GPU_REHEARSE:-}" == 1 ]]; then
+  # `all` at toy sizes on any machine (a 2-core CPU: ~5 min), so a script error costs no device time: the
+  # stages, their logs and the summary as `all` writes them; only the sizes and the platforms differ.
+  [[ "$what" == rehearse ]] && what=all
+  bench_sizes=(--num-layers 1 --batches 1 2 --new 8 --rounds 1 --train-steps 1 --train-batch 1 --train-length 64)
+  qwen3_args=(train qwen3_0p6b_gpu --set model.path=null --set "model.tokenizer=$kit/qwen3-tokenizer"
+              --set env.pool.sandbox=none --set train.iterations=2 --set train.eval_episodes=0
+              --set train.checkpoint_every=2 --set train.plots=false --set train.tasks_per_iteration=2
+              --set train.group_size=2 --set train.micro_batches=2 --set train.logits_chunk=64
+              --set rollout.max_new_tokens=16 --set rollout.max_context=448 --set rollout.max_observation_tokens=16
+              --set env.max_turns=2 --set model.init.model_type=qwen3 --set model.init.qk_norm=true
+              --set model.init.vocab_size=151936 --set model.init.eos_token_id=151645
+              --set model.init.pad_token_id=151643 --set model.init.hidden_size=64
+              --set model.init.intermediate_size=128 --set model.init.num_hidden_layers=2
+              --set model.init.num_attention_heads=2 --set model.init.num_key_value_heads=1
+              --set model.init.head_dim=32 --set distributed.mode=single)
+  tiny_args+=(--set train.bc_steps=8)
+  platforms=(cpu)
+  MATMUL_N=1024
+fi
 
 if [[ "$what" == check ]]; then
   set -e
@@ -58,20 +87,23 @@ EOF
   exit 0
 fi
 
-# Packages: the carried wheels into /tmp/site, first on the path (ours beside the machine's JAX 0.11).
-if [[ -d "$kit/whl" ]]; then
+# Packages: the carried wheels into /tmp/site, first on the path (ours beside the machine's JAX 0.11); once, not
+# again in each stage's own invocation. A rehearsal uses this machine's environment as it is.
+if [[ "$what" != _stage && -z "${JAXAGENT_GPU_REHEARSE:-}" && -d "$kit/whl" ]]; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$kit"/whl/*.whl > /tmp/jaxagent-pip.log 2>&1 || { echo "wheels failed to install:"; tail -5 /tmp/jaxagent-pip.log; }
   export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD"
+elif [[ "$what" != _stage ]]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false JAXAGENT_CACHE=/tmp/jaxagent-cache
 
-stage() {  # NAME SECONDS CMD...: runs CMD with a limit, its output in $OUT/NAME.log, and one status line
+stage() {  # NAME SECONDS FUNCTION ARGS...: FUNCTION in its own invocation of this script (so `timeout` can
+  # end it, children included), its output in $OUT/NAME.log, and one status line
   local name=$1 limit=$2 start=$SECONDS
   shift 2
-  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  if [[ -n "${STAGES:-}" && " $STAGES " != *" $name "* ]]; then return; fi
+  timeout --kill-after=10 "$limit" bash "$0" _stage "$@" > "$out/$name.log" 2>&1
   local rc=$?
   printf '%-9s rc=%-3s %4ss (limit %ss)\n' "$name" "$rc" "$((SECONDS - start))" "$limit" | tee -a "$out/summary.txt"
 }
@@ -79,16 +111,17 @@ stage() {  # NAME SECONDS CMD...: runs CMD with a limit, its output in $OUT/NAME
 smoke() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$python" - <<'EOF'
-import importlib.metadata as md, sys, time, tomllib
+import importlib.metadata as md, os, sys, time, tomllib
 from packaging.requirements import Requirement
 import jax, jax.numpy as jnp
 print("python", sys.version.split()[0], "| jax", jax.__version__, "| devices", jax.devices(),
       "| kind", jax.devices()[0].device_kind)
-x = jnp.ones((8192, 8192), jnp.bfloat16)
+n = int(os.environ["MATMUL_N"])
+x = jnp.ones((n, n), jnp.bfloat16)
 f = jax.jit(lambda a: a @ a)
 f(x).block_until_ready()
 t = time.perf_counter(); [f(x) for _ in range(10)][-1].block_until_ready(); t = (time.perf_counter() - t) / 10
-print(f"bf16 8192^3 matmul: {2 * 8192**3 / t / 1e12:.0f} TFLOP/s")
+print(f"bf16 {n}^3 matmul: {2 * n**3 / t / 1e12:.1f} TFLOP/s")
 for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
   req = Requirement(r)
   try:
@@ -114,7 +147,7 @@ run_tests() {
 bench() {  # ARCHITECTURE TRAIN_BATCH TRAIN_LENGTH
   # JAX takes 45 % of the GPU (not 75 %) so torch's side of the same run has room.
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 "$python" bench/real_model.py --architecture "$1" --dtypes bfloat16 \
-    --batches 1 8 32 128 256 --new 128 --rounds 2 --train-batch "$2" --train-length "$3" --train-steps 3 --no-lora
+    --train-batch "$2" --train-length "$3" --no-lora "${bench_sizes[@]}"
 }
 
 qwen3() {
@@ -127,7 +160,7 @@ qwen3() {
 }
 
 tiny() {
-  for platform in cuda cpu; do
+  for platform in "${platforms[@]}"; do
     local run=/tmp/jaxagent-gpu-runs/tiny-$platform
     rm -rf "$run"
     echo "== tiny_cpu on $platform"
@@ -139,16 +172,23 @@ print(f'tiny_cpu on {sys.argv[2]}: {s.median(it):.2f} s per iteration (median of
   done
 }
 
+if [[ "$what" == _stage ]]; then
+  shift
+  "$@"
+  exit
+fi
+
 : > "$out/summary.txt"
 case "$what" in
   smoke) stage smoke 150 smoke; cat "$out/smoke.log" ;;
   all)
-    stage smoke 90 smoke
-    stage tests 150 run_tests
-    stage bench135 100 bench smollm2-135m 16 1024
-    stage bench0p6 120 bench qwen3-0.6b 8 2048
-    stage qwen3 150 qwen3
-    stage tiny 100 tiny
+    # Limits: 540 s in all, inside one device call's 600 s (timeout_s 580) with the wheels' install.
+    stage smoke 40 smoke
+    stage tests 120 run_tests
+    stage bench135 80 bench smollm2-135m 16 1024
+    stage bench0p6 100 bench qwen3-0.6b 8 2048
+    stage qwen3 140 qwen3
+    stage tiny 60 tiny
     # The tables, in the order of the README's GPU section.
     {
       grep -h -E "TFLOP/s|pin |imports ok" "$out/smoke.log"
@@ -166,6 +206,7 @@ for r in rows:
 EOF
       grep -h "per iteration" "$out/tiny.log"
     } >> "$out/summary.txt" 2>&1
+    echo "== $out/summary.txt"
     cat "$out/summary.txt" ;;
-  *) echo "usage: bench/gpu/run.sh smoke|all|check" >&2; exit 2 ;;
+  *) echo "usage: bench/gpu/run.sh smoke|all|rehearse|check" >&2; exit 2 ;;
 esac
