@@ -79,6 +79,27 @@ def test_calculator_actions_are_short_and_regular():
     envs.builtin.calculator.tasks("train", 1, 0, max_operand=1)
 
 
+def test_calculator_mixed_demos_mix_both_solvers_and_only_direct_fits_two_turns():
+  spec = envs.get("calculator")
+  ts = spec.tasks("train", 400, 0)
+  scripts = [spec.demo(t, k, style="mixed", direct_fraction=0.25) for k, t in enumerate(ts)]
+  direct = [len(s) == 2 for s in scripts]
+  assert 0.18 < sum(direct) / len(ts) < 0.32  # 400 Bernoulli(0.25) draws: 4 standard deviations either side
+  assert all(len(s) in (2, 3) for s in scripts)
+  assert scripts == [spec.demo(t, k, style="mixed", direct_fraction=0.25) for k, t in enumerate(ts)]
+  assert spec.demo(ts[0], 0, style="mixed", direct_fraction=1.0) == spec.demo(ts[0], 0, style="direct")
+  assert spec.demo(ts[0], 0, style="mixed", direct_fraction=0.0) == spec.demo(ts[0], 0, style="steps")
+  for task, script in zip(ts[:16], scripts):  # under a 2-turn budget only the direct solver reaches its answer
+    env = spec.make(max_turns=2)
+    env.reset(task, 0)
+    results = [env.step(a) for a in script[:2]]
+    assert results[-1].done and (results[-1].verdict is not None and results[-1].verdict.passed) == (len(script) == 2)
+  with pytest.raises(ValueError, match="direct_fraction=1.5"):
+    spec.demo(ts[0], 0, style="mixed", direct_fraction=1.5)
+  with pytest.raises(ValueError, match="not one of"):
+    spec.demo(ts[0], 0, style="sideways")
+
+
 @pytest.mark.parametrize("rule", envs.INVALID_ACTION_RULES)
 @pytest.mark.parametrize("action,kind", [("CALC 1+1\nx", "parser_rejected"), ("calc __import__('os')", "invalid_action"),
                                          ("fly away", "invalid_action")])

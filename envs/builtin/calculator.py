@@ -155,14 +155,20 @@ def tasks(split: str, n: int, seed: int = 0, max_operand: int = 9) -> list[Task]
   return out
 
 
-DEMO_STYLES = ("steps", "direct")
+DEMO_STYLES = ("steps", "direct", "mixed")
 
 
-def demo(task: Task, seed: int = 0, style: str = "steps") -> list[str]:
-  """Scripted solution. `steps`: the template's two calc steps, then the answer; `direct`: one calc of the
-  whole question, then the answer (a template-agnostic skill: copy the question, copy the tool's result)."""
+def demo(task: Task, seed: int = 0, style: str = "steps", direct_fraction: float = 0.5) -> list[str]:
+  """Scripted solution. `steps`: the template's two calc steps, then the answer (3 calls); `direct`: one calc of
+  the whole question, then the answer (2 calls: a template-agnostic skill, copy the question, copy the tool's
+  result); `mixed`: a log of both solvers, `direct` for a `direct_fraction` of episodes (drawn from the task id
+  and the episode's seed, so the same demonstration set every run), `steps` for the rest."""
   if style not in DEMO_STYLES:
     raise ValueError(f"demo style={style!r}: not one of {DEMO_STYLES}")
+  if not 0.0 <= direct_fraction <= 1.0:
+    raise ValueError(f"demo direct_fraction={direct_fraction!r}: must be a fraction in [0, 1]")
+  if style == "mixed":
+    style = "direct" if random.Random(f"calculator-demo:{task.id}:{seed}").random() < direct_fraction else "steps"
   p = task.payload
   if style == "direct":
     return [f"calc {p['question']}", f"answer {safe_eval(p['question'])}"]
