@@ -366,6 +366,10 @@ class TrainConfig:
       "rollout.max_context (one shape; the padding is computed)")
   bc_steps: int = field(0, ge=0, help="behavior-cloning cold-start steps on scripted demonstrations")
   bc_batch_size: int = field(32, ge=1)
+  bc_demos: int | None = field(None, ge=1, help="distinct scripted demonstrations the behavior-cloning batches "
+                               "draw from (per bc stage); null: a quarter of the rows the steps consume, at least "
+                               "one batch. Few demonstrations are memorized: a mixed demonstration log then "
+                               "collapses onto its majority habit")
   bc_learning_rate: float = field(1e-3, gt=0.0)
   dynamic_sampling: bool = field(False, help="DAPO: refill the batch with groups whose rewards vary")
   dynamic_sampling_rounds: int = field(2, ge=1, help="bound on extra rollout rounds per iteration")
@@ -592,6 +596,10 @@ def check_combinations(config: Config, num_processes: int) -> None:
   if config.model.lora_rank and algo.kl_coef > 0:
     raise ConfigError(f"algo.kl_coef={algo.kl_coef} with model.lora_rank={config.model.lora_rank}: a KL reference "
                       "policy is not supported with LoRA yet; set algo.kl_coef=0")
+  if train.bc_demos is not None and train.bc_demos < train.bc_batch_size:
+    raise ConfigError(f"train.bc_demos={train.bc_demos}: a behavior-cloning batch draws "
+                      f"train.bc_batch_size={train.bc_batch_size} distinct demonstrations; set train.bc_demos >= "
+                      f"{train.bc_batch_size} (or null)")
   if algo.loss == "tis" and algo.kl_coef > 0:
     raise ConfigError(f"algo.loss='tis' with algo.kl_coef={algo.kl_coef}: the truncated-IS loss has no "
                       "reference-KL term; use algo.loss=ppo or decoupled_ppo, or algo.kl_coef=0")

@@ -343,6 +343,36 @@ def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path
   assert jax.tree.all(jax.tree.map(np.array_equal, ref, jax.tree.map(np.asarray, restored.ref_params)))
 
 
+def test_bc_draws_its_batches_from_train_bc_demos_distinct_demonstrations(tmp_path, monkeypatch):
+  """train.bc_demos sets how many distinct demonstrations the cold start draws its batches from (the default
+  keeps a quarter of the rows the steps consume). With calculator's mixed log under a 2-turn budget the
+  demonstrations are both habits: the direct solver's complete, the step-by-step solver's end at max_turns."""
+  made = []
+  real = loop.demonstrations
+  monkeypatch.setattr(loop, "demonstrations", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+  picked = []
+  real_batch = loop.paradigms.supervised_batch
+  monkeypatch.setattr(loop.paradigms, "supervised_batch",
+                      lambda run, trajs: picked.extend(t.id for t in trajs) or real_batch(run, trajs))
+  run, progress = _run(tmp_path, "train.bc_demos=40", "env.max_turns=2", "train.eval_episodes=0",
+                       "env.demo_options={style: mixed, direct_fraction: 0.25}")
+  try:
+    with metrics_lib.MetricsLogger(tmp_path / "run", tensorboard=False) as logger:
+      loop.behavior_cloning(run, progress.state, logger)
+  finally:
+    run.close()
+  (demos,) = made
+  assert len(demos) == len({t.id for t in demos}) == 40
+  assert len(picked) == 3 * 8 and set(picked) <= {t.id for t in demos}
+  assert len(set(picked)) > 8, "three batches of 8 from 40 demonstrations repeat few of them"
+  ends = [t.termination.value for t in demos]
+  direct = [len(t.turns) == 2 and bool(t.verifier.passed) for t in demos]
+  assert set(ends) == {"completed", "max_turns"} and sum(direct) == ends.count("completed")
+  assert 0.1 <= sum(direct) / 40 <= 0.45, sum(direct)
+  with pytest.raises(config_lib.ConfigError, match=r"train\.bc_demos=4: .* set train\.bc_demos >= 8"):
+    _config(tmp_path, "train.bc_demos=4")
+
+
 def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path):
   """Selection logic on scripted rewards: flat slots take varied groups of later rounds in the same slot;
   rounds are bounded and counted."""

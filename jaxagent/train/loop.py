@@ -94,7 +94,7 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
   if start_step >= end:
     return state
   spec = config_lib.stages(cfg)[stage]
-  demos = demonstrations(run, max((end - begin) * train.bc_batch_size // 4, train.bc_batch_size),
+  demos = demonstrations(run, train.bc_demos or max((end - begin) * train.bc_batch_size // 4, train.bc_batch_size),
                          seeds.stage(cfg.run.seed, stage, first=0), spec.env_options)
   rng = np.random.default_rng(seeds.bc_order(cfg.run.seed, start_step))
   label = "cold start (BC)" if not cfg.curriculum.stages else f"stage {spec.name} (BC)"
