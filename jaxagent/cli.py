@@ -280,6 +280,9 @@ def _cmd_compare(args) -> int:
   from jaxagent.evals import compare  # pylint: disable=g-import-not-at-top
   rows = compare.compare(args.runs, args.out, args.metric or compare.DEFAULT_METRICS)
   print(compare.table(rows))
+  gain = compare.gain_table(rows)
+  if gain:
+    print("\nwhat RL added to the first held-out eval:\n" + gain)
   print(f"curves: {args.out}")
   return 0
 

@@ -355,3 +355,28 @@ def test_compare_draws_every_run_on_four_axes_and_tables_final_evals(tmp_path, c
   with pytest.raises(config_lib.ConfigError, match="not a run directory"):
     from jaxagent.evals import compare
     compare.compare([tmp_path], out)
+
+
+def test_compare_reports_what_rl_added_to_the_cold_start_with_stage_times(tmp_path, capsys):
+  from jaxagent import cli
+  from jaxagent.train import metrics as metrics_lib
+  run = tmp_path / "gain"
+  run.mkdir()
+  (run / "config.yaml").write_text("train: {eval_episodes: 200, tasks_per_iteration: 4}\n")
+  lines = [{"step": 8, "iteration": None, "time": 0, "bc/nll": 0.04, "time/bc_s": 345.0},
+           {"step": 8, "iteration": 0, "time": 0, "eval_success_rate": 0.2, "time/eval_s": 300.0}]
+  for i, (zv, flat) in enumerate([(0.5, 1), (0.25, 0)], 1):
+    lines.append({"step": 8 + i, "iteration": i, "time": 0, "success_rate": 0.3, "zero_variance_group_fraction": zv,
+                  "dynamic_sampling/zero_variance_groups_trained": flat, "time/iteration_s": 100.0 + i})
+  lines.append({"step": 10, "iteration": 2, "time": 0, "eval_success_rate": 0.45, "time/eval_s": 290.0})
+  (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  flat = _fake_run(tmp_path / "flat", [0.3, 0.32])  # from 60/200 to 64/200: the intervals overlap
+  assert cli.main(["compare", str(run), str(flat), "--out", str(tmp_path / "c.png")]) == 0
+  text = capsys.readouterr().out.split("what RL added to the first held-out eval:")[1]
+  lo, hi = metrics_lib.wilson_interval(40, 200)
+  lo2, hi2 = metrics_lib.wilson_interval(90, 200)
+  gain, flat_line = text.strip().splitlines()[:2]
+  assert gain.startswith("gain: held-out 20.0 %") and f"[{100 * lo:.1f}, {100 * hi:.1f}] -> 45.0 %" in gain
+  assert f"[{100 * lo2:.1f}, {100 * hi2:.1f}] (apart)" in gain
+  assert "sampled 0.50, 0.25, trained 0.25, 0.00" in gain and "bc 345 s, evals 300 + 290 s, rl 203 s" in gain
+  assert flat_line.startswith("flat: held-out 30.0 %") and "(overlap)" in flat_line

@@ -4,7 +4,10 @@ The PNG has a row per metric (held-out success, train success, mean reward by de
 of docs/design.md §2.11 (env interactions, action tokens, device seconds, wall time): runs are compared at
 equal cost, not only at equal iterations. The table gives each run's final held-out success with its Wilson
 interval (the run's `train.eval_episodes`), its cost at the end on the four axes, and the clean success and
-exploit-probe count of every evaluation suite found under `RUN/evals/`.
+exploit-probe count of every evaluation suite found under `RUN/evals/`. A second table (`gain_table`) gives what
+RL added to the cold start: the first held-out eval against the last, whether their intervals are apart, the
+zero-variance group fraction of each iteration (sampled, and trained after dynamic sampling) and the wall time
+of each stage (behavior cloning, the evals, the RL iterations).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from jaxagent.config import ConfigError
 from jaxagent.train import metrics as metrics_lib
 
 DEFAULT_METRICS = (metrics_lib.EVAL_SUCCESS_RATE, metrics_lib.SUCCESS_RATE, metrics_lib.REWARD_MEAN)
+TRAINED_FLAT = "dynamic_sampling/zero_variance_groups_trained"  # flat groups left after the refills
 
 
 def labels(run_dirs: Sequence[Path]) -> list[str]:
@@ -49,6 +53,22 @@ def summary(run_dir: Path) -> dict[str, Any]:
     if n:
       row["eval_ci"] = list(metrics_lib.wilson_interval(round(rate * n), n))
       row["eval_episodes"] = n
+  if len(evals) > 1:  # the first held-out eval (after the cold start) against the last
+    rate = float(evals[0][metrics_lib.EVAL_SUCCESS_RATE])
+    row["start_success"] = rate
+    if n:
+      row["start_ci"] = list(metrics_lib.wilson_interval(round(rate * n), n))
+      row["separated"] = row["start_ci"][1] < row["eval_ci"][0] or row["eval_ci"][1] < row["start_ci"][0]
+  groups = int(((config or {}).get("train") or {}).get("tasks_per_iteration") or 0)
+  rl = [r for r in records if isinstance(r.get(metrics_lib.ZERO_VARIANCE_GROUP_FRACTION), (int, float))]
+  if rl:
+    row["zero_variance"] = [float(r[metrics_lib.ZERO_VARIANCE_GROUP_FRACTION]) for r in rl]
+    if groups and all(isinstance(r.get(TRAINED_FLAT), int) for r in rl):
+      row["zero_variance_trained"] = [r[TRAINED_FLAT] / groups for r in rl]
+  stages = {"bc": sum(float(r[metrics_lib.BC_SECONDS]) for r in records if metrics_lib.BC_SECONDS in r),
+            "eval": [float(r[metrics_lib.EVAL_SECONDS]) for r in evals if metrics_lib.EVAL_SECONDS in r],
+            "rl": sum(float(r["time/iteration_s"]) for r in records if "time/iteration_s" in r)}
+  row["stage_s"] = {k: v for k, v in stages.items() if v}
   for path in sorted((run_dir / "evals").glob("*.json")):
     try:
       report = json.loads(path.read_text())
@@ -107,4 +127,29 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     lines.append(f"{label:<{width}}{r['iterations']:>6}{success:>18}{ci:>17}"
                  f"{num(metrics_lib.ENV_INTERACTIONS, ',.0f'):>12}{num(metrics_lib.ACTION_TOKENS, ',.0f'):>12}"
                  f"{num(metrics_lib.DEVICE_SECONDS, '.0f'):>10}{num(metrics_lib.WALL_SECONDS, '.0f'):>9}  {suites}")
+  return "\n".join(lines)
+
+
+def gain_table(rows: dict[str, dict[str, Any]]) -> str:
+  """What RL added to the cold start, a line per run with at least two held-out evals (else nothing)."""
+  pct = lambda x: f"{100 * x:.1f} %"  # noqa: E731
+  ci = lambda c: f"[{100 * c[0]:.1f}, {100 * c[1]:.1f}]" if c else ""  # noqa: E731
+  lines = []
+  for label, r in rows.items():
+    if "start_success" not in r:
+      continue
+    zv = ", ".join(f"{x:.2f}" for x in r.get("zero_variance", ())) or "-"
+    trained = ", ".join(f"{x:.2f}" for x in r.get("zero_variance_trained", ()))
+    stage = r.get("stage_s", {})
+    times = []
+    if "bc" in stage:
+      times.append(f"bc {stage['bc']:.0f} s")
+    if "eval" in stage:
+      times.append(f"evals {' + '.join(f'{x:.0f}' for x in stage['eval'])} s")
+    if "rl" in stage:
+      times.append(f"rl {stage['rl']:.0f} s")
+    apart = {True: "apart", False: "overlap"}.get(r.get("separated"), "-")
+    lines.append(f"{label}: held-out {pct(r['start_success'])} {ci(r.get('start_ci'))} -> "
+                 f"{pct(r['eval_success'])} {ci(r.get('eval_ci'))} ({apart}); zero-variance groups per "
+                 f"iteration sampled {zv}" + (f", trained {trained}" if trained else "") + f"; {', '.join(times) or 'no stage times'}")
   return "\n".join(lines)

@@ -93,6 +93,7 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
   start_step = int(state.step)
   if start_step >= end:
     return state
+  t0 = time.perf_counter()
   spec = config_lib.stages(cfg)[stage]
   demos = demonstrations(run, train.bc_demos or max((end - begin) * train.bc_batch_size // 4, train.bc_batch_size),
                          seeds.stage(cfg.run.seed, stage, first=0), spec.env_options)
@@ -107,7 +108,10 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
     state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(paradigms.loss_normalizer(run, batch)))
     if step % 10 == 0 or step == end - 1:
       m = jax.device_get(m)
-      logger.log(int(state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"]})
+      # The last step's line also has the stage's wall time (demonstrations included; a resumed stage: since
+      # the resume).
+      done = {metrics_lib.BC_SECONDS: time.perf_counter() - t0} if step == end - 1 else {}
+      logger.log(int(state.step), {"bc/nll": m["nll"], "bc/grad_norm": m["grad_norm"], **done})
       bar.update(step + 1 - shown, nll=f"{float(m['nll']):.3f}")
       shown = step + 1
   bar.close()
@@ -335,7 +339,8 @@ def _after_iteration(run: Run, session: _Session, progress: LoopState, end: int)
     state, mid = evaluate(run, progress.state)
     progress = dataclasses.replace(progress, state=state)
     bar.write(f"iteration {it}: {mid.line()}")
-    logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate}, iteration=it)
+    logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate,
+                                 metrics_lib.EVAL_SECONDS: mid.seconds}, iteration=it)
   if stage.promote_at is not None and (it - progress.stage_start) % stage.promote_every == 0 and it < end:
     state, check = evaluate(run, progress.state, stage.promote_split, stage.promote_episodes, stage.env_options)
     progress = dataclasses.replace(progress, state=state)
@@ -385,7 +390,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
       state, before = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
       run.print(f"{'after cold start:' if cfg.train.bc_steps else 'before training: '} {before.line()}")
-      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: before.success_rate, **progress.counters},
+      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: before.success_rate,
+                                   metrics_lib.EVAL_SECONDS: before.seconds, **progress.counters},
                  iteration=progress.iteration)
     bar = session.bar = metrics_lib.Progress(cfg.train.iterations, _bar_label(cfg, stages), run.echo)
     bar.update(progress.iteration)
@@ -443,7 +449,8 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
       progress = dataclasses.replace(progress, state=state)
       label = _bar_label(cfg, stages)
       run.print(f"{'after RL:        ' if label in ('GRPO', 'GiGPO', 'PPO') else f'after {label}:':<17} {after.line()}")
-      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: after.success_rate, **progress.counters},
+      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: after.success_rate,
+                                   metrics_lib.EVAL_SECONDS: after.seconds, **progress.counters},
                  iteration=progress.iteration)
     if cfg.train.plots and jax.process_index() == 0:
       metrics_lib.write_plots(run.run_dir)

@@ -44,6 +44,7 @@ class EvalResult:
   ci: tuple[float, float]
   terminations: dict[str, int]
   mean_reward: float
+  seconds: float = 0.0                 # wall time of the evaluation
 
   @property
   def success_rate(self) -> float:
@@ -172,6 +173,7 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
   """Held-out success over `episodes` tasks of `split` (task options: env.options unless given), with Wilson
   intervals (eval sampling temperature)."""
   cfg = run.config
+  t0 = time.perf_counter()
   split = split or cfg.train.eval_split
   episodes = cfg.train.eval_episodes if episodes is None else episodes
   tasks = held_out_tasks(cfg, run.env_spec, split, episodes, options)
@@ -186,7 +188,8 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
     terms[names.index(t.termination.value)] += 1
   passed, rewards, terms = multihost.host_sum(passed), multihost.host_sum(rewards), multihost.host_sum(terms)
   return state, EvalResult(split, episodes, int(passed), metrics_lib.wilson_interval(int(passed), episodes),
-                           {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1))
+                           {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1),
+                           time.perf_counter() - t0)
 
 
 def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: int, *, seed: int = 0,
