@@ -43,3 +43,32 @@ def test_accelerator_recipe_runs_one_iteration_as_its_tiny_cpu_twin(recipe, fami
   rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
   assert len(rl) == 1 and rl[0]["loss_tokens"] > 0
   assert (run / "trajectories").is_dir() and (run / "checkpoints").is_dir()
+
+
+@pytest.mark.slow
+def test_the_rl_gain_recipe_runs_its_cold_start_and_one_iteration_as_its_tiny_cpu_twin(smollm2_dir, tmp_path):
+  """smollm2_calculator_budget_cpu as it is (the 2-turn budget, the mixed demonstration log, 64 distinct
+  demonstrations, dynamic sampling, JSON tool calls through SmolLM2's own ChatML template), with a 2-layer model
+  of SmolLM2's vocabulary and shorter stages: the cold start, its eval, one GRPO iteration and the final eval
+  run, and metrics.jsonl has what `jaxagent compare` reports (both evals, the stage times, zero-variance groups)."""
+  recipe = "smollm2_calculator_budget_cpu"
+  overrides = SMALL + [f"model.init.{k}={v}" for k, v in dict(model_type="llama", vocab_size=49152,
+                                                                eos_token_id=2, pad_token_id=2).items()] + [
+      f"model.tokenizer={smollm2_dir}", f"run.root={tmp_path}", "train.bc_steps=2", "train.eval_episodes=4",
+      "rollout.max_context=384"]
+  config = config_lib.load(recipe, overrides)
+  assert config.env.max_turns == 2 and config.env.demo_options["style"] == "mixed"
+  assert config.train.bc_demos == 64 and config.train.dynamic_sampling
+  run = tmp_path / "run"
+  done = subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", recipe, "--run-dir", str(run)]
+                        + [a for o in overrides for a in ("--set", o)],
+                        env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in rows if "reward_mean" in r]
+  evals = [r for r in rows if "eval_success_rate" in r]
+  assert len(rl) == 1 and rl[0]["loss_tokens"] > 0 and 0.0 <= rl[0]["zero_variance_group_fraction"] <= 1.0
+  assert "dynamic_sampling/zero_variance_groups_trained" in rl[0]
+  assert len(evals) == 2 and all(r["time/eval_s"] > 0 for r in evals)
+  assert [r["time/bc_s"] > 0 for r in rows if "time/bc_s" in r] == [True]
+  assert "after cold start:" in done.stdout and "after RL:" in done.stdout
