@@ -49,16 +49,17 @@ def test_accelerator_recipe_runs_one_iteration_as_its_tiny_cpu_twin(recipe, fami
 def test_the_rl_gain_recipe_runs_its_cold_start_and_one_iteration_as_its_tiny_cpu_twin(smollm2_dir, tmp_path):
   """smollm2_calculator_budget_cpu as it is (the 2-turn budget, the mixed demonstration log, 64 distinct
   demonstrations, dynamic sampling, JSON tool calls through SmolLM2's own ChatML template), with a 2-layer model
-  of SmolLM2's vocabulary and shorter stages: the cold start, its eval, one GRPO iteration and the final eval
+  of SmolLM2's vocabulary and shorter stages (1 BC step on 8 demonstrations, 2 eval episodes): the cold start, its eval, one GRPO iteration and the final eval
   run, and metrics.jsonl has what `jaxagent compare` reports (both evals, the stage times, zero-variance groups)."""
   recipe = "smollm2_calculator_budget_cpu"
   overrides = SMALL + [f"model.init.{k}={v}" for k, v in dict(model_type="llama", vocab_size=49152,
                                                                 eos_token_id=2, pad_token_id=2).items()] + [
-      f"model.tokenizer={smollm2_dir}", f"run.root={tmp_path}", "train.bc_steps=2", "train.eval_episodes=4",
-      "rollout.max_context=384"]
-  config = config_lib.load(recipe, overrides)
-  assert config.env.max_turns == 2 and config.env.demo_options["style"] == "mixed"
-  assert config.train.bc_demos == 64 and config.train.dynamic_sampling
+      f"model.tokenizer={smollm2_dir}", f"run.root={tmp_path}", "train.bc_steps=1", "train.bc_demos=8",
+      "train.eval_episodes=2", "rollout.max_context=384"]
+  shipped = config_lib.load(recipe)
+  assert shipped.env.max_turns == 2 and shipped.env.demo_options["style"] == "mixed"
+  assert shipped.train.bc_demos == 64 and shipped.train.dynamic_sampling
+  config_lib.load(recipe, overrides)  # the twin loads and its combinations check
   run = tmp_path / "run"
   done = subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", recipe, "--run-dir", str(run)]
                         + [a for o in overrides for a in ("--set", o)],
