@@ -67,7 +67,8 @@ def summary(run_dir: Path) -> dict[str, Any]:
       row["zero_variance_trained"] = [r[TRAINED_FLAT] / groups for r in rl]
   stages = {"bc": sum(float(r[metrics_lib.BC_SECONDS]) for r in records if metrics_lib.BC_SECONDS in r),
             "eval": [float(r[metrics_lib.EVAL_SECONDS]) for r in evals if metrics_lib.EVAL_SECONDS in r],
-            "rl": sum(float(r["time/iteration_s"]) for r in records if "time/iteration_s" in r)}
+            "iterations": sum(float(r[metrics_lib.ITERATION_SECONDS]) for r in records
+                              if metrics_lib.ITERATION_SECONDS in r)}
   row["stage_s"] = {k: v for k, v in stages.items() if v}
   for path in sorted((run_dir / "evals").glob("*.json")):
     try:
@@ -146,10 +147,11 @@ def gain_table(rows: dict[str, dict[str, Any]]) -> str:
       times.append(f"bc {stage['bc']:.0f} s")
     if "eval" in stage:
       times.append(f"evals {' + '.join(f'{x:.0f}' for x in stage['eval'])} s")
-    if "rl" in stage:
-      times.append(f"rl {stage['rl']:.0f} s")
+    if "iterations" in stage:
+      times.append(f"rl {stage['iterations']:.0f} s")
     apart = {True: "apart", False: "overlap"}.get(r.get("separated"), "-")
     lines.append(f"{label}: held-out {pct(r['start_success'])} {ci(r.get('start_ci'))} -> "
                  f"{pct(r['eval_success'])} {ci(r.get('eval_ci'))} ({apart}); zero-variance groups per "
-                 f"iteration sampled {zv}" + (f", trained {trained}" if trained else "") + f"; {', '.join(times) or 'no stage times'}")
+                 f"iteration sampled {zv}" + (f", trained {trained}" if trained else "")
+                 + f"; {', '.join(times) or 'no stage times'}")
   return "\n".join(lines)

@@ -226,7 +226,7 @@ def rl_iteration(run: Run, progress: LoopState, writer: trajectory_store.Traject
       "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
       "time/extend_s": stats.extend_s, "time/rollout_idle_s": stats.idle_s,
       **({"time/weight_transfer_s": stats.transfer_s} if run.layout.disaggregated else {}),
-      "time/iteration_s": time.perf_counter() - wall0, **metrics_lib.device_memory(),
+      metrics_lib.ITERATION_SECONDS: time.perf_counter() - wall0, **metrics_lib.device_memory(),
       **stage, **{k: float(v) for k, v in m.items()}, **counters, **curriculum, **refill, **branched,
   }
   # Like reward_mean, over the first-round sample. Reward components: this process's rows (their names
@@ -339,8 +339,7 @@ def _after_iteration(run: Run, session: _Session, progress: LoopState, end: int)
     state, mid = evaluate(run, progress.state)
     progress = dataclasses.replace(progress, state=state)
     bar.write(f"iteration {it}: {mid.line()}")
-    logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: mid.success_rate,
-                                 metrics_lib.EVAL_SECONDS: mid.seconds}, iteration=it)
+    logger.log(int(state.step), mid.metrics(), iteration=it)
   if stage.promote_at is not None and (it - progress.stage_start) % stage.promote_every == 0 and it < end:
     state, check = evaluate(run, progress.state, stage.promote_split, stage.promote_episodes, stage.env_options)
     progress = dataclasses.replace(progress, state=state)
@@ -390,9 +389,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
       state, before = evaluate(run, progress.state)
       progress = dataclasses.replace(progress, state=state)
       run.print(f"{'after cold start:' if cfg.train.bc_steps else 'before training: '} {before.line()}")
-      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: before.success_rate,
-                                   metrics_lib.EVAL_SECONDS: before.seconds, **progress.counters},
-                 iteration=progress.iteration)
+      logger.log(int(state.step), {**before.metrics(), **progress.counters}, iteration=progress.iteration)
     bar = session.bar = metrics_lib.Progress(cfg.train.iterations, _bar_label(cfg, stages), run.echo)
     bar.update(progress.iteration)
     saved = progress.iteration
@@ -449,9 +446,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
       progress = dataclasses.replace(progress, state=state)
       label = _bar_label(cfg, stages)
       run.print(f"{'after RL:        ' if label in ('GRPO', 'GiGPO', 'PPO') else f'after {label}:':<17} {after.line()}")
-      logger.log(int(state.step), {metrics_lib.EVAL_SUCCESS_RATE: after.success_rate,
-                                   metrics_lib.EVAL_SECONDS: after.seconds, **progress.counters},
-                 iteration=progress.iteration)
+      logger.log(int(state.step), {**after.metrics(), **progress.counters}, iteration=progress.iteration)
     if cfg.train.plots and jax.process_index() == 0:
       metrics_lib.write_plots(run.run_dir)
   finally:

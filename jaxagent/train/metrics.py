@@ -41,6 +41,7 @@ SUCCESS_RATE = "success_rate"
 EVAL_SUCCESS_RATE = "eval_success_rate"                         # held-out split
 EVAL_SECONDS = "time/eval_s"                                    # wall time of that evaluation
 BC_SECONDS = "time/bc_s"                                        # of a behavior-cloning stage (its last line)
+ITERATION_SECONDS = "time/iteration_s"                          # of an RL (or sft/rft/offline) iteration
 REWARD_STD_WITHIN_GROUP = "reward_std_within_group"             # the advantage estimator's groups
 ZERO_VARIANCE_GROUP_FRACTION = "zero_variance_group_fraction"
 EXCLUDED_TRAJECTORIES = "excluded_trajectories"                 # infrastructure failures, never trained

@@ -286,5 +286,5 @@ def iteration(run: Run, progress: LoopState, data: StageData, writer,
     progress, m = supervised_iteration(run, progress, data)
   counters = metrics_lib.advance(progress.counters, wall_s=time.perf_counter() - start_wall)
   m.update({"learning_rate": float(run.schedule(int(progress.state.step) - 1)),
-            "time/iteration_s": time.perf_counter() - wall0, **counters})
+            metrics_lib.ITERATION_SECONDS: time.perf_counter() - wall0, **counters})
   return dataclasses.replace(progress, counters=counters), m

@@ -50,6 +50,10 @@ class EvalResult:
   def success_rate(self) -> float:
     return self.successes / max(self.episodes, 1)
 
+  def metrics(self) -> dict[str, float]:
+    """What a held-out eval line of metrics.jsonl records."""
+    return {metrics_lib.EVAL_SUCCESS_RATE: self.success_rate, metrics_lib.EVAL_SECONDS: self.seconds}
+
   def line(self) -> str:
     lo, hi = self.ci
     return (f"{self.split} success {self.success_rate:.3f} ({self.successes}/{self.episodes}, "
