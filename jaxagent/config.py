@@ -87,9 +87,10 @@ class ModelSection:
   lora_alpha: float = field(16.0, gt=0.0, help="LoRA scale alpha / rank")
   lora_targets: tuple[str, ...] = field(("q", "k", "v", "o"), choices=lambda: sorted(models.LORA_TARGETS),
                                         help="weights that get adapters: q k v o (attention), gate up down (MLP)")
-  attention: Literal["einsum", "dot_product"] = field(
-      "einsum", help="attention kernel for prefill and training: einsum + softmax, or jax.nn.dot_product_attention "
-      "(its default implementation, XLA in JAX 0.10); one-token decode is the same for both")
+  attention: Literal["einsum", "dot_product", "chunked"] = field(
+      "einsum", help="attention kernel for prefill and training: einsum + softmax, jax.nn.dot_product_attention "
+      "(its default implementation, XLA in JAX 0.10), or chunked (einsum over blocks of 512 queries, recomputed in "
+      "the backward pass: memory grows with the context, not its square); one-token decode is the same for all")
   system_prompt: str | None = field(None, help="template chats: the system message (tool schemas are added)")
   chat_template_kwargs: dict[str, Any] | None = field(
       None, help="template chats: extra template variables, e.g. {enable_thinking: false} for Qwen3")

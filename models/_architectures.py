@@ -7,7 +7,7 @@ Hugging Face `config.json`s (transcribed; no weights).
 
 from __future__ import annotations
 
-from models._config import ModelConfig
+from models._config import ModelConfig, RopeScaling
 
 ARCHITECTURES: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct: Llama layout, tied embeddings, ChatML tokens 1 (<|im_start|>) /
@@ -22,6 +22,21 @@ ARCHITECTURES: dict[str, ModelConfig] = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_word_embeddings=True, qk_norm=True, max_position_embeddings=40960, bos_token_id=None,
         eos_token_id=151645, pad_token_id=151643),
+    # Qwen/Qwen3-8B: qk-norm, untied embeddings.
+    "qwen3-8b": ModelConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, qk_norm=True, max_position_embeddings=40960, bos_token_id=None,
+        eos_token_id=151645, pad_token_id=151643),
+    # meta-llama/Llama-3.1-70B-Instruct: Llama 3.1 RoPE scaling, untied embeddings, eos <|end_of_text|>,
+    # <|eom_id|>, <|eot_id|>.
+    "llama3.1-70b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192),
+        tie_word_embeddings=False, max_position_embeddings=131072, bos_token_id=128000,
+        eos_token_id=(128001, 128008, 128009), pad_token_id=None),
 }
 
 

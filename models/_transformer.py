@@ -23,8 +23,11 @@ from models._config import ModelConfig
 from models._rope import apply_rope, inverse_frequencies
 
 # Per-layer rematerialization (`Transformer.features(remat=...)`): what a layer keeps for the backward pass.
-# Attention kernels for T > 1 (`features(attention=...)`): today's einsum + softmax, or jax.nn.dot_product_attention.
-ATTENTION_IMPLEMENTATIONS = ("einsum", "dot_product")
+# Attention kernels for T > 1 (`features(attention=...)`): einsum + softmax over the whole [T, S] logits,
+# jax.nn.dot_product_attention, or "chunked": the einsum path over blocks of ATTENTION_CHUNK queries in a scan whose
+# body is rematerialized, so neither pass holds more than one block's [C, S] logits (long-context training).
+ATTENTION_IMPLEMENTATIONS = ("einsum", "dot_product", "chunked")
+ATTENTION_CHUNK = 512
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -101,6 +104,43 @@ def _masked_softmax(logits_bkgts, visible_bts, dtype):
   return jax.nn.softmax(logits_bkgts, axis=-1).astype(dtype)
 
 
+def _scores_operand(dtype):
+  """XLA:CPU has no batched bf16 x bf16 -> f32 dot ("Unsupported element type for DotThunk::Execute", seen at B=8
+  prefill of SmolLM2): there the operands are widened first, the same products and f32 accumulation."""
+  return jnp.float32 if jax.default_backend() == "cpu" else dtype
+
+
+def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs, dtype):
+  """The einsum path over blocks of `ATTENTION_CHUNK` queries (the last block padded with invisible queries):
+  one block's logits [B, K, G, C, S] at a time, recomputed in the backward pass (`jax.checkpoint` on the scan
+  body), so memory grows with T x C instead of T x S. The same masking rule, products and accumulation."""
+  b, t, k, g, h = q_btkgh.shape
+  chunk = min(ATTENTION_CHUNK, t)
+  pad = -t % chunk
+  if pad:
+    q_btkgh = jnp.pad(q_btkgh, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    segment_ids_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
+    query_slot_bt = jnp.pad(query_slot_bt, ((0, 0), (0, pad)))
+  blocks = (t + pad) // chunk
+  s = keys_bkhs.shape[3]
+  operand = _scores_operand(q_btkgh.dtype)
+  keys, values = keys_bkhs.astype(operand), values_bksh.astype(dtype)
+
+  @jax.checkpoint
+  def block(_, xs):
+    q_bckgh, seg_bc, slot_bc = xs
+    visible_bcs = ((key_seg_bs[:, None, :] == seg_bc[:, :, None]) & (key_seg_bs[:, None, :] != 0)
+                   & (jnp.arange(s)[None, None, :] <= slot_bc[:, :, None]))
+    logits_bkgcs = jnp.einsum("bckgh,bkhs->bkgcs", q_bckgh.astype(operand), keys,
+                              preferred_element_type=jnp.float32) * (h ** -0.5)
+    probs_bkgcs = _masked_softmax(logits_bkgcs, visible_bcs, dtype)
+    return None, jnp.einsum("bkgcs,bksh->bckgh", probs_bkgcs, values)
+
+  split = lambda x: x.reshape((b, blocks, chunk) + x.shape[2:]).swapaxes(0, 1)
+  _, out = jax.lax.scan(block, None, (split(q_btkgh), split(segment_ids_bt), split(query_slot_bt)))
+  return out.swapaxes(0, 1).reshape((b, t + pad, k, g, h))[:, :t]
+
+
 class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
@@ -125,7 +165,7 @@ class Attention(nnx.Module):
   def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None, attention: str = "einsum"):
     """Returns (output [B, T, D], (k_cache, v_cache, cache_segment_ids) or None).
 
-    `attention` ("einsum" or "dot_product", see `ATTENTION_IMPLEMENTATIONS`) picks the kernel for T > 1
+    `attention` (see `ATTENTION_IMPLEMENTATIONS`) picks the kernel for T > 1
     (prefill, training); one-token decode always takes the multiply-reduce path below.
     """
     cfg = self.config
@@ -178,6 +218,9 @@ class Attention(nnx.Module):
           q_btnh, keys_bkhs.transpose(0, 3, 1, 2).astype(q_btnh.dtype),
           values_bksh.transpose(0, 2, 1, 3).astype(q_btnh.dtype), mask=visible_bts[:, None], scale=h ** -0.5)
       out_btkgh = out_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h).astype(x_btd.dtype)
+    elif t > 1 and attention == "chunked":
+      out_btkgh = _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs,
+                                     x_btd.dtype)
     elif t == 1:
       # One query per row (decode): multiply-reduces, one fused pass over each cache (see `KVCache`). As
       # dot_generals they are B*K tiny matmuls, measured 2-7x slower on CPU at B=64, S=128.
@@ -187,9 +230,7 @@ class Attention(nnx.Module):
       out_btkgh = jnp.sum(probs_bkgts[:, :, :, 0, :, None].astype(f32) * values_bksh[:, :, None].astype(f32),
                           axis=-2)[:, None].astype(x_btd.dtype)
     else:
-      # XLA:CPU has no batched bf16 x bf16 -> f32 dot ("Unsupported element type for DotThunk::Execute", seen at
-      # B=8 prefill of SmolLM2): there the operands are widened first, the same products and f32 accumulation.
-      operand = f32 if jax.default_backend() == "cpu" else q_btkgh.dtype
+      operand = _scores_operand(q_btkgh.dtype)
       logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh.astype(operand), keys_bkhs.astype(operand),
                                 preferred_element_type=f32) * (h ** -0.5)
       probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)

@@ -123,10 +123,14 @@ def test_cache_output_is_finite_at_padding_slots(model):
   assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_dot_product_attention_equals_the_einsum_path_for_forward_prefill_and_extend():
-  """jax.nn.dot_product_attention (model.attention=dot_product) on packed, padded rows and through the
-  sampler's prefill and extend (KV cache): the same logits as the einsum path; decode is shared."""
+@pytest.mark.parametrize("attention", ["dot_product", "chunked"])
+def test_attention_kernels_equal_the_einsum_path_for_forward_prefill_and_extend(attention, monkeypatch):
+  """jax.nn.dot_product_attention and the chunked kernel (blocks of 4 queries here, so a 10-token row is three
+  blocks, the last padded) on packed, padded rows and through the sampler's prefill and extend (KV cache): the
+  same logits as the einsum path; decode is shared."""
   from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)  # pylint: disable=protected-access
 
   cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -137,12 +141,12 @@ def test_dot_product_attention_equals_the_einsum_path_for_forward_prefill_and_ex
   pos = jnp.asarray([list(range(10)), list(range(6)) + [0] * 4, list(range(4)) + list(range(5)) + [0]], jnp.int32)
   valid = np.asarray(seg) > 0
   einsum = model(tokens, positions_bt=pos, segment_ids_bt=seg)
-  fused = model(tokens, positions_bt=pos, segment_ids_bt=seg, attention="dot_product")
+  fused = model(tokens, positions_bt=pos, segment_ids_bt=seg, attention=attention)
   np.testing.assert_allclose(np.asarray(fused)[valid], np.asarray(einsum)[valid], rtol=1e-5, atol=1e-5)
 
   params = nnx.state(model)
   out = {}
-  for kind in ("einsum", "dot_product"):
+  for kind in ("einsum", attention):
     sampler = Sampler(model, cache_size=48, config=SamplingConfig(temperature=0.0, max_new_tokens=4), pad_id=0,
                       buckets=(16,), extend_buckets=(8,), attention=kind)
     state = sampler.prefill(params, [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]], jax.random.key(0))
@@ -150,7 +154,7 @@ def test_dot_product_attention_equals_the_einsum_path_for_forward_prefill_and_ex
     state, ok = sampler.extend(params, state, [[9, 8, 7, 6], [3]])
     state, second = sampler.generate(params, state)
     out[kind] = (np.asarray(state.next_logits), first.tokens, second.tokens, np.asarray(ok).all())
-  np.testing.assert_allclose(out["dot_product"][0], out["einsum"][0], rtol=1e-5, atol=1e-5)
-  assert all(np.array_equal(a, b) for a, b in zip(out["dot_product"][1:3], out["einsum"][1:3]))
+  np.testing.assert_allclose(out[attention][0], out["einsum"][0], rtol=1e-5, atol=1e-5)
+  assert all(np.array_equal(a, b) for a, b in zip(out[attention][1:3], out["einsum"][1:3]))
   with pytest.raises(ValueError, match="attention='flash': not one of"):
     model(tokens, attention="flash")

@@ -184,9 +184,10 @@ def test_chunked_logprobs_and_entropy_equal_the_direct_path_with_gradients(chunk
   np.testing.assert_allclose(np.where(scored, lp1, 0.0), np.where(scored, ref, 0.0), **TOL)
 
 
-def test_chunked_logits_and_remat_leave_the_train_step_unchanged():
+def test_chunked_logits_and_remat_leave_the_train_step_unchanged(monkeypatch):
   """The memory options (and the attention kernel) change what is stored, not the update: same params and
-  metrics (RL with KL, and BC)."""
+  metrics (RL with KL, and BC). The chunked kernel runs blocks of 4 queries here (several per row, one padded)."""
+  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)  # pylint: disable=protected-access
   algo = AlgoConfig(name="grpo", advantage="grpo", kl_coef=0.1, entropy_coef=0.01)
   model, graphdefs, optimizer, state = _setup(algo, value=False, reference=True)
   batch = _batch(model, seed=3)
@@ -194,7 +195,8 @@ def test_chunked_logits_and_remat_leave_the_train_step_unchanged():
   for mode in ("rl", "bc"):
     results = []
     for memory in ({}, {"logits_chunk": 6}, {"logits_chunk": 6, "remat": "full"}, {"remat": "dots"},
-                   {"attention": "dot_product"}, {"attention": "dot_product", "remat": "full", "logits_chunk": 5}):
+                   {"attention": "dot_product"}, {"attention": "dot_product", "remat": "full", "logits_chunk": 5},
+                   {"attention": "chunked"}, {"attention": "chunked", "remat": "full"}):
       step = make_train_step(graphdefs, optimizer, algo, micro_batches=2, mode=mode, temperature=TEMPERATURE,
                              **memory)
       new, metrics = step(state(), batch, normalizer)
