@@ -388,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
   __import__("jaxagent.inspect_cli", fromlist=["register"]).register(sub)
   __import__("envs.cli", fromlist=["register"]).register(sub)
   __import__("jaxagent.tasks.cli", fromlist=["register"]).register(sub)
+  __import__("jaxagent.plan.cli", fromlist=["register"]).register(sub)
   return parser
 
 

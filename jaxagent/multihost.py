@@ -26,6 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import models
 
 
+def batch_sharding(shape: tuple[int, ...], mesh: Mesh, rules: models.Rules) -> NamedSharding:
+  """The layout of a global batch-leading array of `shape`: its first axis is the logical `batch`."""
+  return NamedSharding(mesh, models.logical_to_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh, rules))
+
+
 def to_global(tree: Any, mesh: Mesh | None, rules: models.Rules) -> Any:
   """This process's rows of host arrays -> global arrays whose leading axis is laid out as logical `batch`.
 
@@ -36,8 +41,7 @@ def to_global(tree: Any, mesh: Mesh | None, rules: models.Rules) -> Any:
     return jax.tree.map(jax.numpy.asarray, tree)
 
   def sharding(x):
-    shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-    return NamedSharding(mesh, models.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), shape, mesh, rules))
+    return batch_sharding((x.shape[0] * jax.process_count(),) + x.shape[1:], mesh, rules)
 
   tree = jax.tree.map(np.asarray, tree)
   if jax.process_count() == 1:  # every row is here: one batched transfer for the whole tree

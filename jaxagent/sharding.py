@@ -96,10 +96,10 @@ def resolve_mesh_shape(config: MeshConfig, num_devices: int, num_granules: int) 
 
 
 def _granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
-  """(count, process_is_granule): TPU slices where devices report them, else processes."""
-  slices = {getattr(d, "slice_index", None) for d in devices}
-  if devices[0].platform == "tpu" and None not in slices:
-    return len(slices), False
+  """(count, process_is_granule): TPU slices, else processes. A TPU device that reports no slice index is in
+  the one slice of its topology (a single-slice topology description, `jaxagent plan`): its hosts share ICI."""
+  if devices[0].platform == "tpu":
+    return len({getattr(d, "slice_index", None) or 0 for d in devices}), False
   return len({d.process_index for d in devices}), True
 
 

@@ -4,6 +4,7 @@ Eight fake CPU devices for every test process (set before jax initializes its ba
 run for real on a 2x4 mesh. Single-device code is unaffected: arrays default to device 0.
 """
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -11,6 +12,11 @@ import tempfile
 import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# libtpu comes with the test extras for `jaxagent plan` (compiling for TPU topologies on this host). Installed, it
+# makes every JAX process try a TPU backend first and warn on stderr that there is none: the tests and every
+# process they start stay on the CPU unless the caller chose a platform (the GPU bench sets its own).
+if importlib.util.find_spec("libtpu") is not None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One persistent XLA compilation cache for the session and every process it starts (`jaxagent train`
 # subprocesses, multi-process runs): the tests compile the same tiny programs many times over, and a cache hit

@@ -26,9 +26,10 @@ LAYERS = (
     ("rollout", ("jaxagent.rollout",)),
     ("tasks", ("jaxagent.tasks",)),
     ("train", ("jaxagent.train",)),
+    ("plan", ("jaxagent.plan",)),
     ("evals", ("jaxagent.evals",)),
     ("cli", ("jaxagent.cli", "jaxagent.inspect_cli", "jaxagent.demo", "jaxagent.__main__", "jaxagent.tasks.cli",
-             "envs.cli")),
+             "jaxagent.plan.cli", "envs.cli")),
 )
 # The foundations import nothing of each other but these (envs never imports JAX, models or jaxagent).
 FOUNDATION_EDGES = {("jaxagent.mesh_rules", "models"), ("jaxagent.multihost", "models")}

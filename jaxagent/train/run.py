@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -368,10 +368,13 @@ class _Policy:
   init_state: Callable[[], TrainState]
 
 
-def _build_policy(cfg: Config, io: _Interface) -> _Policy:
+def _build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | None = None,
+                  abstract: bool = False) -> _Policy:
+  """The policy on the meshes of `mesh` over `devices` (default: every device). `abstract`: shapes only, even
+  with model.path (its config is read, no weight is loaded): what `jaxagent plan` compiles for a topology."""
   dtype = jnp.dtype(cfg.model.dtype)
   try:
-    mesh, rollout_mesh = sharding_lib.placement_meshes(cfg.mesh)
+    mesh, rollout_mesh = sharding_lib.placement_meshes(cfg.mesh, devices)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
   learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
@@ -381,7 +384,10 @@ def _build_policy(cfg: Config, io: _Interface) -> _Policy:
   # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
   # the same on every process of a multi-host run.
   make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
-  if cfg.model.path:
+  if cfg.model.path and abstract:
+    model_config = models.config_from_hf(weights.read_model_config(io.model_dir))
+    model, loaded = nnx.eval_shape(lambda: models.Transformer(model_config, dtype=dtype, rngs=nnx.Rngs(0))), None
+  elif cfg.model.path:
     model = weights.load_model(io.model_dir, dtype=dtype, mesh=mesh, rules=learner_rules)
     loaded = nnx.split(model)[1]
   else:
@@ -541,23 +547,27 @@ def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: in
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
       cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
       action_syntax=io.syntax, perturb=cfg.env.perturb, score_heldout=cfg.env.score_heldout), num_slots=slots)
-  sampling = SamplingConfig(temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                            max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=io.chat.stop_sequences)
-  # Observation frames are padded to the chat format's longest frame: one compiled extend per run.
-  # The sampler runs the rollout copy of the policy: in the compute dtype (its KV cache too).
-  model = policy.model
-  rollout_model = model if policy.mixed is None else nnx.eval_shape(
-      lambda: models.Transformer(model.config, dtype=policy.mixed, rngs=nnx.Rngs(0)))
-  make_sampler = lambda sampling: Sampler(rollout_model, cache_size=cfg.rollout.max_context, config=sampling,
-                                          pad_id=io.tokenizer.pad_id,
-                                          buckets=buckets_lib.up_to(cfg.rollout.max_context),
-                                          extend_buckets=(io.chat.frame_length,), mesh=mesh, rules=rollout_rules,
-                                          attention=cfg.model.attention)
   engine = RolloutEngine(pool, io.env_spec, io.chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
                          invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
                          schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
-  return _Rollout(pool=pool, engine=engine, sampler=make_sampler(sampling),
-                  eval_sampler=make_sampler(dataclasses.replace(sampling, temperature=cfg.train.eval_temperature)))
+  return _Rollout(pool=pool, engine=engine, sampler=make_sampler(cfg, io, policy),
+                  eval_sampler=make_sampler(cfg, io, policy, temperature=cfg.train.eval_temperature))
+
+
+def make_sampler(cfg: Config, io: _Interface, policy: _Policy, temperature: float | None = None) -> Sampler:
+  """The sampler over the rollout copy of the policy (its compute dtype, its KV cache too), on the rollout mesh
+  in the rollout rules, at `temperature` (default rollout.temperature). Observation frames are padded to the chat
+  format's longest frame: one compiled extend per run."""
+  sampling = SamplingConfig(temperature=cfg.rollout.temperature if temperature is None else temperature,
+                            top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                            max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=io.chat.stop_sequences)
+  model = policy.model
+  rollout_model = model if policy.mixed is None else nnx.eval_shape(
+      lambda: models.Transformer(model.config, dtype=policy.mixed, rngs=nnx.Rngs(0)))
+  return Sampler(rollout_model, cache_size=cfg.rollout.max_context, config=sampling, pad_id=io.tokenizer.pad_id,
+                 buckets=buckets_lib.up_to(cfg.rollout.max_context), extend_buckets=(io.chat.frame_length,),
+                 mesh=policy.layout.rollout_mesh or policy.layout.mesh, rules=policy.layout.rollout_rules,
+                 attention=cfg.model.attention)
 
 
 def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:
