@@ -109,3 +109,24 @@ def test_a_config_too_large_for_the_chip_is_reported_with_the_bytes_over(capsys)
   assert over[0]["refused"].startswith("RESOURCE_EXHAUSTED")
   assert over[0]["argument_bytes"] > 1.1e9 * 12  # float32 weights and two Adam moments, on every device
   assert all(p["over_bytes"] <= 0 for p in report["programs"] if p["name"] != "train_step")
+
+
+@pytest.mark.slow
+def test_fit_finds_the_largest_rows_that_fit_and_the_smallest_micro_batch_count(capsys):
+  """A 2-layer model with 8 KiB of KV cache per token at 2,048 tokens, allowed 10 % of a v5e's 16 GiB
+  (--headroom 0.9): the rollout holds a few dozen rows. The tasks found fit and one step more did not (both were
+  compiled); the micro-batch count found fits and no smaller one did; the final plan at those settings fits."""
+  small = ["model.init.hidden_size=128", "model.init.num_attention_heads=8", "model.init.num_key_value_heads=8",
+           "model.init.head_dim=64", "rollout.max_context=2048", "train.remat=full", "model.attention=chunked",
+           "train.logits_chunk=1024"]
+  argv = ["plan", "tiny_cpu", "--topology", "v5e:2x2", "--fit", "--headroom", "0.9", "--json", "--quiet"]
+  assert cli.main(argv + [a for s in small for a in ("--set", s)]) == 0
+  report = json.loads(capsys.readouterr().out)
+  found = report["fit"]
+  tasks, step = found["tasks_per_iteration"], found["task_step"]
+  by_tasks = {p["value"]: p["fits"] for p in found["probes"] if p["setting"] == "train.tasks_per_iteration"}
+  assert by_tasks[tasks] and by_tasks[tasks + step] is False
+  by_micro = {p["value"]: p["fits"] for p in found["probes"] if p["setting"] == "train.micro_batches"}
+  assert by_micro[found["micro_batches"]] and not any(fits for m, fits in by_micro.items() if m < found["micro_batches"])
+  assert report["fits"] and report["rows"] == tasks * 8 and report["micro_batches"] == found["micro_batches"]
+  assert found["overrides"] == [f"train.tasks_per_iteration={tasks}", f"train.micro_batches={found['micro_batches']}"]

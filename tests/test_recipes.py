@@ -28,11 +28,13 @@ SMALL = ["train.iterations=1", "train.tasks_per_iteration=2", "train.group_size=
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, family, fixture", [("qwen3_0p6b_gpu", "qwen3", "qwen3_tokenizer_dir"),
-                                                     ("llama3_tpu", "llama", "llama3_tokenizer_dir")])
+                                                     ("llama3_tpu", "llama", "llama3_tokenizer_dir"),
+                                                     ("qwen3_8b_v5p64", "qwen3", "qwen3_tokenizer_dir"),
+                                                     ("llama3p1_70b_v5p256", "llama", "llama3_tokenizer_dir")])
 def test_accelerator_recipe_runs_one_iteration_as_its_tiny_cpu_twin(recipe, family, fixture, tmp_path, request):
   tokenizer = request.getfixturevalue(fixture)
   overrides = SMALL + [f"model.init.{k}={v}" for k, v in TINY_MODEL[family].items()] + [
-      f"model.tokenizer={tokenizer}", f"run.root={tmp_path}"]
+      f"model.tokenizer={tokenizer}", f"run.root={tmp_path}", "mesh.ici.tensor=1"]  # one device: no TP axis
   config = config_lib.load(recipe, overrides)  # the recipe loads and its combinations check
   assert config.model.compute_dtype == "bfloat16" and config.train.remat == "full"
   run = tmp_path / "run"

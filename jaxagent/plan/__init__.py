@@ -6,8 +6,9 @@
 """
 
 from jaxagent.plan.compiled import Collective, ProgramCost, collectives, compile_program
+from jaxagent.plan.fit import Fit, Probe, fit
 from jaxagent.plan.planner import Iteration, Plan, make_plan
 from jaxagent.plan.topologies import CHIPS, Chip, Topology, TopologyError, known_names, parse, topology
 
-__all__ = ["CHIPS", "Chip", "Collective", "Iteration", "Plan", "ProgramCost", "Topology", "TopologyError",
-           "collectives", "compile_program", "known_names", "make_plan", "parse", "topology"]
+__all__ = ["CHIPS", "Chip", "Collective", "Fit", "Iteration", "Plan", "Probe", "ProgramCost", "Topology",
+           "TopologyError", "collectives", "compile_program", "fit", "known_names", "make_plan", "parse", "topology"]

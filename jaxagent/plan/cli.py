@@ -24,11 +24,15 @@ def _cmd_plan(args) -> int:
     raise config_lib.ConfigError(str(e)) from None
   cfg = config_lib.load(args.config, args.overrides)
   progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-  report = plan.make_plan(cfg, topology, headroom=args.headroom, progress=progress)
-  if args.json:
-    print(json.dumps(report.to_json(), indent=1))
+  if args.fit:
+    found = plan.fit(cfg, topology, headroom=args.headroom, progress=progress)
+    report = found.plan
   else:
-    print("\n".join(report.lines()))
+    found, report = None, plan.make_plan(cfg, topology, headroom=args.headroom, progress=progress)
+  if args.json:
+    print(json.dumps(dict(report.to_json(), **({"fit": found.to_json()} if found else {})), indent=1))
+  else:
+    print("\n".join(report.lines() + (found.lines() if found else [])))
   return 0 if report.fits else 1
 
 
@@ -41,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protec
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config value (repeatable)")
   p.add_argument("--headroom", type=float, default=0.1, help="HBM fraction every program must leave free")
+  p.add_argument("--fit", action="store_true", help="search the largest train.tasks_per_iteration (rollout rows) "
+                 "and then the smallest train.micro_batches that fit; prints the overrides (each probe compiles)")
   p.add_argument("--json", action="store_true", help="print the plan as JSON (for launch scripts)")
   p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
   p.set_defaults(func=_cmd_plan)

@@ -183,9 +183,16 @@ def _host_feed(rows: int, width: int, pad_id: int, mesh, rules) -> Feed:
                       Feed.empty(rows, width, pad_id))
 
 
+GROUPS = {"update": ("train_step", "proximal_logp", "values"), "reshard": ("rollout_copy", "to_rollout", "to_learner"),
+          "rollout": ("rollout_feed", "rollout_decode")}
+
+
 def make_plan(cfg: Config, topology: Topology, *, headroom: float = 0.1,
-              progress: Callable[[str], None] | None = None) -> Plan:
-  """Compiles the programs of one synchronous RL iteration of `cfg` for `topology` (see the module docstring).
+              progress: Callable[[str], None] | None = None, groups: tuple[str, ...] = tuple(GROUPS),
+              compiled: tuple[ProgramCost, ...] = ()) -> Plan:
+  """Compiles the programs of one synchronous RL iteration of `cfg` for `topology` (see the module docstring);
+  only those of `groups` (`GROUPS`: update, reshard, rollout) when fewer are asked for (`fit`'s probes), and
+  none already in `compiled` (programs of this config compiled before: `fit` reuses its probes').
 
   Raises:
     ConfigError: the config cannot be laid on the topology (the mesh does not divide it: the message names the
@@ -205,7 +212,15 @@ def make_plan(cfg: Config, topology: Topology, *, headroom: float = 0.1,
   length = cfg.rollout.max_context
   n_params = policy.model.config.num_params()
   programs: list[ProgramCost] = []
-  compile_ = lambda *a, **k: programs.append(compile_program(*a, progress=progress, **k))
+  wanted = {name for group in groups for name in GROUPS[group]}
+
+  done = {p.name: p for p in compiled}
+
+  def compile_(name, *args, **kwargs):
+    if name in done:
+      programs.append(done[name])
+    elif name in wanted:
+      programs.append(compile_program(name, *args, progress=progress, **kwargs))
 
   # The update: the train state donated, the batch at the longest length a run can assemble. XLA's cost analysis
   # counts a loop's body once (the micro-batch scan, scanned layers, attention blocks), so its time is from the
@@ -246,22 +261,23 @@ def make_plan(cfg: Config, topology: Topology, *, headroom: float = 0.1,
     resident = 0
 
   # The rollout: every row's KV cache at max_context; a feed (prompt pieces, observations) and a decode chunk.
-  rng = _abstract((), jax.eval_shape(lambda: jax.random.key(0)).dtype, NamedSharding(rollout_mesh, P()))
-  init = sampler._init.lower(rows, rng).compile()  # pylint: disable=protected-access
-  shapes = jax.eval_shape(lambda r: sampler._init(rows, r), rng)  # pylint: disable=protected-access
-  sampler_state = jax.tree.map(lambda x, sh: _abstract(x.shape, x.dtype, sh), shapes, init.output_shardings)
-  width = max(sampler.extend_buckets)
-  feed = _host_feed(rows, width, io.tokenizer.pad_id, rollout_mesh, layout.rollout_rules)
-  steps_arg = _abstract((), jnp.int32, NamedSharding(rollout_mesh, P()))
-  until_arg = _abstract((), jnp.float32, NamedSharding(rollout_mesh, P()))
   generated = min(cfg.env.max_turns * cfg.rollout.max_new_tokens, length)
-  feeds = math.ceil(max(length - generated, width) / width)
-  compile_("rollout_feed", f"{rows} rows append up to {width} tokens each to KV caches of {length} slots",
-           sampler._feed, (rollout_params, sampler_state, feed),  # pylint: disable=protected-access
-           resident_bytes=resident, calls=feeds)
-  compile_("rollout_decode", f"one decode step of {rows} rows (a loop of rollout.decode_chunk steps)",
-           sampler._decode, (rollout_params, sampler_state, steps_arg, until_arg),  # pylint: disable=protected-access
-           resident_bytes=resident, calls=generated)
+  if "rollout" in groups:
+    rng = _abstract((), jax.eval_shape(lambda: jax.random.key(0)).dtype, NamedSharding(rollout_mesh, P()))
+    init = sampler._init.lower(rows, rng).compile()  # pylint: disable=protected-access
+    shapes = jax.eval_shape(lambda r: sampler._init(rows, r), rng)  # pylint: disable=protected-access
+    sampler_state = jax.tree.map(lambda x, sh: _abstract(x.shape, x.dtype, sh), shapes, init.output_shardings)
+    width = max(sampler.extend_buckets)
+    feed = _host_feed(rows, width, io.tokenizer.pad_id, rollout_mesh, layout.rollout_rules)
+    steps_arg = _abstract((), jnp.int32, NamedSharding(rollout_mesh, P()))
+    until_arg = _abstract((), jnp.float32, NamedSharding(rollout_mesh, P()))
+    feeds = math.ceil(max(length - generated, width) / width)
+    compile_("rollout_feed", f"{rows} rows append up to {width} tokens each to KV caches of {length} slots",
+             sampler._feed, (rollout_params, sampler_state, feed),  # pylint: disable=protected-access
+             resident_bytes=resident, calls=feeds)
+    compile_("rollout_decode", f"one decode step of {rows} rows (a loop of rollout.decode_chunk steps)",
+             sampler._decode, (rollout_params, sampler_state, steps_arg, until_arg),  # pylint: disable=protected-access
+             resident_bytes=resident, calls=generated)
 
   by_name = {p.name: p for p in programs}
   seconds = lambda name: by_name[name].seconds(topology) * by_name[name].calls if name in by_name else 0.0
