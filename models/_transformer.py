@@ -11,8 +11,9 @@ Segment 0 marks padding (left, right or in the middle of a cache after a ragged 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import flax.struct
 import jax
@@ -104,10 +105,29 @@ def _masked_softmax(logits_bkgts, visible_bts, dtype):
   return jax.nn.softmax(logits_bkgts, axis=-1).astype(dtype)
 
 
+_COMPILING_FOR: list[str] = []  # platforms named by `compiling_for`, innermost last
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+  """Programs traced inside take the kernels of `platform` ("tpu", "gpu", "cpu"), not of the process's default
+  backend: `jaxagent plan` traces on a CPU host for a TPU topology."""
+  _COMPILING_FOR.append(platform)
+  try:
+    yield
+  finally:
+    _COMPILING_FOR.pop()
+
+
+def target_platform() -> str:
+  """The platform the programs being traced are for (`compiling_for`, else JAX's default backend)."""
+  return _COMPILING_FOR[-1] if _COMPILING_FOR else jax.default_backend()
+
+
 def _scores_operand(dtype):
   """XLA:CPU has no batched bf16 x bf16 -> f32 dot ("Unsupported element type for DotThunk::Execute", seen at B=8
   prefill of SmolLM2): there the operands are widened first, the same products and f32 accumulation."""
-  return jnp.float32 if jax.default_backend() == "cpu" else dtype
+  return jnp.float32 if target_platform() == "cpu" else dtype
 
 
 def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs, dtype):
@@ -221,8 +241,17 @@ class Attention(nnx.Module):
     elif t > 1 and attention == "chunked":
       out_btkgh = _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs,
                                      x_btd.dtype)
+    elif t == 1 and target_platform() != "cpu":
+      # One query per row (decode) on an accelerator: dots on the cache as it is stored (bf16 stays bf16; the
+      # products of bf16 values are exact in the float32 accumulator, so only the order of the sums differs from
+      # the CPU path). Widening the cache first made XLA for TPU move ~9x the cache and weights per step.
+      logits_bkgts = jnp.einsum("bkgh,bkhs->bkgs", q_btkgh[:, 0], keys_bkhs.astype(q_btkgh.dtype),
+                                preferred_element_type=f32)[:, :, :, None, :] * (h ** -0.5)
+      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
+      out_btkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgts[:, :, :, 0], values_bksh.astype(x_btd.dtype),
+                             preferred_element_type=f32)[:, None].astype(x_btd.dtype)
     elif t == 1:
-      # One query per row (decode): multiply-reduces, one fused pass over each cache (see `KVCache`). As
+      # One query per row (decode) on XLA:CPU: multiply-reduces, one fused pass over each cache (see `KVCache`). As
       # dot_generals they are B*K tiny matmuls, measured 2-7x slower on CPU at B=64, S=128.
       logits_bkgts = jnp.sum(q_btkgh[:, 0, :, :, :, None].astype(f32) * keys_bkhs[:, :, None].astype(f32),
                              axis=3)[:, :, :, None, :] * (h ** -0.5)

@@ -158,3 +158,20 @@ def test_attention_kernels_equal_the_einsum_path_for_forward_prefill_and_extend(
   assert all(np.array_equal(a, b) for a, b in zip(out[attention][1:3], out["einsum"][1:3]))
   with pytest.raises(ValueError, match="attention='flash': not one of"):
     model(tokens, attention="flash")
+
+
+def test_the_decode_kernel_traced_for_an_accelerator_equals_the_cpu_kernel():
+  """`models.compiling_for("tpu")` (what `jaxagent plan` traces under) takes the accelerator decode path: dots on
+  the cache as stored instead of widened multiply-reduces. In float32 both give the same next-token logits, with
+  rows at different cache positions and a padded row."""
+  model = models.Transformer(CONFIG, rngs=nnx.Rngs(3))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (3, 6)), jnp.int32)
+  segments = jnp.asarray([[1] * 6, [1] * 4 + [0] * 2, [0] * 6], jnp.int32)
+  _, cache = model(tokens, segment_ids_bt=segments, cache=models.KVCache.init(CONFIG, 3, 12))
+  step = jnp.asarray([[7], [8], [9]], jnp.int32)
+  cpu, _ = model(step, cache=cache)
+  with models.compiling_for("tpu"):
+    assert models.target_platform() == "tpu"
+    accelerator, _ = model(step, cache=cache)
+  assert models.target_platform() == jax.default_backend()
+  np.testing.assert_allclose(np.asarray(accelerator)[:2], np.asarray(cpu)[:2], rtol=1e-5, atol=1e-5)

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import models
 from jaxagent import config as config_lib
 from jaxagent import multihost
 from jaxagent.assembly import Batch
@@ -198,6 +199,12 @@ def make_plan(cfg: Config, topology: Topology, *, headroom: float = 0.1,
     ConfigError: the config cannot be laid on the topology (the mesh does not divide it: the message names the
       axis and the sizes), or its combination of settings is refused as `jaxagent train` would refuse it.
   """
+  with models.compiling_for(topology.devices[0].platform):  # the TPU's kernels, traced on this CPU host
+    return _make_plan(cfg, topology, headroom=headroom, progress=progress, groups=groups, compiled=compiled)
+
+
+def _make_plan(cfg: Config, topology: Topology, *, headroom: float, progress: Callable[[str], None] | None,
+               groups: tuple[str, ...], compiled: tuple[ProgramCost, ...]) -> Plan:
   config_lib.check_combinations(cfg, topology.hosts)
   jax.config.update("jax_default_matmul_precision", cfg.model.matmul_precision)
   io = run_lib._build_interface(cfg)  # pylint: disable=protected-access
