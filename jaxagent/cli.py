@@ -289,6 +289,7 @@ def _cmd_compare(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxagent", description=__doc__)
+  parser.add_argument("--version", action="version", version=f"jaxagent {__import__('jaxagent').__version__}")
   sub = parser.add_subparsers(dest="command", required=True)
 
   p = sub.add_parser("config", help="print a config after defaults and overrides (validates it)")

@@ -52,8 +52,8 @@ def test_collectives_and_refusals_are_read_from_the_compiler_text():
   assert found == {"all-gather": (2, 2048 * 4096 * 2 + 64 * 8 * 2), "all-reduce": (1, 16 + 16)}
   message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
              "(152.98G) exceeds available HBM (95.74G).")
-  assert compiled_lib._refused_bytes(message) == int(152.98 * 2 ** 30)  # pylint: disable=protected-access
-  assert compiled_lib._refused_bytes("INTERNAL: something else") is None  # pylint: disable=protected-access
+  assert compiled_lib._refused_bytes(message) == int(152.98 * 2 ** 30)
+  assert compiled_lib._refused_bytes("INTERNAL: something else") is None
 
 
 def test_without_libtpu_the_error_says_what_to_install(monkeypatch, capsys):
@@ -65,9 +65,9 @@ def test_without_libtpu_the_error_says_what_to_install(monkeypatch, capsys):
 def test_the_plan_lays_parameters_out_as_build_run_does_on_a_cpu_mesh_of_the_same_shape():
   """The same builder over the topology's 4 TPU devices and over 4 fake CPU devices: equal specs per leaf."""
   cfg = config_lib.load("tiny_cpu", ["mesh.ici.fsdp=2", "mesh.ici.data=-1", "mesh.ici.tensor=2"])
-  io = run_lib._build_interface(cfg)  # pylint: disable=protected-access
-  tpu = run_lib._build_policy(cfg, io, devices=plan.topology("v5p:2x2x1").devices, abstract=True)  # pylint: disable=protected-access
-  cpu = run_lib._build_policy(cfg, io, devices=jax.devices("cpu")[:4])  # pylint: disable=protected-access
+  io = run_lib.build_interface(cfg)
+  tpu = run_lib.build_policy(cfg, io, devices=plan.topology("v5p:2x2x1").devices, abstract=True)
+  cpu = run_lib.build_policy(cfg, io, devices=jax.devices("cpu")[:4])
   assert dict(tpu.layout.mesh.shape) == dict(cpu.layout.mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
   specs = lambda p: [s.spec for s in jax.tree.leaves(p.layout.state_shardings)]
   assert specs(tpu) == specs(cpu)

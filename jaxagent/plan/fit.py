@@ -113,7 +113,7 @@ def fit(cfg: Config, topology: Topology, *, headroom: float = 0.1,
   tasks = good * step
 
   sized = _with(cfg, tasks_per_iteration=tasks)
-  train_rows = run_lib._train_rows(sized, tasks * group, len(topology.devices))  # pylint: disable=protected-access
+  train_rows = run_lib.train_rows(sized, tasks * group, len(topology.devices))
   learner_shards = _shards(cfg, topology, "learner")
   candidates = [m for m in range(1, train_rows + 1)
                 if train_rows % m == 0 and (train_rows // m) % min(learner_shards, train_rows // m) == 0]

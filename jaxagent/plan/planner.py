@@ -1,7 +1,7 @@
 """`make_plan(config, topology)`: every program of an RL iteration compiled for a TPU topology, from shapes only.
 
-The run's own builders lay the policy out (`train.run._build_policy` over the topology's devices, abstract: no
-weight is allocated), make its steps (`_build_steps`) and its sampler (`make_sampler`); each program is lowered on
+The run's own builders lay the policy out (`train.run.build_policy` over the topology's devices, abstract: no
+weight is allocated), make its steps (`build_steps`) and its sampler (`make_sampler`); each program is lowered on
 `ShapeDtypeStruct`s carrying the shardings a run would give its arrays and compiled by libtpu's compiler. What the
 compiler reports per device becomes a `Plan`: per program, HBM against the chip's and the roofline time; per
 iteration, seconds, tokens/s per chip and MFU, and whether it fits.
@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -203,39 +202,72 @@ def make_plan(cfg: Config, topology: Topology, *, headroom: float = 0.1,
     return _make_plan(cfg, topology, headroom=headroom, progress=progress, groups=groups, compiled=compiled)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+  """What the run's builders make of a config on a topology, and the sizes every program shares."""
+  cfg: Config
+  topology: Topology
+  io: Any                  # train.run's interface: tokenizer, chat framing
+  policy: Any              # train.run's policy: model, layouts, abstract train state
+  steps: Any               # train.run's jitted steps
+  sampler: Any             # the rollout sampler
+  rows: int                # rollout rows over all hosts
+  train_rows: int
+  length: int              # the context: KV cache slots and the longest update batch
+  generated: int           # tokens the slowest trajectory decodes in an iteration
+
+
+class _Compiler:
+  """Compiles the programs a plan asks for (`GROUPS`), reusing any compiled before, and keeps them in order."""
+
+  def __init__(self, groups: tuple[str, ...], compiled: tuple[ProgramCost, ...], progress):
+    self.wanted = {name for group in groups for name in GROUPS[group]}
+    self.done = {p.name: p for p in compiled}
+    self.progress = progress
+    self.programs: list[ProgramCost] = []
+
+  def __call__(self, name: str, *args, **kwargs) -> None:
+    if name in self.done:
+      self.programs.append(self.done[name])
+    elif name in self.wanted:
+      self.programs.append(compile_program(name, *args, progress=self.progress, **kwargs))
+
+
 def _make_plan(cfg: Config, topology: Topology, *, headroom: float, progress: Callable[[str], None] | None,
                groups: tuple[str, ...], compiled: tuple[ProgramCost, ...]) -> Plan:
   config_lib.check_combinations(cfg, topology.hosts)
   jax.config.update("jax_default_matmul_precision", cfg.model.matmul_precision)
-  io = run_lib._build_interface(cfg)  # pylint: disable=protected-access
-  policy = run_lib._build_policy(cfg, io, devices=topology.devices, abstract=True)  # pylint: disable=protected-access
-  steps = run_lib._build_steps(cfg, policy, "train")  # pylint: disable=protected-access
-  sampler = run_lib.make_sampler(cfg, io, policy)
-  layout, state = policy.layout, policy.abstract_state
-  mesh = layout.mesh
+  io = run_lib.build_interface(cfg)
+  policy = run_lib.build_policy(cfg, io, devices=topology.devices, abstract=True)
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
-  rows = cfg.rollout.slots or global_rows
-  train_rows = run_lib._train_rows(cfg, global_rows, mesh.devices.size)  # pylint: disable=protected-access
   length = cfg.rollout.max_context
-  n_params = policy.model.config.num_params()
-  programs: list[ProgramCost] = []
-  wanted = {name for group in groups for name in GROUPS[group]}
+  parts = _Parts(cfg=cfg, topology=topology, io=io, policy=policy, steps=run_lib.build_steps(cfg, policy, "train"),
+                 sampler=run_lib.make_sampler(cfg, io, policy), rows=cfg.rollout.slots or global_rows,
+                 train_rows=run_lib.train_rows(cfg, global_rows, policy.layout.mesh.devices.size), length=length,
+                 generated=min(cfg.env.max_turns * cfg.rollout.max_new_tokens, length))
+  compile_ = _Compiler(groups, compiled, progress)
+  work = _update_programs(parts, compile_)
+  rollout_params, resident = _reshard_programs(parts, compile_)
+  if "rollout" in groups:
+    _rollout_programs(parts, compile_, rollout_params, resident)
+  mesh = policy.layout.mesh
+  return Plan(topology=topology, mesh=dict(mesh.shape), params=policy.model.config.num_params(), rows=parts.rows,
+              train_rows=parts.train_rows, batch_length=length, micro_batches=cfg.train.micro_batches,
+              programs=tuple(compile_.programs), iteration=_iteration(parts, compile_.programs, work),
+              headroom=headroom)
 
-  done = {p.name: p for p in compiled}
 
-  def compile_(name, *args, **kwargs):
-    if name in done:
-      programs.append(done[name])
-    elif name in wanted:
-      programs.append(compile_program(name, *args, progress=progress, **kwargs))
-
-  # The update: the train state donated, the batch at the longest length a run can assemble. XLA's cost analysis
-  # counts a loop's body once (the micro-batch scan, scanned layers, attention blocks), so its time is from the
-  # model's FLOPs (`train_step_flops`).
-  work = train_step_flops(policy.model.config, train_rows, length, cfg.train.remat) / mesh.devices.size
-  batch, values = _batch(cfg, train_rows, length, mesh, layout.learner_rules)
+def _update_programs(parts: _Parts, compile_: _Compiler) -> float:
+  """The update (the train state donated, the batch at the longest length a run can assemble) and the forwards
+  beside it. Returns the train step's FLOPs per device: XLA's cost analysis counts a loop's body once (the
+  micro-batch scan, scanned layers, attention blocks), so its time is from the model's FLOPs."""
+  cfg, policy, steps = parts.cfg, parts.policy, parts.steps
+  layout, state = policy.layout, policy.abstract_state
+  mesh, rows, length = layout.mesh, parts.train_rows, parts.length
+  work = train_step_flops(policy.model.config, rows, length, cfg.train.remat) / mesh.devices.size
+  batch, values = _batch(cfg, rows, length, mesh, layout.learner_rules)
   scalar = _abstract((), jnp.float32, NamedSharding(mesh, P()))
-  compile_("train_step", f"{cfg.algo.name} update of {train_rows} x {length} tokens, "
+  compile_("train_step", f"{cfg.algo.name} update of {rows} x {length} tokens, "
            f"{cfg.train.micro_batches} micro-batch(es), remat {cfg.train.remat}", steps.rl,
            (state, batch, scalar, values, scalar), calls=cfg.train.updates_per_iteration, work_flops=work)
   if steps.logprob_fn is not None:
@@ -243,61 +275,68 @@ def _make_plan(cfg: Config, topology: Topology, *, headroom: float, progress: Ca
              (state.params, batch))
   if steps.value_fn is not None:
     compile_("values", "PPO's values at collection time", steps.value_fn, (state.params, batch))
+  return work
 
-  # The reshard into the rollout layout and back (colocated), or the rollout copy (mixed precision, LoRA).
-  rollout_mesh = layout.rollout_mesh or mesh
+
+def _reshard_programs(parts: _Parts, compile_: _Compiler) -> tuple[Any, int]:
+  """The reshard into the rollout layout and back (colocated), or the rollout copy (mixed precision, LoRA); a
+  disaggregated run's cross-mesh copy is not planned. Returns the rollout policy (abstract) and the bytes per
+  device the train state keeps resident while the rollout runs."""
+  cfg, policy = parts.cfg, parts.policy
+  layout, state = policy.layout, policy.abstract_state
   rollout_dtype = policy.mixed or jnp.dtype(cfg.model.dtype)
   rollout_params = jax.tree.map(lambda x, sh: _abstract(x.shape, rollout_dtype if jnp.issubdtype(
       x.dtype, jnp.floating) else x.dtype, sh), state.params["policy"], layout.rollout_policy_shardings)
   whole_state = per_device_bytes(state)
   if layout.rollout_copy is not None:
     compile_("rollout_copy", "the policy cast/merged into the rollout layout (the learner's arrays stay)",
-             layout.rollout_copy, (state.params,), resident_bytes=whole_state - per_device_bytes(state.params),
-             calls=1)
-    resident = 0 if layout.disaggregated else whole_state
-  elif not layout.disaggregated:
-    learner_policy = state.params["policy"]
-    to_rollout = jax.jit(lambda p: p, out_shardings=layout.rollout_policy_shardings, donate_argnums=0)
-    to_learner = jax.jit(lambda p: p, out_shardings=layout.state_shardings.params["policy"], donate_argnums=0)
-    rest = whole_state - per_device_bytes(learner_policy)
-    compile_("to_rollout", "the policy resharded into the rollout rules (whole tree at once: an upper bound)",
-             to_rollout, (learner_policy,), resident_bytes=rest)
-    compile_("to_learner", "and back into the learner rules", to_learner, (rollout_params,), resident_bytes=rest)
-    resident = rest
-  else:
-    resident = 0
+             layout.rollout_copy, (state.params,), resident_bytes=whole_state - per_device_bytes(state.params))
+    return rollout_params, 0 if layout.disaggregated else whole_state
+  if layout.disaggregated:
+    return rollout_params, 0
+  learner_policy = state.params["policy"]
+  to_rollout = jax.jit(lambda p: p, out_shardings=layout.rollout_policy_shardings, donate_argnums=0)
+  to_learner = jax.jit(lambda p: p, out_shardings=layout.state_shardings.params["policy"], donate_argnums=0)
+  rest = whole_state - per_device_bytes(learner_policy)
+  compile_("to_rollout", "the policy resharded into the rollout rules (whole tree at once: an upper bound)",
+           to_rollout, (learner_policy,), resident_bytes=rest)
+  compile_("to_learner", "and back into the learner rules", to_learner, (rollout_params,), resident_bytes=rest)
+  return rollout_params, rest
 
-  # The rollout: every row's KV cache at max_context; a feed (prompt pieces, observations) and a decode chunk.
-  generated = min(cfg.env.max_turns * cfg.rollout.max_new_tokens, length)
-  if "rollout" in groups:
-    rng = _abstract((), jax.eval_shape(lambda: jax.random.key(0)).dtype, NamedSharding(rollout_mesh, P()))
-    init = sampler._init.lower(rows, rng).compile()  # pylint: disable=protected-access
-    shapes = jax.eval_shape(lambda r: sampler._init(rows, r), rng)  # pylint: disable=protected-access
-    sampler_state = jax.tree.map(lambda x, sh: _abstract(x.shape, x.dtype, sh), shapes, init.output_shardings)
-    width = max(sampler.extend_buckets)
-    feed = _host_feed(rows, width, io.tokenizer.pad_id, rollout_mesh, layout.rollout_rules)
-    steps_arg = _abstract((), jnp.int32, NamedSharding(rollout_mesh, P()))
-    until_arg = _abstract((), jnp.float32, NamedSharding(rollout_mesh, P()))
-    feeds = math.ceil(max(length - generated, width) / width)
-    compile_("rollout_feed", f"{rows} rows append up to {width} tokens each to KV caches of {length} slots",
-             sampler._feed, (rollout_params, sampler_state, feed),  # pylint: disable=protected-access
-             resident_bytes=resident, calls=feeds)
-    compile_("rollout_decode", f"one decode step of {rows} rows (a loop of rollout.decode_chunk steps)",
-             sampler._decode, (rollout_params, sampler_state, steps_arg, until_arg),  # pylint: disable=protected-access
-             resident_bytes=resident, calls=generated)
 
+def _rollout_programs(parts: _Parts, compile_: _Compiler, rollout_params: Any, resident: int) -> None:
+  """The rollout: every row's KV cache at max_context; a feed (prompt pieces, observations) and a decode step."""
+  layout, sampler, rows, length = parts.policy.layout, parts.sampler, parts.rows, parts.length
+  rollout_mesh = layout.rollout_mesh or layout.mesh
+  rng = _abstract((), jax.eval_shape(lambda: jax.random.key(0)).dtype, NamedSharding(rollout_mesh, P()))
+  init = sampler._init.lower(rows, rng).compile()
+  shapes = jax.eval_shape(lambda r: sampler._init(rows, r), rng)
+  sampler_state = jax.tree.map(lambda x, sh: _abstract(x.shape, x.dtype, sh), shapes, init.output_shardings)
+  width = max(sampler.extend_buckets)
+  feed = _host_feed(rows, width, parts.io.tokenizer.pad_id, rollout_mesh, layout.rollout_rules)
+  steps_arg = _abstract((), jnp.int32, NamedSharding(rollout_mesh, P()))
+  until_arg = _abstract((), jnp.float32, NamedSharding(rollout_mesh, P()))
+  compile_("rollout_feed", f"{rows} rows append up to {width} tokens each to KV caches of {length} slots",
+           sampler._feed, (rollout_params, sampler_state, feed), resident_bytes=resident,
+           calls=math.ceil(max(length - parts.generated, width) / width))
+  compile_("rollout_decode", f"one decode step of {rows} rows (a loop of rollout.decode_chunk steps)",
+           sampler._decode, (rollout_params, sampler_state, steps_arg, until_arg), resident_bytes=resident,
+           calls=parts.generated)
+
+
+def _iteration(parts: _Parts, programs: list[ProgramCost], work: float) -> Iteration:
   by_name = {p.name: p for p in programs}
+  topology = parts.topology
   seconds = lambda name: by_name[name].seconds(topology) * by_name[name].calls if name in by_name else 0.0
-  trained = train_rows * length
-  chips = topology.chips
-  iteration = Iteration(
+  n_params = parts.policy.model.config.num_params()
+  trained = parts.train_rows * parts.length
+  devices = parts.policy.layout.mesh.devices.size
+  return Iteration(
       rollout_seconds=seconds("rollout_feed") + seconds("rollout_decode"),
-      update_seconds=sum(seconds(n) for n in ("train_step", "proximal_logp", "values")),
-      reshard_seconds=sum(seconds(n) for n in ("to_rollout", "to_learner", "rollout_copy")),
-      generated_tokens=rows * generated, trained_tokens=trained, chips=chips,
-      peak_flops=chips * topology.chip.bf16_flops,
-      model_flops=6.0 * n_params * trained * cfg.train.updates_per_iteration + 2.0 * n_params * rows * generated,
-      train_step_flops_ratio=work * mesh.devices.size / (6.0 * n_params * trained))
-  return Plan(topology=topology, mesh=dict(mesh.shape), params=n_params, rows=rows, train_rows=train_rows,
-              batch_length=length, micro_batches=cfg.train.micro_batches, programs=tuple(programs),
-              iteration=iteration, headroom=headroom)
+      update_seconds=sum(seconds(n) for n in GROUPS["update"]),
+      reshard_seconds=sum(seconds(n) for n in GROUPS["reshard"]),
+      generated_tokens=parts.rows * parts.generated, trained_tokens=trained, chips=topology.chips,
+      peak_flops=topology.chips * topology.chip.bf16_flops,
+      model_flops=(6.0 * n_params * trained * parts.cfg.train.updates_per_iteration
+                   + 2.0 * n_params * parts.rows * parts.generated),
+      train_step_flops_ratio=work * devices / (6.0 * n_params * trained))

