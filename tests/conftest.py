@@ -12,9 +12,9 @@ import tempfile
 import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# libtpu comes with the test extras for `jaxagent plan` (compiling for TPU topologies on this host). Installed, it
-# makes every JAX process try a TPU backend first and warn on stderr that there is none: the tests and every
-# process they start stay on the CPU unless the caller chose a platform (the GPU bench sets its own).
+# libtpu (the `[tpu]` extra, which .ci/run installs for the plan tests) makes every JAX process try a TPU backend
+# first and warn on stderr that there is none: the tests and every process they start stay on the CPU unless the
+# caller chose a platform (the GPU bench sets its own).
 if importlib.util.find_spec("libtpu") is not None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

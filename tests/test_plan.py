@@ -1,6 +1,7 @@
 """`jaxagent plan`: every program of an RL iteration compiled for a TPU topology with libtpu's compiler, no TPU."""
 
 import json
+import os
 
 import jax
 import pytest
@@ -11,6 +12,18 @@ from jaxagent import plan
 from jaxagent.plan import compiled as compiled_lib
 from jaxagent.plan import topologies as topology_lib
 from jaxagent.train import run as run_lib
+
+
+
+@pytest.fixture
+def libtpu():
+  """The plan's compiler: skip with the reason without libtpu, or fail under JAXAGENT_REQUIRE_LIBTPU=1 (.ci/run)."""
+  if not topology_lib.libtpu_available():
+    reason = "libtpu is not installed (pip install -e '.[tpu]'): the plan compiles with it"
+    if os.environ.get("JAXAGENT_REQUIRE_LIBTPU") == "1":
+      pytest.fail(f"JAXAGENT_REQUIRE_LIBTPU=1 but {reason}")
+    pytest.skip(reason)
+
 
 # A tiny model at small sizes: every program compiles for the TPU in seconds.
 SMALL = ["train.tasks_per_iteration=2", "train.group_size=4", "rollout.max_context=64", "rollout.max_new_tokens=8",
@@ -62,6 +75,7 @@ def test_without_libtpu_the_error_says_what_to_install(monkeypatch, capsys):
   assert "pip install -e '.[tpu]'" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("libtpu")
 def test_the_plan_lays_parameters_out_as_build_run_does_on_a_cpu_mesh_of_the_same_shape():
   """The same builder over the topology's 4 TPU devices and over 4 fake CPU devices: equal specs per leaf."""
   cfg = config_lib.load("tiny_cpu", ["mesh.ici.fsdp=2", "mesh.ici.data=-1", "mesh.ici.tensor=2"])
@@ -77,6 +91,7 @@ def test_the_plan_lays_parameters_out_as_build_run_does_on_a_cpu_mesh_of_the_sam
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("libtpu")
 def test_plans_of_a_tiny_run_fit_and_their_bytes_grow_with_rows_and_context(capsys):
   rc, base, _ = _plan(capsys, "v5p:2x2x1")
   assert rc == 0 and base["fits"] and base["chips"] == 4 and base["hosts"] == 1
@@ -95,6 +110,7 @@ def test_plans_of_a_tiny_run_fit_and_their_bytes_grow_with_rows_and_context(caps
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("libtpu")
 def test_a_config_too_large_for_the_chip_is_reported_with_the_bytes_over(capsys):
   """Replicated float32 weights and Adam moments of a 1.1B model cannot fit a v5e's 16 GiB: the compiler refuses
   the train step, and the plan says so with rc 1, naming the program and its bytes over."""
@@ -112,6 +128,7 @@ def test_a_config_too_large_for_the_chip_is_reported_with_the_bytes_over(capsys)
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("libtpu")
 def test_fit_finds_the_largest_rows_that_fit_and_the_smallest_micro_batch_count(capsys):
   """A 2-layer model with 8 KiB of KV cache per token at 2,048 tokens, allowed 10 % of a v5e's 16 GiB
   (--headroom 0.9): the rollout holds a few dozen rows. The tasks found fit and one step more did not (both were
