@@ -161,6 +161,9 @@ def topology(name: str) -> Topology:
     raise TopologyError("compiling for a TPU topology needs libtpu (no TPU needed): pip install -e '.[tpu]'")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   canonical = f"{chip.generation}:{'x'.join(map(str, grid))}"
+  # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) so that two processes never drive one TPU; a plan
+  # drives none, and two plans (or test workers) at once must not refuse each other.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   with _quiet_stderr() as text:
     try:
       desc = topologies.get_topology_desc(platform="tpu", topology_name=canonical)
