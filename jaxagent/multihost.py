@@ -15,6 +15,7 @@ Each is the identity (no collective) in a single-process run.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -29,6 +30,13 @@ import models
 def batch_sharding(shape: tuple[int, ...], mesh: Mesh, rules: models.Rules) -> NamedSharding:
   """The layout of a global batch-leading array of `shape`: its first axis is the logical `batch`."""
   return NamedSharding(mesh, models.logical_to_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh, rules))
+
+
+def batch_shards(rows: int, mesh: Mesh, rules: models.Rules) -> tuple[tuple[str, ...], int]:
+  """The mesh axes a global batch of `rows` is sharded over by `rules`, and into how many row blocks (1: none)."""
+  spec = models.logical_to_spec(("batch",), (rows,), mesh, rules)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return axes, math.prod(mesh.shape[a] for a in axes)
 
 
 def to_global(tree: Any, mesh: Mesh | None, rules: models.Rules) -> Any:

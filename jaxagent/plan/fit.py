@@ -12,8 +12,8 @@ import dataclasses
 import math
 from typing import Callable
 
-import models
 from jaxagent import config as config_lib
+from jaxagent import multihost
 from jaxagent import sharding as sharding_lib
 from jaxagent.config import Config
 from jaxagent.plan.planner import Plan, make_plan
@@ -61,10 +61,7 @@ def _shards(cfg: Config, topology: Topology, role: str) -> int:
   """How many blocks a large batch is split into on `role`'s mesh by its rules."""
   learner, rollout = sharding_lib.placement_meshes(cfg.mesh, topology.devices)
   mesh = rollout if role == "rollout" else learner
-  rows = math.prod(mesh.devices.shape) * 1024
-  spec = models.logical_to_spec(("batch",), (rows,), mesh, sharding_lib.rules_for(role, cfg.mesh))[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-  return math.prod(mesh.shape[a] for a in axes)
+  return multihost.batch_shards(mesh.devices.size * 1024, mesh, sharding_lib.rules_for(role, cfg.mesh))[1]
 
 
 def _with(cfg: Config, **train) -> Config:

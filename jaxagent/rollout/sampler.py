@@ -685,9 +685,7 @@ class Sampler:
     """The mesh axes a batch of `rows` (global) is sharded over, and into how many row blocks (1: one block)."""
     if self.mesh is None:
       return (), 1
-    spec = models.logical_to_spec(("batch",), (rows,), self.mesh, self.rules)[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    return axes, int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+    return multihost.batch_shards(rows, self.mesh, self.rules)
 
   def run_callback_program(self, params: nnx.State, state: SamplerState, exchange: Callable, width: int,
                            chunk: int, max_exchanges: int = 1 << 30) -> SamplerState:
@@ -817,11 +815,7 @@ class Sampler:
   def _compactable(self, rows: int) -> bool:
     if jax.process_count() > 1:
       return False
-    if self.mesh is None:
-      return True
-    spec = models.logical_to_spec(("batch",), (rows,), self.mesh, self.rules)
-    axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
-    return all(self.mesh.shape[a] == 1 for a in axes)
+    return self.batch_shards(rows)[1] == 1
 
   def refill(self, params: nnx.State, state: SamplerState, tokens: np.ndarray, lengths: np.ndarray,
              prompt_lengths: np.ndarray) -> tuple[SamplerState, jax.Array]:

@@ -537,9 +537,7 @@ def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: in
   num_processes = jax.process_count()
   mesh, rollout_rules = policy.layout.rollout_mesh or policy.layout.mesh, policy.layout.rollout_rules
   slots = (cfg.rollout.slots or global_rows) // num_processes  # decode slots = env instances, per process
-  spec = models.logical_to_spec(("batch",), (slots * num_processes * mesh.size,), mesh, rollout_rules)[0]
-  batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
-  shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+  batch_axes, shards = multihost.batch_shards(slots * num_processes * mesh.size, mesh, rollout_rules)
   if cfg.rollout.slots is not None and cfg.rollout.slots % shards:
     raise config_lib.ConfigError(
         f"rollout.slots={cfg.rollout.slots}: must be divisible by the {shards} devices the rollout batch is "
