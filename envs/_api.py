@@ -203,7 +203,9 @@ _CALLS = (
     ("demo", (None, 0), {}, "demo(task, seed, **options) -> list[str]"),
     ("describe", (None,), {}, "describe(task) -> str"),
     ("probes", (None, 0), {}, "probes(task, seed) -> {name: [actions]}"),
+    ("timeouts", (), {}, "timeouts() -> {action_timeout_s | reset_timeout_s: seconds}"),
 )
+POOL_TIMEOUTS = ("action_timeout_s", "reset_timeout_s")  # what an EnvSpec's `timeouts` may raise
 # What changed in the API, by function, for the error a stale user env gets.
 _CHANGES = {"demo": "demo gained the episode's `seed` after `task` (a seeded env, like guess, needs it to solve "
                     "the task it was reset with): add it, e.g. `def demo(task, seed, **options)`"}
@@ -247,6 +249,9 @@ class EnvSpec:
     data_dirs: `data_dirs() -> {VARIABLE: directory}`, data the env reads at run time from outside its package (a
       fetched corpus, in the cache): a sandboxed local worker gets each directory bound read-only at the same
       path and VARIABLE set to it, so the env finds it there as here. None: the package holds all its data.
+    timeouts: `timeouts() -> {"action_timeout_s": s, "reset_timeout_s": s}`, the wall-clock limits this env's steps
+      and resets need on this machine (measured, e.g. from a test suite's timed run); a pool whose own limit is
+      lower raises it to this and logs it. None: the pool's limits as configured.
   """
   name: str
   description: str
@@ -260,11 +265,12 @@ class EnvSpec:
   describe: Callable[[Task], str] | None = None
   probes: Callable[..., dict[str, list[str]]] | None = None
   data_dirs: Callable[[], Mapping[str, Path]] | None = None
+  timeouts: Callable[[], Mapping[str, float]] | None = None
 
   def __post_init__(self):
     for attr, args, kwargs, expected in _CALLS:
       fn = getattr(self, attr)
-      if fn is None and attr in ("describe", "probes"):
+      if fn is None and attr in ("describe", "probes", "timeouts"):
         continue
       _check_callable(self.name, attr, fn, args, kwargs, expected)
 

@@ -39,7 +39,7 @@ import warnings
 from typing import Any, Sequence
 
 from envs import _registry
-from envs._api import (CANCELLED, ENV_ERROR, ENV_TIMEOUT, RETRIES_EXHAUSTED, Observation, Outcome, StepResult, Task,
+from envs._api import (CANCELLED, ENV_ERROR, ENV_TIMEOUT, POOL_TIMEOUTS, RETRIES_EXHAUSTED, Observation, Outcome, StepResult, Task,
                        Termination)
 
 
@@ -82,13 +82,35 @@ def _seen(reply: dict[str, Any]) -> tuple:
   return (obs.get("text"), obs.get("truncated"), reply.get("done"), reply.get("termination"))
 
 
+def with_env_timeouts(cfg: PoolConfig) -> PoolConfig:
+  """`cfg` with its action and reset timeouts raised to what the env says its steps need on this machine
+  (`EnvSpec.timeouts`, measured), never lowered; a raise is logged. An env not known here (a remote pool's)
+  keeps `cfg`."""
+  try:
+    spec = _registry.get(cfg.env)
+  except Exception:  # pylint: disable=broad-except  (a remote pool's env may exist only on its servers)
+    return cfg
+  if spec.timeouts is None:
+    return cfg
+  need = dict(spec.timeouts())
+  unknown = sorted(set(need) - set(POOL_TIMEOUTS))
+  if unknown:
+    raise ValueError(f"env {spec.name!r}: timeouts() gave {unknown}; it may give {list(POOL_TIMEOUTS)}")
+  raised = {k: float(v) for k, v in need.items() if float(v) > getattr(cfg, k)}
+  if raised:
+    log.info("env %s needs %s on this machine (measured): raising the pool's %s", spec.name,
+             ", ".join(f"{k}={v:.0f}" for k, v in raised.items()),
+             ", ".join(f"{k} from {getattr(cfg, k):g}" for k in raised))
+  return dataclasses.replace(cfg, **raised) if raised else cfg
+
+
 class Pool:
   """`num_slots` episode slots over `cfg.num_workers` workers, one client API for every kind."""
 
   def __init__(self, cfg: PoolConfig, num_slots: int):
     if num_slots < 1:
       raise ValueError(f"num_slots={num_slots}: must be >= 1")
-    self.cfg = cfg
+    self.cfg = cfg = with_env_timeouts(cfg)
     self.sandboxed = False
     self.spare_swaps = 0  # restarts served by a warm spare (cfg.warm_spares)
     self._spares: list[Worker] = []  # started, handshaken, ready to take a failed worker's place

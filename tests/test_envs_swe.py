@@ -40,7 +40,7 @@ def test_unmodified_packages_pass_their_kept_tests_and_mutants_fail_some(swe_eva
     box = corpus.sandbox(read_only=True, prefix="swetest-")
     try:
       corpus.copy_tree(corpus.fetch(pkg), box.work)
-      report = corpus.run_tests(box, pkg.test_paths, kept=base["kept"])
+      report = corpus.run_tests(box, pkg.test_paths, corpus.run_limit(base, base["kept"]), kept=base["kept"])
     finally:
       box.close()
     assert corpus.classify(report, base["kept"]) == ("no_test_fails", [])  # every kept test passes, none lost
@@ -60,12 +60,16 @@ def test_every_reference_solution_passes_in_a_sandboxed_pool(eval_tasks):
   combined = SPEC.tasks("eval", 3, 0, mutations=2, limit=LIMIT)
   assert all(len(t.payload["mutations"]) == 2 for t in combined)
   env = SPEC.make()
+  env.score_heldout = True
   try:
     for t in combined:
       env.reset(t, 0)
       for action in SPEC.demo(t, 0):
         result = env.step(action)
       assert result.done and result.reward == 1.0, (t.id, result.observation.text)
+      evidence = result.verdict.evidence
+      assert evidence["heldout"]["passed"] and evidence["tests_run"] <= evidence["kept_tests"], evidence
+      assert evidence["heldout"]["evidence"]["tests_run"] == evidence["kept_tests"]  # the held-out check: all
   finally:
     env.close()
 

@@ -11,13 +11,22 @@ Tools (JSON function calls, or the keyword line form `NAME key=value ...`):
   view path=FILE [start=N] [end=M]    FILE with line numbers (at most VIEW_LINES lines at once)
   search pattern=TEXT [path=DIR]      lines containing TEXT (literal), as FILE:LINE: text
   edit path=FILE old=TEXT new=TEXT    replace the one occurrence of TEXT in a source file (tests are read-only)
-  run_tests [test=TEXT]               run the kept tests (those whose id contains TEXT), show the failures
-  submit                              end the episode; the verifier runs every kept test
+  run_tests [test=TEXT]               run the tests the edits can affect and the task's failing ones (with
+                                      TEXT: the kept tests whose id contains it), show the failures
+  submit                              end the episode; the verifier runs the same selection
 Observations are capped at OBS_CHARS characters and marked truncated.
 
 Splits are by repository: train / tune / eval packages are disjoint (`swe_corpus.PACKAGES`). Versions: a task's
 version is `NAME==VERSION+DIGEST` (the package version and a digest of its mutations, the kept tests and the
 corpus code); a task whose version no longer matches is refused at reset.
+
+Which tests run: a change confined to the bodies of some functions can affect only the tests that call them
+(`swe_selection`, from the baseline's per-test trace); so a test run and the verifier run the task's failing
+tests plus the kept tests that call a function the episode changed (every kept test when a change reaches
+module-level code or a def's header). The held-out verifier (`score_heldout`) runs every kept test. Each run's
+time limit is measured on this machine (`swe_corpus.run_limit`, in CPU seconds); a run past it ends the episode
+as `env_timeout`, never as a failed fix, and `SPEC.timeouts` raises a pool's action and reset timeouts to what
+those limits need.
 
 Isolation (as code_repair): every test run is a fresh interpreter in the episode's sandbox, with pytest bound
 read-only; the verifier copies the submitted source files out of the episode's tree (regular files only, no
@@ -79,6 +88,9 @@ def tasks(split: str, n: int, seed: int = 0, mutations: int = 1, limit: int = co
   if not isinstance(mutations, int) or mutations < 1:
     raise ValueError(f"mutations={mutations!r}: must be an int >= 1")
   pkgs = corpus.split_packages(split)
+  if not all(corpus.is_cached(p, limit) for p in pkgs):
+    corpus.log(f"building the {split} tasks' cache first, once per machine, in {corpus.cache_root()} (fetch each "
+               "package, run its tests, try mutants; progress follows) ...")
   pool: list[tuple[corpus.Package, dict[str, Any]]] = []
   digests = {}
   for pkg in pkgs:
@@ -187,12 +199,28 @@ def probes(task: Task, seed: int = 0) -> dict[str, list[str]]:
   }
 
 
-class SweVerifier(Verifier):
-  """Every kept test of the package, pristine, on the submitted source files (see the module docstring)."""
+def selected_tests(task: Task, base: Mapping[str, Any], tree: Path, changed: Mapping[str, str | None]) -> list[str]:
+  """The task's failing tests and the kept tests that the changed source files ({file: new text, None: gone or
+  unreadable}) can affect, in kept order."""
+  if any(text is None for text in changed.values()):
+    return list(base["kept"])
+  tests = set(corpus.affected(_task_package(task), base, tree, changed)) | set(task.payload["failing_tests"])
+  return [t for t in base["kept"] if t in tests]
 
-  version = "swe-kept-tests-" + TASK_CODE_VERSION
+
+class SweVerifier(Verifier):
+  """The package's pristine tests on the submitted source files (see the module docstring): the task's failing
+  tests and the kept tests the changes can affect; with `every_kept_test` (the held-out verifier), all of them."""
+
+  version = "swe-affected-tests-" + TASK_CODE_VERSION
   sandbox_mode = "auto"
   refuse_new_identifiers = True
+  every_kept_test = False
+
+  def __init__(self, every_kept_test: bool = False):
+    if every_kept_test:
+      self.every_kept_test = True
+      self.version = "swe-kept-tests-" + TASK_CODE_VERSION
 
   def score(self, task: Task, final: Path) -> Verdict:
     pkg = _task_package(task)
@@ -201,17 +229,17 @@ class SweVerifier(Verifier):
     try:
       corpus.copy_tree(tree, box.work)
       new_names: dict[str, list[str]] = {}
-      changed = []
+      changed: dict[str, str | None] = {}
       for rel in corpus.source_files(pkg, tree):
         data = _sandbox.read_artifact(Path(final), rel, MAX_FILE_BYTES)
         pristine = (tree / rel).read_bytes()
         if data is None:
           (box.work / rel).unlink()  # missing or not a regular file: the tests report the broken import
-          changed.append(rel)
+          changed[rel] = None
           continue
         if data == pristine:
           continue
-        changed.append(rel)
+        changed[rel] = data.decode("utf-8", errors="replace")
         (box.work / rel).write_bytes(data)
         try:
           extra = (mutations_lib.identifiers(data.decode("utf-8")) - mutations_lib.identifiers(pristine.decode(
@@ -220,17 +248,20 @@ class SweVerifier(Verifier):
           continue  # the tests report the broken module
         if extra and self.refuse_new_identifiers:
           new_names[rel] = sorted(extra)
-      evidence: dict[str, Any] = dict(package=pkg.key, kept_tests=len(base["kept"]), changed=changed,
-                                      new_names=new_names, sandbox=box.mode, runner_timeout=False)
+      tests = list(base["kept"]) if self.every_kept_test else selected_tests(task, base, tree, changed)
+      limit = corpus.run_limit(base, tests)
+      evidence: dict[str, Any] = dict(package=pkg.key, kept_tests=len(base["kept"]), tests_run=len(tests),
+                                      changed=sorted(changed), new_names=new_names, sandbox=box.mode,
+                                      runner_timeout=False, cpu_limit_s=limit.cpu_s)
       try:
-        report = corpus.run_tests(box, pkg.test_paths, kept=base["kept"])
+        report = corpus.run_tests(box, corpus.test_files(tests), limit, kept=tests)
       except corpus.RunnerTimeout as e:
         evidence.update(runner_timeout=True, error=str(e))
         return Verdict(False, 0.0, evidence, self.version)
     finally:
       box.close()
-    verdict, failing = corpus.classify(report, base["kept"])
-    all_pass = verdict == "no_test_fails"  # every kept test passed
+    verdict, failing = corpus.classify(report, tests)
+    all_pass = verdict == "no_test_fails"  # every test run passed
     passed = all_pass and not new_names
     result = {"kept": "tests_fail", "no_test_fails": "all_passed"}.get(verdict, verdict)
     evidence.update(result=result, failing=failing[:20],
@@ -277,6 +308,7 @@ class SweEnv(_sandbox.SandboxedEpisodes, Env):
   def __init__(self, max_turns: int = 16, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = SweVerifier()
+    self.heldout_verifier = SweVerifier(every_kept_test=True)
     self.edits = 0
 
   def _reset(self, task: Task, seed: int) -> str:
@@ -287,10 +319,10 @@ class SweEnv(_sandbox.SandboxedEpisodes, Env):
     if task.version != _version(pkg, ms, corpus.kept_digest(base)):
       raise EnvError(f"task {task.id} has version {task.version}; this corpus and env make "
                      f"{_version(pkg, ms, corpus.kept_digest(base))}: regenerate the tasks")
-    self.pkg, self.kept, self.edits = pkg, base["kept"], 0
+    self.pkg, self.base, self.tree, self.kept, self.edits = pkg, base, tree, base["kept"], 0
     self.sources = set(corpus.source_files(pkg, tree))
     self.box = corpus.sandbox(self.episode_sandbox, prefix="swe-")
-    self.verifier.sandbox_mode = self.episode_sandbox
+    self.verifier.sandbox_mode = self.heldout_verifier.sandbox_mode = self.episode_sandbox
     corpus.copy_tree(tree, self.box.work)
     for rel in sorted({m["module"] for m in ms}):
       try:
@@ -299,9 +331,8 @@ class SweEnv(_sandbox.SandboxedEpisodes, Env):
         raise EnvError(f"task {task.id}: {e}") from None
       (self.box.work / rel).write_text(text, encoding="utf-8")
     failing = task.payload["failing_tests"]
-    try:  # a reset may take longer than a step: it is bounded by the pool's reset_timeout_s (30 s by default)
-      report = corpus.run_tests(self.box, pkg.test_paths, kept=self.kept, select=failing,
-                                timeout_s=corpus.RESET_RUN_TIMEOUT_S)
+    try:
+      report = corpus.run_tests(self.box, corpus.test_files(failing), corpus.run_limit(base, failing), kept=failing)
     except corpus.RunnerTimeout as e:
       raise EnvError(f"task {task.id}: {e}") from None
     if not any(report["results"].get(t) == "failed" for t in failing):
@@ -397,20 +428,30 @@ class SweEnv(_sandbox.SandboxedEpisodes, Env):
     except OSError as e:
       raise InvalidAction(f"cannot edit {rel}: {e.strerror}") from None
 
+  def _changed(self) -> dict[str, str | None]:
+    """The episode's source files that differ from the pristine package: {file: text, None: gone}."""
+    out: dict[str, str | None] = {}
+    for rel in sorted(self.sources):
+      data = _sandbox.read_artifact(self.root, rel, MAX_FILE_BYTES)
+      if data is None or data != (self.tree / rel).read_bytes():
+        out[rel] = None if data is None else data.decode("utf-8", errors="replace")
+    return out
+
   def _tool_run_tests(self, args) -> StepResult:
     only = args.get("test", "")
-    select = [t for t in self.kept if only in t] if only else None
-    if select == []:
+    tests = [t for t in self.kept if only in t] if only else selected_tests(self.task, self.base, self.tree,
+                                                                             self._changed())
+    if not tests:
       raise InvalidAction(f"no test id contains {only[:80]!r}")
     try:
-      report = corpus.run_tests(self.box, self.pkg.test_paths, kept=self.kept, select=select)
+      report = corpus.run_tests(self.box, corpus.test_files(tests), corpus.run_limit(self.base, tests), kept=tests)
     except corpus.RunnerTimeout as e:
       return StepResult(Observation(f"run_tests: {e}"), {}, True, ENV_TIMEOUT, dict(error=str(e)))
     return StepResult(_cap(format_report(report)), {}, False, None, dict(
         failed=sum(v != "passed" for v in report["results"].values()), ran=len(report["results"])))
 
   def _tool_submit(self, args) -> StepResult:
-    v = self.verifier.verify(self.task, self.root)
+    v = self.judge(self.root)
     info = dict(edits=self.edits)
     if v.evidence.get("runner_timeout"):
       return StepResult(Observation(f"submit: {v.evidence['error']}"), {"outcome": 0.0}, True, ENV_TIMEOUT, info,
@@ -444,7 +485,21 @@ def describe(task: Task) -> str:
   return task.payload["prompt"]
 
 
+TIMEOUT_SLACK_S = 10.0  # a pool's limit over the runs' own: copying the tree, starting the sandbox
+
+
+def timeouts() -> dict[str, float]:
+  """The pool limits swe needs here: a step runs at most two test runs (the verifier's and, evaluating, the
+  held-out verifier's every kept test), a reset one; each within its wall-clock limit, measured on this machine
+  (the cached baselines; none yet: the pool's own limits)."""
+  walls = [corpus.run_limit(b, b["kept"]).wall_s for b in corpus.cached_baselines()]
+  if not walls:
+    return {}
+  return dict(action_timeout_s=2 * max(walls) + TIMEOUT_SLACK_S, reset_timeout_s=max(walls) + TIMEOUT_SLACK_S)
+
+
 SPEC = EnvSpec(name="swe", description=SweEnv.description, make=SweEnv, tasks=tasks, demo=demo,
                version_sources=(SweEnv,), data_files=(corpus.RUNNER, Path(corpus.__file__),
                                                       Path(mutations_lib.__file__)),
-               needs_sandbox=True, describe=describe, probes=probes, data_dirs=corpus.data_dirs)
+               needs_sandbox=True, describe=describe, probes=probes, data_dirs=corpus.data_dirs,
+               timeouts=timeouts)

@@ -7,11 +7,21 @@ For each package of `PACKAGES` (pure Python, permissive licence, a source distri
    devices). The episode tree is the import packages (from the sdist's `src` directory) plus its test paths.
 2. `baseline`: the package's tests run twice on the pristine tree, in a sandbox, with line tracing on the first
    run. Kept tests = passed both times in under `KEEP_TEST_S`; the executed lines of the package's own source
-   are where mutations are tried (a line no kept test runs cannot make one fail).
+   are where mutations are tried (a line no kept test runs cannot make one fail), and which tests call each
+   function is what `swe_selection` runs for a change. The second run's CPU times (start-up and collection, each
+   kept test) are this machine's measure for the time limits (`run_limit`).
 3. `mine`: AST mutations (`envs.builtin.mutations`) of covered lines, in a fixed shuffled order, `limit` of them
-   per package; each mutant runs the kept tests in a sandbox. A mutant is kept when at least one kept test fails
-   and every other kept test still passes (no collection error, no timeout, no test lost); the reasons others
-   are dropped are counted. Results are cached per mutation, so a larger `limit` only runs the new ones.
+   per package; each mutant runs the kept tests it can affect (`swe_selection`) in a sandbox. A mutant is kept
+   when at least one test fails and every other still passes (no collection error, no timeout, no test lost);
+   the reasons others are dropped are counted. Results are cached per mutation, so a larger `limit` only runs
+   the new ones. Progress goes to stderr (mutants tried and kept, elapsed) at least every `PROGRESS_S`.
+
+Time limits come from measurement on this machine, never from constants alone: a test run's limit is
+`RUN_CPU_MULTIPLE` times its pristine CPU time as the baseline measured it (start-up and collection plus each
+selected test), at least `RUN_CPU_FLOOR_S`, in CPU seconds of the run's process: a loaded machine (other runs
+sharing the cores) slows a run without turning it into a timeout. A wall-clock backstop of `WALL_PER_CPU` times
+that stops code that sleeps. A run past its limit is a timeout (`RunnerTimeout`: the env's `env_timeout`),
+never a failed test.
 
 Cache: `$JAXAGENT_CACHE/swe/` (default `~/.cache/jaxagent/swe`): `<name>-<version>/{sdist, tree/,
 baseline.json, mined.json}` and `pylib-<pytest version>/` (a copy of pytest and its dependencies that the
@@ -32,6 +42,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -43,14 +54,17 @@ from typing import Any, Iterable, Mapping, Sequence
 from envs import _sandbox
 from envs._api import EnvError, source_version
 from envs.builtin import mutations as mutations_lib
+from envs.builtin import swe_selection as selection_lib
+from envs.builtin.swe_runner import CPU_LIMIT_EXIT, WALL_PER_CPU  # a run's wall-clock backstop per CPU second
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "swe_runner.py"
 KEEP_TEST_S = 0.25          # a test slower than this on the pristine tree is not kept
-PER_TEST_S = 2.0            # the alarm of one test (episodes and mining)
-RUN_TIMEOUT_S = 9.0         # one run of the kept tests (below the pool's default 10 s action timeout)
-RESET_RUN_TIMEOUT_S = 25.0  # the failing tests at reset (below the pool's default 30 s reset timeout)
-BASELINE_TIMEOUT_S = 300.0  # the baseline runs every test of the package
+PER_TEST_S = 2.0            # one test's limit in CPU seconds (episodes and mining): 8x the slowest kept test
+RUN_CPU_MULTIPLE = 4.0      # a test run's CPU limit: this multiple of its measured pristine CPU time ...
+RUN_CPU_FLOOR_S = 5.0       # ... and at least this
+BASELINE_TIMEOUT_S = 300.0  # the baseline runs every test of the package (wall clock; no CPU limit)
+PROGRESS_S = 10.0           # mining says how far it is at least this often
 DEFAULT_LIMIT = 48          # mutants tried per package when a split's tasks are first asked for
 PYTEST_DISTS = ("pytest", "pluggy", "iniconfig", "packaging", "pygments")
 SPLITS = ("train", "tune", "eval")
@@ -149,7 +163,7 @@ def package_dir(pkg: Package) -> Path:
   return cache_root() / pkg.key
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
   print(f"swe corpus: {msg}", file=sys.stderr, flush=True)
 
 
@@ -182,7 +196,7 @@ def fetch(pkg: Package, *, timeout_s: float = 600) -> Path:
     tmp = Path(tmp)
     sdists = sorted(target.glob("*.tar.gz"))
     if not sdists:
-      _log(f"fetching {pkg.name}=={pkg.version} (sdist, no dependencies, not installed) ...")
+      log(f"fetching {pkg.name}=={pkg.version} (sdist, no dependencies, not installed) ...")
       done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                              "--disable-pip-version-check", "-q", "-d", str(tmp / "dl"),
                              f"{pkg.name}=={pkg.version}"], capture_output=True, text=True, timeout=timeout_s,
@@ -273,7 +287,37 @@ def source_files(pkg: Package, tree: Path) -> list[str]:
 
 
 class RunnerTimeout(Exception):
-  """The test process did not finish within its timeout (killed)."""
+  """The test process did not finish within its limit (killed): a timeout, not a failed test."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLimit:
+  """A test run's limits: `cpu_s` CPU seconds of its process (None: none), `wall_s` wall-clock seconds."""
+  cpu_s: float | None
+  wall_s: float
+
+  @classmethod
+  def of_cpu(cls, cpu_s: float) -> "RunLimit":
+    return cls(cpu_s, WALL_PER_CPU * cpu_s)
+
+
+BASELINE_LIMIT = RunLimit(None, BASELINE_TIMEOUT_S)
+
+
+def measured_cpu_s(base: Mapping[str, Any], tests: Iterable[str]) -> float:
+  """A run's CPU seconds on the pristine tree, from the baseline's measure on this machine: start-up and
+  collection (of every test file: an upper bound for a run that collects fewer) plus each test's time."""
+  return base["startup_cpu_s"] + sum(base["test_s"].get(t, KEEP_TEST_S) for t in tests)
+
+
+def run_limit(base: Mapping[str, Any], tests: Iterable[str]) -> RunLimit:
+  """The limit of a run of `tests`: `RUN_CPU_MULTIPLE` x its measured CPU time, at least `RUN_CPU_FLOOR_S`."""
+  return RunLimit.of_cpu(round(max(RUN_CPU_FLOOR_S, RUN_CPU_MULTIPLE * measured_cpu_s(base, tests)), 2))
+
+
+def test_files(tests: Iterable[str]) -> list[str]:
+  """The files holding test node ids (what a run collects)."""
+  return sorted({t.split("::", 1)[0] for t in tests})
 
 
 def sandbox(mode: str = "auto", **kwargs) -> _sandbox.EpisodeSandbox:
@@ -281,24 +325,27 @@ def sandbox(mode: str = "auto", **kwargs) -> _sandbox.EpisodeSandbox:
   return _sandbox.EpisodeSandbox(mode, binds={"/opt/run/swe_runner.py": RUNNER, "/opt/pylib": pylib()}, **kwargs)
 
 
-def run_tests(box: _sandbox.EpisodeSandbox, paths: Sequence[str], *, kept: Iterable[str] | None = None,
-              select: Iterable[str] | None = None, per_test_s: float = PER_TEST_S,
-              timeout_s: float = RUN_TIMEOUT_S, trace: Sequence[str] | None = None) -> dict[str, Any]:
+def run_tests(box: _sandbox.EpisodeSandbox, paths: Sequence[str], limit: RunLimit, *,
+              kept: Iterable[str] | None = None, select: Iterable[str] | None = None,
+              per_test_s: float = PER_TEST_S, trace: Sequence[str] | None = None) -> dict[str, Any]:
   """The package's tests (`paths`, filtered to `kept` and `select` node ids) on the tree in `box.work`, inside
   the sandbox. Returns the runner's report (see swe_runner.py), or {results: {}, died: why} when the process
-  died before reporting. RunnerTimeout past `timeout_s`, EnvError when it cannot start."""
+  died before reporting. RunnerTimeout past `limit`, EnvError when it cannot start."""
   nonce = secrets.token_hex(16)
   spec = dict(nonce=nonce, paths=list(paths), kept=None if kept is None else sorted(kept),
-              select=None if select is None else sorted(select), per_test_s=per_test_s,
+              select=None if select is None else sorted(select), per_test_s=per_test_s, cpu_limit_s=limit.cpu_s,
               trace=list(trace) if trace else None, report=f"{box.path('/tmp')}/report-{nonce}.json")
   argv = [_sandbox.python(), "-s", "-S", "-B", box.path("/opt/run/swe_runner.py"), box.path("/work")]
   env = {"PYTHONPATH": box.path("/opt/pylib"), "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
   try:
-    done = box.run(argv, timeout=timeout_s, stdin=(json.dumps(spec) + "\n").encode(), env=env)
+    done = box.run(argv, timeout=limit.wall_s, stdin=(json.dumps(spec) + "\n").encode(), env=env)
   except OSError as e:
     raise EnvError(f"cannot start the test runner: {e}") from None
   if done.code is None:
-    raise RunnerTimeout(f"the tests did not finish within {timeout_s:g}s (killed)")
+    raise RunnerTimeout(f"the tests did not finish within {limit.wall_s:g}s (killed)")
+  if done.code in (CPU_LIMIT_EXIT, -signal.SIGXCPU, 128 + signal.SIGXCPU):
+    raise RunnerTimeout(f"the tests used more than their {limit.cpu_s:g}s of CPU (stopped; the limit is "
+                        f"{RUN_CPU_MULTIPLE:g}x their measured time on this machine)")
   for line in done.output.decode("utf-8", errors="replace").splitlines():
     if line.startswith(nonce + " "):
       path = box.tmp / f"report-{nonce}.json"
@@ -329,7 +376,8 @@ def copy_tree(src: Path, dst: Path) -> None:
 
 
 def baseline(pkg: Package, *, mode: str = "auto") -> dict[str, Any]:
-  """Which of the package's tests pass here (twice, fast), and the source lines they run (cached)."""
+  """Which of the package's tests pass here (twice, fast), the source lines they run, which tests call each
+  function, and their CPU times on this machine (cached)."""
   path = package_dir(pkg) / "baseline.json"
   version = _corpus_version()
   if path.is_file():
@@ -337,33 +385,60 @@ def baseline(pkg: Package, *, mode: str = "auto") -> dict[str, Any]:
     if cached.get("version") == version:
       return cached
   tree = fetch(pkg)
-  _log(f"{pkg.key}: running its own tests on the pristine tree (twice) ...")
+  log(f"{pkg.key}: running its own tests on the pristine tree (twice: traced, then timed) ...")
   runs, started = [], time.perf_counter()
   for k in range(2):
     box = sandbox(mode, read_only=True, prefix="swebase-")
     try:
       copy_tree(tree, box.work)
-      runs.append(run_tests(box, pkg.test_paths, per_test_s=30.0, timeout_s=BASELINE_TIMEOUT_S,
+      runs.append(run_tests(box, pkg.test_paths, BASELINE_LIMIT, per_test_s=30.0,
                             trace=(pkg.mutate or pkg.packages) if k == 0 else None))
     finally:
       box.close()
   first, second = runs
-  if "died" in first:
-    raise EnvError(f"swe: {pkg.key}'s tests did not run: {first['died']}")
+  for run in runs:
+    if "died" in run:
+      raise EnvError(f"swe: {pkg.key}'s tests did not run: {run['died']}")
   kept = sorted(n for n, r in first["results"].items()
                 if r == "passed" and second["results"].get(n) == "passed"
                 and max(first["durations"].get(n, 0.0), second["durations"].get(n, 0.0)) <= KEEP_TEST_S)
   counts = collections.Counter(first["results"].values())
-  lines = {f: v for f, v in first.get("lines", {}).items() if f in set(source_files(pkg, tree))}
+  sources, keep = set(source_files(pkg, tree)), set(kept) | {selection_lib.AT_IMPORT}
+  lines = {f: v for f, v in first.get("lines", {}).items() if f in sources}
+  callers = {f: {line: [t for t in tests if t in keep] for line, tests in by_line.items()}
+             for f, by_line in first.get("callers", {}).items() if f in sources}
   out = dict(version=version, package=pkg.name, package_version=pkg.version, sha256=pkg.sha256, kept=kept,
              tests=len(first["results"]), outcomes=dict(counts), collect_errors=first["collect_errors"],
              flaky=sorted(n for n, r in first["results"].items() if r == "passed" and
                           second["results"].get(n) != "passed"),
              slow=sum(1 for n, r in first["results"].items() if r == "passed" and n not in kept),
-             lines=lines, seconds=round(time.perf_counter() - started, 2))
+             lines=lines, callers=callers, startup_cpu_s=round(second["collect_cpu_s"], 3),
+             suite_cpu_s=second["cpu_s"], test_s={n: second["durations"].get(n, KEEP_TEST_S) for n in kept},
+             seconds=round(time.perf_counter() - started, 2))
   _write_json(path, out)
-  _log(f"{pkg.key}: {len(kept)} of {out['tests']} tests kept ({dict(counts)}; {out['slow']} slow or flaky)")
+  log(f"{pkg.key}: {len(kept)} of {out['tests']} tests kept ({dict(counts)}; {out['slow']} slow or flaky); "
+       f"CPU s: start-up {out['startup_cpu_s']:.2f}, start-up and every kept test {measured_cpu_s(out, kept):.2f}")
   return out
+
+
+def cached_baselines() -> list[dict[str, Any]]:
+  """The baselines in the cache made by this corpus code (every package measured on this machine so far)."""
+  version, out = _corpus_version(), []
+  for path in sorted(cache_root().glob("*/baseline.json")):
+    try:
+      base = json.loads(path.read_text())
+    except (OSError, ValueError):
+      continue
+    if base.get("version") == version:
+      out.append(base)
+  return out
+
+
+def affected(pkg: Package, base: Mapping[str, Any], tree: Path, changed: Mapping[str, str]) -> list[str]:
+  """The kept tests that the changed source files ({file: new text}) can affect (`swe_selection`)."""
+  return selection_lib.affected_tests(
+      base["callers"], base["kept"],
+      ((rel, (tree / rel).read_text(encoding="utf-8"), text) for rel, text in sorted(changed.items())))
 
 
 def kept_digest(base: Mapping[str, Any]) -> str:
@@ -405,29 +480,36 @@ def classify(report: Mapping[str, Any], kept: Sequence[str]) -> tuple[str, list[
   return ("kept", failing) if failing else ("no_test_fails", [])
 
 
-def try_mutant(pkg: Package, tree: Path, kept: Sequence[str], ms: Sequence[Mapping[str, Any]],
+def try_mutant(pkg: Package, tree: Path, base: Mapping[str, Any], ms: Sequence[Mapping[str, Any]],
                mode: str = "auto") -> dict[str, Any]:
-  """Runs the kept tests on the pristine tree with mutations `ms` applied: {verdict, failing, messages, s}."""
+  """Runs the kept tests that mutations `ms` can affect on the pristine tree with them applied: {verdict, failing,
+  messages, ran, s}."""
   started = time.perf_counter()
   box = sandbox(mode, read_only=True, prefix="swemut-")
   try:
     copy_tree(tree, box.work)
+    changed = {}
     for rel in sorted({m["module"] for m in ms}):
       text = mutations_lib.apply((tree / rel).read_text(encoding="utf-8"), [m for m in ms if m["module"] == rel])
       try:
         compile(text, rel, "exec")
       except SyntaxError:
-        return dict(verdict="syntax_error", failing=[], messages={}, s=0.0)
+        return dict(verdict="syntax_error", failing=[], messages={}, ran=0, s=0.0)
       (box.work / rel).write_text(text, encoding="utf-8")
+      changed[rel] = text
+    tests = affected(pkg, base, tree, changed)
+    if not tests:
+      return dict(verdict="not_covered", failing=[], messages={}, ran=0, s=0.0)  # no kept test calls that code
     try:
-      report = run_tests(box, pkg.test_paths, kept=kept)
+      report = run_tests(box, test_files(tests), run_limit(base, tests), kept=tests)
     except RunnerTimeout:
-      return dict(verdict="run_timeout", failing=[], messages={}, s=round(time.perf_counter() - started, 3))
+      return dict(verdict="run_timeout", failing=[], messages={}, ran=len(tests),
+                  s=round(time.perf_counter() - started, 3))
   finally:
     box.close()
-  verdict, failing = classify(report, kept)
+  verdict, failing = classify(report, tests)
   return dict(verdict=verdict, failing=failing, messages={n: report["messages"].get(n, "") for n in failing},
-              s=round(time.perf_counter() - started, 3))
+              ran=len(tests), s=round(time.perf_counter() - started, 3))
 
 
 def mine(pkg: Package, limit: int = DEFAULT_LIMIT, *, workers: int = 2, mode: str = "auto") -> dict[str, Any]:
@@ -443,13 +525,33 @@ def mine(pkg: Package, limit: int = DEFAULT_LIMIT, *, workers: int = 2, mode: st
   todo = [m for m in order[:limit] if mutations_lib.mutation_id(m) not in record["tried"]]
   if todo:
     tree, started = fetch(pkg), time.perf_counter()
-    _log(f"{pkg.key}: trying {len(todo)} mutants ({len(record['tried'])} cached; {len(order)} candidates) ...")
+    log(f"{pkg.key}: trying {len(todo)} mutants ({len(record['tried'])} cached; {len(order)} candidates) ...")
+    said = saved = started
+    kept = 0
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
-      for m, result in zip(todo, ex.map(lambda m: try_mutant(pkg, tree, base["kept"], [m], mode), todo)):
+      for done, (m, result) in enumerate(zip(todo, ex.map(lambda m: try_mutant(pkg, tree, base, [m], mode), todo)), 1):
         record["tried"][mutations_lib.mutation_id(m)] = dict(result, mutation=m)
-    record["seconds"] = round(record["seconds"] + time.perf_counter() - started, 2)
-    _write_json(path, record)
+        kept += result["verdict"] == "kept"
+        now = time.perf_counter()
+        if now - said >= PROGRESS_S or done == len(todo):
+          log(f"{pkg.key}: {done}/{len(todo)} mutants tried, {kept} kept, {now - started:.0f} s")
+          record["seconds"] = round(record["seconds"] + now - saved, 2)
+          said = saved = now
+          _write_json(path, record)  # a stopped build keeps what it tried
   return dict(record, candidates=len(order), order=order[:limit])
+
+
+def is_cached(pkg: Package, limit: int = DEFAULT_LIMIT) -> bool:
+  """Whether the package's baseline and its first `limit` mutants are in the cache for this corpus code."""
+  base_path, mined_path = package_dir(pkg) / "baseline.json", package_dir(pkg) / "mined.json"
+  if not (base_path.is_file() and mined_path.is_file()):
+    return False
+  base, record = json.loads(base_path.read_text()), json.loads(mined_path.read_text())
+  version = _corpus_version()
+  if base.get("version") != version or record.get("version") != version:
+    return False
+  return len(record.get("tried", {})) >= min(limit, 1) and all(
+      mutations_lib.mutation_id(m) in record["tried"] for m in candidate_order(pkg, base)[:limit])
 
 
 def valid_mutations(pkg: Package, limit: int = DEFAULT_LIMIT) -> list[dict[str, Any]]:
@@ -463,7 +565,7 @@ def valid_mutations(pkg: Package, limit: int = DEFAULT_LIMIT) -> list[dict[str, 
   return out
 
 
-MINING_VERSION = 1  # bump when what baseline/mine keep changes (KEEP_TEST_S, classify, the packages' layout)
+MINING_VERSION = 2  # bump when what baseline/mine keep changes (KEEP_TEST_S, classify, the packages' layout)
 
 
 def _corpus_version() -> str:
@@ -476,7 +578,8 @@ def _corpus_version() -> str:
 
 
 def report(packages: Sequence[Package] = PACKAGES, limit: int = DEFAULT_LIMIT, workers: int = 2) -> list[dict]:
-  """Per package: tests kept, candidates, mutants tried / kept, drop reasons, throughput."""
+  """Per package: tests kept, candidates, mutants tried / kept, drop reasons, tests per mutant run, the whole
+  suite's measured CPU limit, throughput."""
   rows = []
   for pkg in packages:
     started = time.perf_counter()
@@ -486,10 +589,13 @@ def report(packages: Sequence[Package] = PACKAGES, limit: int = DEFAULT_LIMIT, w
              if mutations_lib.mutation_id(m) in record["tried"]]
     reasons = collections.Counter(r["verdict"] for r in tried)
     run_s = [r["s"] for r in tried if r["s"]]
+    ran = [r["ran"] for r in tried if r.get("ran")]
     rows.append(dict(package=pkg.name, version=pkg.version, split=pkg.split, licence=pkg.licence,
                      tests=base["tests"], kept_tests=len(base["kept"]), candidates=record["candidates"],
                      tried=len(tried), kept=reasons.pop("kept", 0), dropped=dict(reasons),
                      mean_run_s=round(sum(run_s) / max(len(run_s), 1), 2),
+                     mean_tests_run=round(sum(ran) / max(len(ran), 1), 1),
+                     suite_limit_s=run_limit(base, base["kept"]).cpu_s,
                      mining_s=record["seconds"], wall_s=round(time.perf_counter() - started, 1)))
   return rows
 
@@ -508,11 +614,12 @@ def cmd_report(args: argparse.Namespace) -> int:
   pkgs = [package(n) for n in args.packages] if args.packages else list(PACKAGES)
   rows = report(pkgs, args.limit, args.workers)
   print(f"{'package':<22}{'split':<7}{'tests':>7}{'kept':>6}{'cands':>7}{'tried':>7}{'tasks':>7}{'yield':>7}"
-        f"{'run s':>7}{'mutants/s':>10}  dropped")
+        f"{'run s':>7}{'tests/run':>10}{'limit s':>8}{'mutants/s':>10}  dropped")
   for r in rows:
     print(f"{r['package'] + ' ' + r['version']:<22}{r['split']:<7}{r['tests']:>7}{r['kept_tests']:>6}"
           f"{r['candidates']:>7}{r['tried']:>7}{r['kept']:>7}{r['kept'] / max(r['tried'], 1):>7.0%}"
-          f"{r['mean_run_s']:>7.2f}{r['tried'] / max(r['mining_s'], 1e-9):>10.2f}  "
+          f"{r['mean_run_s']:>7.2f}{r['mean_tests_run']:>10.1f}{r['suite_limit_s']:>8.1f}"
+          f"{r['tried'] / max(r['mining_s'], 1e-9):>10.2f}  "
           + " ".join(f"{k}={v}" for k, v in sorted(r["dropped"].items())))
   if args.json:
     args.json.write_text(json.dumps(rows, indent=1))
