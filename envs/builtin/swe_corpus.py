@@ -306,7 +306,8 @@ BASELINE_LIMIT = RunLimit(None, BASELINE_TIMEOUT_S)
 
 def measured_cpu_s(base: Mapping[str, Any], tests: Iterable[str]) -> float:
   """A run's CPU seconds on the pristine tree, from the baseline's measure on this machine: start-up and
-  collection (of every test file: an upper bound for a run that collects fewer) plus each test's time."""
+  collection (of every test file: an upper bound for a run that collects fewer) plus each test's (its setup,
+  call, teardown and pytest's own work)."""
   return base["startup_cpu_s"] + sum(base["test_s"].get(t, KEEP_TEST_S) for t in tests)
 
 
@@ -413,7 +414,7 @@ def baseline(pkg: Package, *, mode: str = "auto") -> dict[str, Any]:
                           second["results"].get(n) != "passed"),
              slow=sum(1 for n, r in first["results"].items() if r == "passed" and n not in kept),
              lines=lines, callers=callers, startup_cpu_s=round(second["collect_cpu_s"], 3),
-             suite_cpu_s=second["cpu_s"], test_s={n: second["durations"].get(n, KEEP_TEST_S) for n in kept},
+             suite_cpu_s=second["cpu_s"], test_s={n: second["cpu"].get(n, KEEP_TEST_S) for n in kept},
              seconds=round(time.perf_counter() - started, 2))
   _write_json(path, out)
   log(f"{pkg.key}: {len(kept)} of {out['tests']} tests kept ({dict(counts)}; {out['slow']} slow or flaky); "

@@ -13,8 +13,9 @@ sharing its cores) slows a run without changing its verdict.
 
 The one stdout line `NONCE SHA256` vouches for the report: its sha256 (what the code under test prints cannot
 forge it, nor can it swap the file unseen). The report: {results: {node id: passed|failed|error|skipped|timeout},
-messages: {node id: the exception's one-line message}, durations: {node id: seconds}, collect_errors: {node id:
-message}, collect_cpu_s and cpu_s (this process's CPU seconds when collection ended and at the end), and when
+messages: {node id: the exception's one-line message}, durations: {node id: seconds of its call}, cpu: {node id:
+CPU seconds from its start to its finish, setup, teardown and pytest's own work included}, collect_errors: {node
+id: message}, collect_cpu_s and cpu_s (this process's CPU seconds when collection ended and at the end), and when
 tracing: lines: {file: [line, ...]}, callers: {file: {first line of a function: [node id, ...]}} (the tests
 during whose setup, call or teardown the function ran, and "" when it ran outside any test: at import; the first
 line is its code object's, a decorator's line for a decorated function)}. Messages name no paths and no line
@@ -60,9 +61,13 @@ class Report:
     self.current = None  # the test whose alarm is set
     self.running = None  # the test in setup, call or teardown (for the callers of each function)
     self.collect_cpu_s = None
+    self.cpu, self.started_cpu = {}, 0.0  # each test's CPU seconds: setup, call, teardown and pytest's own work
 
   def pytest_collection_finish(self, session):
     self.collect_cpu_s = time.process_time()
+
+  def pytest_runtest_logstart(self, nodeid, location):
+    self.started_cpu = time.process_time()
 
   def pytest_runtest_setup(self, item):
     self.running = item.nodeid
@@ -89,6 +94,7 @@ class Report:
 
   def pytest_runtest_logfinish(self, nodeid, location):
     self.running = None
+    self.cpu[nodeid] = round(time.process_time() - self.started_cpu, 4)
 
   def alarm(self, signum, frame):
     self.timed_out.add(self.current)
@@ -175,7 +181,7 @@ def main() -> None:
     sys.settrace(None)
     threading.settrace(None)
   report = dict(exit_code=code, results=plugin.results, messages=plugin.messages, durations=plugin.durations,
-                collect_errors=plugin.collect_errors, collect_cpu_s=plugin.collect_cpu_s,
+                collect_errors=plugin.collect_errors, collect_cpu_s=plugin.collect_cpu_s, cpu=plugin.cpu,
                 cpu_s=round(time.process_time(), 4))
   if lines is not None:
     report["lines"] = {os.path.relpath(f, work): sorted(v) for f, v in sorted(lines.items())}
