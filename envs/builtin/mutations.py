@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import io
+import threading
 import tokenize
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -28,6 +29,17 @@ ARITH_FLIP = {"+": "-", "-": "+"}
 AUG_FLIP = {"+=": "-=", "-=": "+="}
 BOOL_SWAP = {"and": "or", "or": "and"}
 FIELDS = ("module", "line", "col", "kind", "original", "replacement")
+
+
+_PARSING = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+  """`ast.parse`, one thread at a time: CPython 3.11's conversion of a parse tree to Python objects is not
+  thread-safe (CPython gh-106905: two mining threads got "SystemError: AST constructor recursion depth
+  mismatch")."""
+  with _PARSING:
+    return ast.parse(source)
 
 
 class MutationMismatch(ValueError):
@@ -47,7 +59,7 @@ def candidates(module: str, source: str, kinds: Iterable[str] = KINDS) -> list[d
   kinds = frozenset(kinds)
   if kinds - set(KINDS):
     raise ValueError(f"kinds {sorted(kinds - set(KINDS))}: not among {KINDS}")
-  tree, toks, lines = ast.parse(source), _tokens(source), source.splitlines()
+  tree, toks, lines = parse(source), _tokens(source), source.splitlines()
   out: list[dict[str, Any]] = []
 
   def col(line: int, byte_col: int) -> int:
@@ -135,7 +147,7 @@ def identifiers(source: str) -> set[str]:
   that brings in one its pristine version does not use (`open`, `sys`, `__import__`) is refused by the
   verifiers of code_repair and swe."""
   names: set[str] = set()
-  for node in ast.walk(ast.parse(source)):
+  for node in ast.walk(parse(source)):
     if isinstance(node, ast.Name):
       names.add(node.id)
     elif isinstance(node, ast.Attribute):

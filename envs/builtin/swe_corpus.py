@@ -493,7 +493,7 @@ def try_mutant(pkg: Package, tree: Path, base: Mapping[str, Any], ms: Sequence[M
     for rel in sorted({m["module"] for m in ms}):
       text = mutations_lib.apply((tree / rel).read_text(encoding="utf-8"), [m for m in ms if m["module"] == rel])
       try:
-        compile(text, rel, "exec")
+        mutations_lib.parse(text)
       except SyntaxError:
         return dict(verdict="syntax_error", failing=[], messages={}, ran=0, s=0.0)
       (box.work / rel).write_text(text, encoding="utf-8")

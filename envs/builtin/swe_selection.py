@@ -18,6 +18,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Mapping, Sequence
 
+from envs.builtin import mutations as mutations_lib
+
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 AT_IMPORT = ""  # the caller recorded for code that ran outside any test
 
@@ -73,7 +75,7 @@ def changed_functions(old: str, new: str) -> list[int] | None:
   """The first lines (in `old`) of the functions whose bodies alone differ between two versions of a source
   file; None when anything else differs (or `new` does not parse). Line shifts alone are no change."""
   try:
-    old_tree, new_tree = ast.parse(old), ast.parse(new)
+    old_tree, new_tree = mutations_lib.parse(old), mutations_lib.parse(new)
   except (SyntaxError, ValueError):
     return None
   out: list[int] = []
