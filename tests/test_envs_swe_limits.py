@@ -78,9 +78,13 @@ def test_a_slower_suite_gets_a_longer_measured_limit(packages):
 
 
 @pytest.mark.slow
-def test_a_run_past_its_limit_is_env_timeout_not_a_failed_fix(packages, monkeypatch):
+def test_a_run_past_its_limit_is_env_timeout_not_a_failed_fix(packages, monkeypatch, capfd):
   _, slow = packages
   tasks = swe.tasks("train", 2, 0, limit=8)
+  said = capfd.readouterr().err  # a cold cache says so first, then how far the build is
+  assert "building the train tasks' cache first" in said and "slowpkg-0.1: its own tests on the pristine tree, run 1 of 2" in said
+  assert "mutants tried" in said and said.index("cache first") < said.index("mutants tried")
+  assert swe.tasks("train", 2, 0, limit=8) == tasks and "cache first" not in capfd.readouterr().err  # now cached
   task = next(t for t in tasks if t.payload["package"] == "slowpkg" and "bump" in " ".join(t.payload["failing_tests"]))
   solution = swe.demo(task, 0)
   env = swe.SPEC.make()
