@@ -56,7 +56,8 @@ SEARCH_HITS = 30
 LIST_ENTRIES = 200
 FAILURES_SHOWN = 3
 MAX_FILE_BYTES = 1 << 20
-TASK_CODE_VERSION = source_version(mutations_lib.candidates, data=(Path(__file__), corpus.RUNNER))
+TASK_CODE_VERSION = source_version(mutations_lib.candidates, data=(Path(__file__), corpus.RUNNER,
+                                                                  Path(corpus.selection_lib.__file__)))
 
 
 def _version(pkg: corpus.Package, ms: Sequence[Mapping[str, Any]], kept_digest: str) -> str:
@@ -210,17 +211,12 @@ def selected_tests(task: Task, base: Mapping[str, Any], tree: Path, changed: Map
 
 class SweVerifier(Verifier):
   """The package's pristine tests on the submitted source files (see the module docstring): the task's failing
-  tests and the kept tests the changes can affect; with `every_kept_test` (the held-out verifier), all of them."""
+  tests and the kept tests the changes can affect (`SweSuiteVerifier`, the held-out one: every kept test)."""
 
   version = "swe-affected-tests-" + TASK_CODE_VERSION
   sandbox_mode = "auto"
   refuse_new_identifiers = True
   every_kept_test = False
-
-  def __init__(self, every_kept_test: bool = False):
-    if every_kept_test:
-      self.every_kept_test = True
-      self.version = "swe-kept-tests-" + TASK_CODE_VERSION
 
   def score(self, task: Task, final: Path) -> Verdict:
     pkg = _task_package(task)
@@ -269,6 +265,13 @@ class SweVerifier(Verifier):
     return Verdict(passed, 1.0 if passed else 0.0, evidence, self.version)
 
 
+class SweSuiteVerifier(SweVerifier):
+  """The held-out check: every kept test, whatever the change touched."""
+
+  version = "swe-kept-tests-" + TASK_CODE_VERSION
+  every_kept_test = True
+
+
 def _cap(text: str) -> Observation:
   if len(text) <= OBS_CHARS:
     return Observation(text)
@@ -308,7 +311,7 @@ class SweEnv(_sandbox.SandboxedEpisodes, Env):
   def __init__(self, max_turns: int = 16, **kwargs):
     super().__init__(max_turns=max_turns, **kwargs)
     self.verifier = SweVerifier()
-    self.heldout_verifier = SweVerifier(every_kept_test=True)
+    self.heldout_verifier = SweSuiteVerifier()
     self.edits = 0
 
   def _reset(self, task: Task, seed: int) -> str:
@@ -500,6 +503,7 @@ def timeouts() -> dict[str, float]:
 
 SPEC = EnvSpec(name="swe", description=SweEnv.description, make=SweEnv, tasks=tasks, demo=demo,
                version_sources=(SweEnv,), data_files=(corpus.RUNNER, Path(corpus.__file__),
-                                                      Path(mutations_lib.__file__)),
+                                                      Path(mutations_lib.__file__),
+                                                      Path(corpus.selection_lib.__file__)),
                needs_sandbox=True, describe=describe, probes=probes, data_dirs=corpus.data_dirs,
                timeouts=timeouts)
