@@ -17,6 +17,10 @@ FSDP_TP_RULES: models.Rules = (
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
+    # Mixture of experts: each expert's weights laid out as a dense MLP's (embed over fsdp, its width over
+    # tensor), every expert on every device; the router's expert axis is small and stays whole.
+    ("experts", None),
+    ("expert_mlp", "tensor"),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),

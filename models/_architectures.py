@@ -37,6 +37,14 @@ ARCHITECTURES: dict[str, ModelConfig] = {
                                  original_max_position_embeddings=8192),
         tie_word_embeddings=False, max_position_embeddings=131072, bos_token_id=128000,
         eos_token_id=(128001, 128008, 128009), pad_token_id=None),
+    # Qwen/Qwen3-30B-A3B: 128 experts, top-8 with renormalized weights, every layer sparse; 30.5B parameters,
+    # 3.3B active per token.
+    "qwen3-30b-a3b": ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, qk_norm=True, max_position_embeddings=40960, bos_token_id=151643,
+        eos_token_id=151645, pad_token_id=None, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True),
 }
 
 

@@ -27,13 +27,18 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3).
+  """Architecture of a decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE).
 
   Attributes:
     model_type: HF `model_type`; picks the family (see `models.families()`).
     attention_bias: bias on q/k/v projections (Qwen2: always; Llama: `attention_bias`).
     attention_out_bias: bias on the output projection (Llama's `attention_bias` covers it too).
     qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
+    num_experts: mixture-of-experts MLPs with this many experts (0: every MLP is dense). Which layers are sparse
+      follows HF's rule (`is_moe_layer`): not in `mlp_only_layers`, and every `decoder_sparse_step`-th layer.
+    num_experts_per_tok: experts each token is routed to (top-k of the router's softmax, in float32).
+    moe_intermediate_size: each expert's MLP width (dense layers keep `intermediate_size`).
+    norm_topk_prob: the k routing weights are renormalized to sum to 1 (else they keep their softmax mass).
   """
 
   model_type: str = "llama"
@@ -56,6 +61,12 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -69,6 +80,25 @@ class ModelConfig:
           f"num_key_value_heads ({self.num_key_value_heads})")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+    if self.num_experts:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise ValueError(f"ModelConfig.num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got "
+                         f"{self.num_experts_per_tok!r}")
+      if not isinstance(self.moe_intermediate_size, int) or self.moe_intermediate_size < 1:
+        raise ValueError(f"ModelConfig.moe_intermediate_size must be a positive int with num_experts="
+                         f"{self.num_experts}, got {self.moe_intermediate_size!r}")
+      if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
+        raise ValueError(f"ModelConfig.decoder_sparse_step must be a positive int, got {self.decoder_sparse_step!r}")
+      bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+      if bad:
+        raise ValueError(f"ModelConfig.mlp_only_layers {bad}: not layers of 0..{self.num_hidden_layers - 1}")
+    elif self.num_experts < 0:
+      raise ValueError(f"ModelConfig.num_experts must be >= 0 (0: dense), got {self.num_experts!r}")
+
+  def is_moe_layer(self, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is a mixture of experts (HF Qwen3-MoE's rule)."""
+    return bool(self.num_experts) and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
@@ -84,10 +114,17 @@ class ModelConfig:
     attn = d * n * h * 2 + d * k * h * 2
     attn += (n + 2 * k) * h * self.attention_bias + d * self.attention_out_bias
     attn += 2 * h * self.qk_norm
-    mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-    layer = attn + mlp + 2 * d
+    dense = 3 * d * f + (2 * f + d) * self.mlp_bias
+    sparse = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+    layers = sum(attn + 2 * d + (sparse if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
     embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-    return embed + self.num_hidden_layers * layer + d
+    return embed + layers + d
+
+  def num_active_params(self) -> int:
+    """Parameters a token's forward pass uses: `num_params` with only `num_experts_per_tok` experts per sparse
+    layer (the router counted whole)."""
+    unused = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
+    return self.num_params() - unused * sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
 
 
 def replace(config: ModelConfig, **changes: Any) -> ModelConfig:

@@ -59,6 +59,8 @@ register_family(Family("qwen2", "Qwen2ForCausalLM", _qwen2_flags,
                        "Qwen2/2.5: Llama layout with q/k/v biases"))
 register_family(Family("qwen3", "Qwen3ForCausalLM", _qwen3_flags,
                        "Qwen3: Llama layout with per-head q/k RMSNorm"))
+register_family(Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_flags,
+                       "Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3 with top-k routed expert MLPs (dropless)"))
 
 
 def families() -> dict[str, Family]:
@@ -107,6 +109,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
     raise UnsupportedModelError(f"{source}: missing required keys {missing}")
   heads = int(hf["num_attention_heads"])
   theta, scaling = _rope_from_hf(hf, source)
+  moe = _moe_from_hf(hf, source) if family.model_type in MOE_FAMILIES else {}
   eos = hf.get("eos_token_id")
   return ModelConfig(
       model_type=family.model_type,
@@ -126,7 +129,26 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
       pad_token_id=hf.get("pad_token_id"),
       **family.flags(hf),
+      **moe,
   )
+
+
+MOE_FAMILIES = ("qwen3_moe",)
+
+
+def _moe_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+  """The mixture-of-experts fields (`num_experts` as the hub's configs spell it, or transformers 5's
+  `num_local_experts`)."""
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                            ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
+  if missing:
+    raise UnsupportedModelError(f"{source}: a {hf.get('model_type')} config needs {missing}")
+  return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+              moe_intermediate_size=int(hf["moe_intermediate_size"]),
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+              decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+              mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
 
 
 def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, Any]:
@@ -161,10 +183,17 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, An
       "pad_token_id": config.pad_token_id,
       "dtype": dtype,
   }
-  if config.model_type in ("llama", "qwen3"):
+  if config.model_type in ("llama", "qwen3", "qwen3_moe"):
     hf["attention_bias"] = config.attention_bias
   if config.model_type == "llama":
     hf["mlp_bias"] = config.mlp_bias
-  if config.model_type in ("qwen2", "qwen3"):
+  if config.model_type in ("qwen2", "qwen3", "qwen3_moe"):
     hf["use_sliding_window"] = False
+  if config.model_type in MOE_FAMILIES:
+    hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+              moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+              decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers))
+  elif config.num_experts:
+    raise UnsupportedModelError(f"{config.model_type}: num_experts={config.num_experts} has no HF form; "
+                                f"mixture-of-experts families: {list(MOE_FAMILIES)}")
   return hf

@@ -42,6 +42,21 @@ Transform = Callable[[np.ndarray], np.ndarray]
 _ID: Transform = lambda x: x
 
 
+_EXPERTS = {"w_gate_edf": "gate_proj", "w_up_edf": "up_proj", "w_down_efd": "down_proj"}
+
+
+def _hf_names(path: tuple[Any, ...], config: ModelConfig) -> tuple[tuple[str, ...], Transform, Transform]:
+  """The HF tensors of one parameter: one name, or E names for an expert weight (HF stores one tensor per
+  expert; ours stacks them on a leading axis, which `to_ours` / `to_hf` take and give)."""
+  if len(path) == 4 and path[0] == "layers" and path[2] == "mlp" and path[3] in _EXPERTS:
+    proj = _EXPERTS[path[3]]
+    names = tuple(f"model.layers.{path[1]}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts))
+    swap = lambda x: np.swapaxes(x, 1, 2)
+    return names, swap, swap
+  name, to_ours, to_hf = _hf_mapping(path, config)
+  return (name,), to_ours, to_hf
+
+
 def _hf_mapping(path: tuple[Any, ...], config: ModelConfig) -> tuple[str, Transform, Transform]:
   n, k, h, d = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                 config.hidden_size)
@@ -71,6 +86,7 @@ def _hf_mapping(path: tuple[Any, ...], config: ModelConfig) -> tuple[str, Transf
       ("mlp", "b_gate_f"): ("mlp.gate_proj.bias", _ID, _ID),
       ("mlp", "b_up_f"): ("mlp.up_proj.bias", _ID, _ID),
       ("mlp", "b_down_d"): ("mlp.down_proj.bias", _ID, _ID),
+      ("mlp", "w_router_de"): ("mlp.gate.weight", np.transpose, np.transpose),
   }
   if rest in simple:
     name, to_ours, to_hf = simple[rest]
@@ -171,17 +187,22 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: 
   values = {}
   for key, variable in nnx.to_flat_state(state):
     try:
-      name, to_ours, to_hf = _hf_mapping(key, config)
+      names, to_ours, to_hf = _hf_names(key, config)
     except KeyError:
       raise CheckpointError(f"no HF name for parameter {'.'.join(map(str, key))}") from None
-    raw = tensors.get(name)
-    used.add(name)
     expected = jax.eval_shape(lambda x, f=to_hf: f(x), jax.ShapeDtypeStruct(variable.shape, jnp.float32)).shape
-    if tuple(raw.shape) != tuple(expected):
-      raise CheckpointError(
-          f"{tensors.files[name]}: tensor {name!r} has shape {tuple(raw.shape)}; "
-          f"{path / 'config.json'} implies {tuple(expected)}")
-    array = np.asarray(to_ours(raw))
+    expected = expected if len(names) == 1 else expected[1:]
+    parts = []
+    for name in names:
+      raw = tensors.get(name)
+      used.add(name)
+      if tuple(raw.shape) != tuple(expected):
+        raise CheckpointError(
+            f"{tensors.files[name]}: tensor {name!r} has shape {tuple(raw.shape)}; "
+            f"{path / 'config.json'} implies {tuple(expected)}")
+      parts.append(raw)
+    array = np.asarray(to_ours(parts[0] if len(names) == 1 else np.stack(parts)))
+    del parts
     array = array.astype(dtype)
     if mesh is None:
       values[key] = jnp.asarray(array)
@@ -213,8 +234,10 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
   _, state = nnx.split(model)
   out = {}
   for key, variable in nnx.to_flat_state(state):
-    name, _, to_hf = _hf_mapping(key, model.config)
-    out[name] = np.ascontiguousarray(to_hf(_host_array(variable[...])))
+    names, _, to_hf = _hf_names(key, model.config)
+    array = to_hf(_host_array(variable[...]))
+    for i, name in enumerate(names):
+      out[name] = np.ascontiguousarray(array if len(names) == 1 else array[i])
   return out
 
 

@@ -1,7 +1,7 @@
-"""Decoder-only transformer in Flax NNX (Llama 3.x, Qwen2/2.5, Qwen3).
+"""Decoder-only transformer in Flax NNX (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE).
 
 Shape letters: B batch, T new tokens, S cache slots, D embed, N query heads, K kv heads, G = N // K,
-H head dim, F mlp, V vocab, L layers. Every parameter names logical axes only (`out_sharding`);
+H head dim, F mlp, V vocab, L layers, E experts, k experts per token, A token-expert assignments (B*T*k). Every parameter names logical axes only (`out_sharding`);
 `models.sharding` maps them to a mesh with one rules table.
 
 Attention masking has one rule for every case (full forward, padded batches, packing, KV cache):
@@ -297,13 +297,55 @@ class MLP(nnx.Module):
     return out_btd
 
 
-class Block(nnx.Module):
+class MoE(nnx.Module):
+  """Top-k routed expert MLPs, dropless: every token reaches its k experts (no capacity, nothing dropped).
+
+  The router's logits and softmax are float32; the k largest probabilities are the routing weights
+  (renormalized to sum to 1 with `norm_topk_prob`). Dispatch is a grouped matmul: the B*T*k (token, expert)
+  assignments are sorted by expert and each expert's contiguous group is multiplied by its weights
+  (`jax.lax.ragged_dot`), then scattered back, weighted, onto their tokens. Compute and memory follow the k
+  experts a token uses, never all E of them; an einsum over every expert would cost E/k times the FLOPs.
+  """
 
   def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
+    e, d, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    self.w_router_de = _param(rngs, (d, e), ("embed", "experts"), dtype)
+    self.w_gate_edf = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype)
+    self.w_up_edf = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype)
+    self.w_down_efd = _param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), dtype)
+    self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+
+  def route(self, x_btd):
+    """(expert ids int32[B, T, k], routing weights float32[B, T, k]) of each token."""
+    logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.w_router_de[...].astype(jnp.float32))
+    weights_btk, experts_btk = jax.lax.top_k(jax.nn.softmax(logits_bte, axis=-1), self.top_k)
+    if self.norm_topk_prob:
+      weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
+    return experts_btk.astype(jnp.int32), weights_btk
+
+  def __call__(self, x_btd):
+    b, t, d = x_btd.shape
+    experts_btk, weights_btk = self.route(x_btd)
+    e, k = self.w_gate_edf.shape[0], self.top_k
+    flat_expert_a = experts_btk.reshape(-1)  # a = one (token, choice) assignment, b*t*k of them
+    order_a = jnp.argsort(flat_expert_a, stable=True)
+    token_a = order_a // k
+    group_sizes_e = jnp.bincount(flat_expert_a, length=e).astype(jnp.int32)
+    x_ad = x_btd.reshape(b * t, d)[token_a]
+    gate_af = jax.lax.ragged_dot(x_ad, self.w_gate_edf[...], group_sizes_e)
+    up_af = jax.lax.ragged_dot(x_ad, self.w_up_edf[...], group_sizes_e)
+    out_ad = jax.lax.ragged_dot(jax.nn.silu(gate_af) * up_af, self.w_down_efd[...], group_sizes_e)
+    out_ad = out_ad * weights_btk.reshape(-1)[order_a][:, None].astype(out_ad.dtype)
+    return jnp.zeros((b * t, d), out_ad.dtype).at[token_a].add(out_ad).reshape(b, t, d)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs, layer: int = 0):
     self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
     self.attn = Attention(config, dtype=dtype, rngs=rngs)
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-    self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+    self.mlp = (MoE if config.is_moe_layer(layer) else MLP)(config, dtype=dtype, rngs=rngs)
 
   def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum"):
     attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv, attention)
@@ -332,8 +374,8 @@ class Transformer(nnx.Module):
     self.config = config
     self.dtype = dtype
     self.embed_vd = _param(rngs, (v, d), ("vocab", "embed"), dtype)
-    self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs)
-                            for _ in range(config.num_hidden_layers)])
+    self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, layer=i)
+                            for i in range(config.num_hidden_layers)])
     self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
     if not config.tie_word_embeddings:
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
@@ -383,22 +425,32 @@ class Transformer(nnx.Module):
     return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index)
 
   def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention):
-    """All layers as one `lax.scan` over their parameters stacked on the fly, each step rematerialized.
+    """The layers as `lax.scan`s over their parameters stacked on the fly, each step rematerialized: one scan
+    per run of consecutive layers of the same structure (all of them for a uniform model; a mixture of experts
+    with dense layers among its sparse ones scans each run).
 
     Under a scan the backward pass keeps only what `policy` saves per layer (measured with XLA's memory
     analysis; an unrolled loop of checkpointed layers saves nothing on XLA:CPU, whose scheduler recomputes
     early). The parameters keep their per-layer layout (HF import, checkpoints, the sampler); the stack is one
     transient copy of the layer weights, and gradients flow back to each layer through it.
     """
-    graphdef = nnx.graphdef(self.layers[0])
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in self.layers])
+    runs: list[list[Block]] = []
+    for layer in self.layers:
+      if runs and nnx.graphdef(layer) == nnx.graphdef(runs[-1][0]):
+        runs[-1].append(layer)
+      else:
+        runs.append([layer])
+    for run in runs:
+      graphdef = nnx.graphdef(run[0])
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in run])
 
-    @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)  # prevent_cse is moot inside scan
-    def body(x_btd, layer_state):
-      x_btd, _ = nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt, inv_freq, None, attention)
-      return x_btd, None
+      @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)  # prevent_cse is moot inside scan
+      def body(x_btd, layer_state, graphdef=graphdef):
+        x_btd, _ = nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt, inv_freq, None, attention)
+        return x_btd, None
 
-    return jax.lax.scan(body, x_btd, stacked)[0]
+      x_btd = jax.lax.scan(body, x_btd, stacked)[0]
+    return x_btd
 
   def unembed_weight(self) -> jax.Array:
     """The [D, V] matrix that maps hidden states to logits (the tied embedding, transposed, or its own)."""

@@ -29,6 +29,14 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-tied-bias": ("qwen3", dict(
         num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True,
         attention_bias=True)),
+    # Mixture of experts: 8 experts, top-2 with renormalized weights, the second of 3 layers dense.
+    "qwen3moe-dense-layer": ("qwen3_moe", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1])),
+    # Top-3 of 6 with the softmax mass kept, sparse every second layer (decoder_sparse_step), tied.
+    "qwen3moe-sparse-step": ("qwen3_moe", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True,
+        num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2)),
 }
 
 VOCAB = 101
@@ -43,6 +51,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides: Any):
       "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
       "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
       "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+      "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
   }
   config_cls, model_cls = classes[family]
   kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -60,6 +69,8 @@ def make_hf_model(family: str, seed: int = 0, **overrides: Any):
         param.normal_(0.0, 0.1)
       elif "norm" in name:
         param.copy_(1.0 + 0.3 * torch.randn_like(param))
+      elif name.endswith("mlp.gate.weight"):  # a router: decisive, so float rounding flips no top-k choice
+        param.normal_(0.0, 0.5)
   return model
 
 

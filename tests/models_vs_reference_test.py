@@ -60,6 +60,6 @@ def test_round_trip_through_save_pretrained(checkpoint, tmp_path):
 
 
 def test_registry_covers_the_families():
-  assert {"llama", "qwen2", "qwen3"} <= set(models.families())
+  assert {"llama", "qwen2", "qwen3", "qwen3_moe"} <= set(models.families())
   for family in models.families().values():
     assert family.architecture.endswith("ForCausalLM")

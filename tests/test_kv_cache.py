@@ -1,5 +1,7 @@
 """KV cache ≡ no cache: prefill + token-by-token decode, ragged extends with padding holes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +14,24 @@ CONFIG = models.ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64, i
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             qk_norm=True, tie_word_embeddings=False)
 TOL = 1e-5
+# A mixture of experts (layer 0 sparse, layer 1 dense) in the same shapes: routing is per token, so a cache, the
+# padding and the batch's other rows change no token's experts.
+MOE_CONFIG = dataclasses.replace(CONFIG, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(1,))
 
 
-@pytest.fixture(scope="module")
-def model():
-  return models.Transformer(CONFIG, rngs=nnx.Rngs(3))
+def decisive_routers(model, seed=0):
+  """Router weights large enough that float rounding (cache vs no cache) flips no top-k choice."""
+  rng = np.random.default_rng(seed)
+  for layer in model.layers:
+    if isinstance(layer.mlp, models.MoE):
+      layer.mlp.w_router_de[...] = jnp.asarray(rng.normal(0, 0.5, layer.mlp.w_router_de.shape), jnp.float32)
+  return model
+
+
+@pytest.fixture(scope="module", params=[CONFIG, MOE_CONFIG], ids=["dense", "moe"])
+def model(request):
+  return decisive_routers(models.Transformer(request.param, rngs=nnx.Rngs(3)))
 
 
 def _compact_logits(model, tokens, valid):

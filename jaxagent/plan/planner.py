@@ -150,11 +150,11 @@ class Plan:
 
 def train_step_flops(model: Any, rows: int, length: int, remat: str) -> float:
   """FLOPs of one update of `rows` x `length` tokens, all devices: 6 N per token for the weights (N: every
-  parameter, the unembedding included), 12 L T N_q H per token for attention scores and values over the whole
+  parameter a token uses, the unembedding included: a mixture of experts counts its k routed experts), 12 L T N_q H per token for attention scores and values over the whole
   [T, T] square (what every kernel here computes: masked, not skipped), and one more forward (a third of both)
   when layers are rematerialized."""
   tokens = rows * length
-  weights = 6.0 * model.num_params() * tokens
+  weights = 6.0 * model.num_active_params() * tokens
   attention = 12.0 * model.num_hidden_layers * length * model.num_attention_heads * model.head_dim * tokens
   return (weights + attention) * (4.0 / 3.0 if remat != "none" else 1.0)
 
@@ -328,7 +328,7 @@ def _iteration(parts: _Parts, programs: list[ProgramCost], work: float) -> Itera
   by_name = {p.name: p for p in programs}
   topology = parts.topology
   seconds = lambda name: by_name[name].seconds(topology) * by_name[name].calls if name in by_name else 0.0
-  n_params = parts.policy.model.config.num_params()
+  n_params = parts.policy.model.config.num_active_params()  # the FLOPs a token costs (MoE: its k experts)
   trained = parts.train_rows * parts.length
   devices = parts.policy.layout.mesh.devices.size
   return Iteration(
