@@ -315,17 +315,30 @@ class MoE(nnx.Module):
     self.w_down_efd = _param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), dtype)
     self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
 
-  def route(self, x_btd):
-    """(expert ids int32[B, T, k], routing weights float32[B, T, k]) of each token."""
+  def route(self, x_btd, replay_btk=None):
+    """(expert ids int32[B, T, k], routing weights float32[B, T, k]) of each token.
+
+    `replay_btk` (router replay): int32[B, T, k] expert ids to use instead of the router's top k, for the tokens
+    whose ids are all >= 0 (-1: route that token here). A replayed token's weights are the router's current
+    probabilities of those experts (renormalized with `norm_topk_prob`), so the router still gets gradient
+    through them; only the choice of experts is fixed.
+    """
     logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.w_router_de[...].astype(jnp.float32))
-    weights_btk, experts_btk = jax.lax.top_k(jax.nn.softmax(logits_bte, axis=-1), self.top_k)
+    probs_bte = jax.nn.softmax(logits_bte, axis=-1)
+    weights_btk, experts_btk = jax.lax.top_k(probs_bte, self.top_k)
+    experts_btk = experts_btk.astype(jnp.int32)
+    if replay_btk is not None:
+      replayed_bt1 = jnp.all(replay_btk >= 0, axis=-1, keepdims=True)
+      experts_btk = jnp.where(replayed_bt1, replay_btk.astype(jnp.int32), experts_btk)
+      weights_btk = jnp.take_along_axis(probs_bte, experts_btk, axis=-1)
     if self.norm_topk_prob:
       weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
-    return experts_btk.astype(jnp.int32), weights_btk
+    return experts_btk, weights_btk
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, replay_btk=None):
+    """(output [B, T, D], the expert ids each token used int32[B, T, k])."""
     b, t, d = x_btd.shape
-    experts_btk, weights_btk = self.route(x_btd)
+    experts_btk, weights_btk = self.route(x_btd, replay_btk)
     e, k = self.w_gate_edf.shape[0], self.top_k
     flat_expert_a = experts_btk.reshape(-1)  # a = one (token, choice) assignment, b*t*k of them
     order_a = jnp.argsort(flat_expert_a, stable=True)
@@ -336,7 +349,7 @@ class MoE(nnx.Module):
     up_af = jax.lax.ragged_dot(x_ad, self.w_up_edf[...], group_sizes_e)
     out_ad = jax.lax.ragged_dot(jax.nn.silu(gate_af) * up_af, self.w_down_efd[...], group_sizes_e)
     out_ad = out_ad * weights_btk.reshape(-1)[order_a][:, None].astype(out_ad.dtype)
-    return jnp.zeros((b * t, d), out_ad.dtype).at[token_a].add(out_ad).reshape(b, t, d)
+    return jnp.zeros((b * t, d), out_ad.dtype).at[token_a].add(out_ad).reshape(b, t, d), experts_btk
 
 
 class Block(nnx.Module):
@@ -347,10 +360,14 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
     self.mlp = (MoE if config.is_moe_layer(layer) else MLP)(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum"):
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum", replay_btk=None):
+    """(output, the updated cache or None, the expert ids its tokens used [B, T, k] or None for a dense MLP)."""
     attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv, attention)
     x_btd = x_btd + attn_btd
-    return x_btd + self.mlp(self.mlp_norm(x_btd)), new_kv
+    if isinstance(self.mlp, MoE):
+      mlp_btd, experts_btk = self.mlp(self.mlp_norm(x_btd), replay_btk)
+      return x_btd + mlp_btd, new_kv, experts_btk
+    return x_btd + self.mlp(self.mlp_norm(x_btd)), new_kv, None
 
 
 class Transformer(nnx.Module):
@@ -381,12 +398,17 @@ class Transformer(nnx.Module):
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
 
   def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None,
-               cache_rows=None, remat: str = "none", attention: str = "einsum"):
+               cache_rows=None, remat: str = "none", attention: str = "einsum", routes=None,
+               return_routes: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them.
 
     `remat` (training, no cache): the layers run as one scan and each layer's activations are recomputed in the
     backward pass instead of stored, keeping what the policy saves (`REMAT_POLICIES`: "full" saves nothing
     inside a layer, "dots" its matmul outputs without batch dimensions); "none" stores everything.
+
+    Mixture of experts: `routes` int32[B, T, M, k] replays expert ids in the M sparse layers (in layer order;
+    a token whose ids are -1 routes itself: `MoE.route`); `return_routes` appends the ids every token used,
+    int32[B, T, M, k], to the result: (features, cache, routes).
     """
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r}: not one of {sorted(REMAT_POLICIES)}")
@@ -408,23 +430,33 @@ class Transformer(nnx.Module):
 
     inv_freq = inverse_frequencies(self.config)  # static: folded into the compiled program
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0)
-    new_k, new_v = [], []
+    sparse = [i for i in range(len(self.layers)) if self.config.is_moe_layer(i)]
+    if routes is not None and (not sparse or routes.shape[:3] != (b, t, len(sparse))):
+      raise ValueError(f"routes of shape {tuple(routes.shape)}: this model takes [B={b}, T={t}, "
+                       f"{len(sparse)} sparse layers, k={self.config.num_experts_per_tok}]"
+                       + ("" if sparse else " (it has no sparse layer: no routes)"))
+    replay = {i: None if routes is None else routes[:, :, m] for m, i in enumerate(sparse)}
+    new_k, new_v, used = [], [], {}
     if remat != "none" and cache is None:
-      x_btd = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq, REMAT_POLICIES[remat], attention)
+      x_btd, used = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq, REMAT_POLICIES[remat],
+                                         attention, replay)
     for i, layer in enumerate(self.layers if remat == "none" or cache is not None else ()):
       with jax.named_scope(f"layer_{i}"):
         kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start_b, cache_rows)
-        x_btd, layer_kv = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention)
+        x_btd, layer_kv, used[i] = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention, replay.get(i))
       if layer_kv is not None:
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
     x_btd = self.final_norm(x_btd)
-    if cache is None:
-      return x_btd, None
-    index = start_b + t if cache_rows is None else cache.index.at[cache_rows].add(t, mode="drop")
-    return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index)
+    out_cache = None
+    if cache is not None:
+      index = start_b + t if cache_rows is None else cache.index.at[cache_rows].add(t, mode="drop")
+      out_cache = KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index)
+    if return_routes:
+      return x_btd, out_cache, jnp.stack([used[i] for i in sparse], axis=2) if sparse else None
+    return x_btd, out_cache
 
-  def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention):
+  def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention, replay):
     """The layers as `lax.scan`s over their parameters stacked on the fly, each step rematerialized: one scan
     per run of consecutive layers of the same structure (all of them for a uniform model; a mixture of experts
     with dense layers among its sparse ones scans each run).
@@ -434,23 +466,29 @@ class Transformer(nnx.Module):
     early). The parameters keep their per-layer layout (HF import, checkpoints, the sampler); the stack is one
     transient copy of the layer weights, and gradients flow back to each layer through it.
     """
-    runs: list[list[Block]] = []
-    for layer in self.layers:
-      if runs and nnx.graphdef(layer) == nnx.graphdef(runs[-1][0]):
-        runs[-1].append(layer)
+    runs: list[list[int]] = []
+    for i, layer in enumerate(self.layers):
+      if runs and nnx.graphdef(layer) == nnx.graphdef(self.layers[runs[-1][0]]):
+        runs[-1].append(i)
       else:
-        runs.append([layer])
+        runs.append([i])
+    used = {}
     for run in runs:
-      graphdef = nnx.graphdef(run[0])
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in run])
+      graphdef = nnx.graphdef(self.layers[run[0]])
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(self.layers[i]) for i in run])
+      replays = [replay.get(i) for i in run]
+      xs = (stacked, None if replays[0] is None else jnp.stack(replays))
 
       @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)  # prevent_cse is moot inside scan
-      def body(x_btd, layer_state, graphdef=graphdef):
-        x_btd, _ = nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt, inv_freq, None, attention)
-        return x_btd, None
+      def body(x_btd, layer_xs, graphdef=graphdef):
+        layer_state, replay_btk = layer_xs
+        x_btd, _, experts_btk = nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt, inv_freq,
+                                                                 None, attention, replay_btk)
+        return x_btd, experts_btk
 
-      x_btd = jax.lax.scan(body, x_btd, stacked)[0]
-    return x_btd
+      x_btd, experts = jax.lax.scan(body, x_btd, xs)
+      used.update({i: None if experts is None else experts[n] for n, i in enumerate(run)})
+    return x_btd, used
 
   def unembed_weight(self) -> jax.Array:
     """The [D, V] matrix that maps hidden states to logits (the tied embedding, transposed, or its own)."""
@@ -461,9 +499,9 @@ class Transformer(nnx.Module):
     return jnp.einsum("btd,dv->btv", x_btd, self.unembed_weight(), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
-               cache: KVCache | None = None, cache_rows=None, attention: str = "einsum"):
+               cache: KVCache | None = None, cache_rows=None, attention: str = "einsum", routes=None):
     x_btd, cache_out = self.features(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt,
-                                     cache=cache, cache_rows=cache_rows, attention=attention)
+                                     cache=cache, cache_rows=cache_rows, attention=attention, routes=routes)
     logits_btv = self.unembed(x_btd)
     if cache is None:
       return logits_btv

@@ -47,9 +47,11 @@ def test_layers_follow_the_sparse_rule_and_the_routed_mlp_equals_every_expert_on
   assert experts.shape == weights.shape == (3, 5, 2) and experts.dtype == jnp.int32
   np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-6)  # norm_topk_prob
   assert len(np.unique(np.asarray(experts))) > 2  # the tokens spread over the experts
-  np.testing.assert_allclose(np.asarray(moe(x)), np.asarray(_dense_reference(moe, x)), atol=TOL, rtol=TOL)
+  out, used = moe(x)
+  np.testing.assert_array_equal(np.asarray(used), np.asarray(experts))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(_dense_reference(moe, x)), atol=TOL, rtol=TOL)
   # Dropless: a token's output does not depend on the other tokens of the batch.
-  np.testing.assert_allclose(np.asarray(moe(x[1:2, 2:4])), np.asarray(moe(x))[1:2, 2:4], atol=TOL, rtol=TOL)
+  np.testing.assert_allclose(np.asarray(moe(x[1:2, 2:4])[0]), np.asarray(out)[1:2, 2:4], atol=TOL, rtol=TOL)
 
 
 def test_scanned_runs_of_layers_equal_the_unrolled_loop_with_gradients(model):
@@ -103,3 +105,74 @@ def test_hf_configs_of_the_moe_family():
     models.config_to_hf(dataclasses.replace(CONFIG, model_type="qwen3"))
   with pytest.raises(models.UnsupportedModelError, match=r"did you mean 'qwen3_moe'"):
     models.config_from_hf(dict(hf, model_type="qwen3moe"))
+
+
+def test_routes_of_a_cached_decode_equal_the_full_forward_and_replaying_them_changes_nothing(model):
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, 10)), jnp.int32)
+  logits, _, routes = model.features(tokens, return_routes=True)
+  assert routes.shape == (2, 10, 3, 2)  # 3 sparse layers of 4, top-2
+  cache = models.KVCache.init(CONFIG, 2, 10)
+  _, cache, first = model.features(tokens[:, :6], cache=cache, return_routes=True)
+  pieces = [first]
+  for i in range(6, 10):
+    _, cache, step = model.features(tokens[:, i:i + 1], cache=cache, return_routes=True)
+    pieces.append(step)
+  np.testing.assert_array_equal(np.asarray(jnp.concatenate(pieces, axis=1)), np.asarray(routes))
+  replayed = model.features(tokens, routes=routes)[0]
+  np.testing.assert_allclose(np.asarray(replayed), np.asarray(logits), atol=1e-6, rtol=1e-6)
+  partly = routes.at[:, :5].set(-1)  # -1: those tokens route themselves
+  np.testing.assert_allclose(np.asarray(model.features(tokens, routes=partly)[0]), np.asarray(logits), atol=1e-6)
+  with pytest.raises(ValueError, match=r"routes of shape \(2, 10, 2, 2\): this model takes \[B=2, T=10, 3 sparse"):
+    model.features(tokens, routes=routes[:, :, :2])
+
+
+def _fragile(seed=0):
+  """A mixture whose routers nearly tie: experts come in pairs whose router columns differ by 1e-5, so a 1e-4
+  change of the router (a sampler's weights one bf16 rounding or one step away) flips many tokens' experts; the
+  experts' weights are large enough that which one runs changes the next token's probability."""
+  model = models.Transformer(CONFIG, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  for layer in model.layers:
+    if isinstance(layer.mlp, models.MoE):
+      d, e = layer.mlp.w_router_de.shape
+      base = rng.normal(0, 0.5, (d, e // 2))
+      pairs = np.stack([base, base + 1e-5 * rng.normal(size=base.shape)], axis=-1).reshape(d, e)
+      layer.mlp.w_router_de[...] = jnp.asarray(pairs, jnp.float32)
+      for w in (layer.mlp.w_gate_edf, layer.mlp.w_up_edf, layer.mlp.w_down_efd):  # experts that matter
+        w[...] = jnp.asarray(rng.normal(0, 0.3, w.shape), jnp.float32)
+  return model
+
+
+def test_router_replay_makes_the_first_ratio_one_where_fragile_routing_breaks_it():
+  """The sampler's router is the learner's plus 1e-4 noise. Without replay the learner picks other experts for
+  some tokens and the importance ratio of the very first update is far from 1; replaying the sampler's expert
+  ids leaves only the routing weights' 1e-4 difference."""
+  learner = _fragile()
+  graphdef, params = nnx.split(learner)
+  noise = iter(jax.random.split(jax.random.key(9), 8))
+  sampler = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 1e-4 * jax.random.normal(next(noise), x.shape) if "w_router_de" in str(path) else x,
+      params))
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, CONFIG.vocab_size, (4, 24)), jnp.int32)
+
+  def logprobs(model, routes=None):
+    logits = model(tokens, routes=routes)[:, :-1]
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
+
+  sampled = sampler.features(tokens, return_routes=True)[2]
+  behavior = logprobs(sampler)
+  own = learner.features(tokens, return_routes=True)[2]
+  flipped = float(jnp.mean(jnp.any(own != sampled, axis=-1)))
+  without = jnp.exp(logprobs(learner) - behavior)
+  replayed = jnp.exp(logprobs(learner, sampled) - behavior)
+  print(f"routing decisions that differ: {flipped:.1%}; ratio without replay [{float(without.min()):.4f}, "
+        f"{float(without.max()):.4f}], with replay [{float(replayed.min()):.6f}, {float(replayed.max()):.6f}]")
+  assert flipped > 0.05  # the routing is fragile here ...
+  assert float(jnp.abs(without - 1).max()) > 0.05  # ... and that breaks the ratio without replay
+  assert float(jnp.abs(replayed - 1).max()) < 1e-3  # with replay: 1 within the routing weights' own difference
+
+  # The router still learns under replay: its gradient flows through the replayed experts' probabilities.
+  def loss(params):
+    return -jnp.sum(nnx.merge(graphdef, params)(tokens, routes=sampled)[:, :, 0])
+  grads = jax.grad(loss)(params)
+  assert float(jnp.abs(grads["layers"][0]["mlp"]["w_router_de"][...]).max()) > 0
