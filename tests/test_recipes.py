@@ -75,3 +75,38 @@ def test_the_rl_gain_recipe_runs_its_cold_start_and_one_iteration_as_its_tiny_cp
   assert len(evals) == 2 and all(r["time/eval_s"] > 0 for r in evals)
   assert [r["time/bc_s"] > 0 for r in rows if "time/bc_s" in r] == [True]
   assert "after cold start:" in done.stdout and "after RL:" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_tiny_moe_recipe_trains_two_grpo_iterations_and_exports_to_transformers(qwen3_tokenizer_dir, tmp_path):
+  """qwen3_moe_tiny_cpu as shipped (8 experts, top-2, one dense layer; Qwen3's real tokenizer and template), with
+  a short cold start: 2 GRPO iterations on the calculator env, then its checkpoint converted to an HF directory
+  that transformers loads as Qwen3-MoE and scores as we do."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  from jaxagent import weights  # pylint: disable=g-import-not-at-top
+  from tests import hf_reference  # pylint: disable=g-import-not-at-top
+
+  overrides = [f"model.tokenizer={qwen3_tokenizer_dir}", f"run.root={tmp_path}", "train.eval_episodes=0",
+               "train.bc_steps=12", "train.bc_batch_size=2", "env.pool.kind=inprocess"]
+  config = config_lib.load("qwen3_moe_tiny_cpu", overrides)
+  assert config.model.init.num_experts == 8 and config.model.init.mlp_only_layers == (1,)
+  run = tmp_path / "run"
+  done = subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "qwen3_moe_tiny_cpu", "--run-dir", str(run)]
+                        + [a for o in overrides for a in ("--set", o)],
+                        env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
+  assert [r["iteration"] for r in rl] == [1, 2] and all(r["loss_tokens"] > 0 for r in rl)
+  done = subprocess.run([sys.executable, "-m", "jaxagent.cli", "convert", str(run / "checkpoints"), str(tmp_path / "hf"),
+                         "--to", "hf"], env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+  assert type(torch_model).__name__ == "Qwen3MoeForCausalLM"
+  ours = weights.load_model(tmp_path / "hf", dtype=jnp.float32)
+  tokens = np.random.default_rng(0).integers(0, 151_000, (2, 12))
+  err = np.abs(np.asarray(ours(jnp.asarray(tokens, jnp.int32))) - hf_reference.reference_logits(torch_model, tokens))
+  assert err.max() <= 1e-4
