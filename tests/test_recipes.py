@@ -17,7 +17,10 @@ from tests import _processes
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = {"qwen3": dict(model_type="qwen3", qk_norm="true", vocab_size=151936, eos_token_id=151645,
                             pad_token_id=151643),
-              "llama": dict(model_type="llama", vocab_size=128256, eos_token_id=128009, pad_token_id=128001)}
+              "llama": dict(model_type="llama", vocab_size=128256, eos_token_id=128009, pad_token_id=128001),
+              "qwen3_moe": dict(model_type="qwen3_moe", qk_norm="true", vocab_size=151936, eos_token_id=151645,
+                                pad_token_id=151643, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob="true")}
 SMALL = ["train.iterations=1", "train.tasks_per_iteration=2", "train.group_size=2", "train.micro_batches=2",
          "train.eval_episodes=0", "train.logits_chunk=64", "rollout.max_new_tokens=16", "rollout.max_context=448",
          "rollout.max_observation_tokens=16", "env.pool.kind=inprocess", "env.max_turns=2",
@@ -30,6 +33,7 @@ SMALL = ["train.iterations=1", "train.tasks_per_iteration=2", "train.group_size=
 @pytest.mark.parametrize("recipe, family, fixture", [("qwen3_0p6b_gpu", "qwen3", "qwen3_tokenizer_dir"),
                                                      ("llama3_tpu", "llama", "llama3_tokenizer_dir"),
                                                      ("qwen3_8b_v5p64", "qwen3", "qwen3_tokenizer_dir"),
+                                                     ("qwen3_30b_a3b_v5p64", "qwen3_moe", "qwen3_tokenizer_dir"),
                                                      ("llama3p1_70b_v5p256", "llama", "llama3_tokenizer_dir")])
 def test_accelerator_recipe_runs_one_iteration_as_its_tiny_cpu_twin(recipe, family, fixture, tmp_path, request):
   tokenizer = request.getfixturevalue(fixture)
