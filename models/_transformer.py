@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Iterator
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from models._config import ModelConfig
 from models._rope import apply_rope, inverse_frequencies
@@ -337,19 +339,52 @@ class MoE(nnx.Module):
 
   def __call__(self, x_btd, replay_btk=None):
     """(output [B, T, D], the expert ids each token used int32[B, T, k])."""
-    b, t, d = x_btd.shape
     experts_btk, weights_btk = self.route(x_btd, replay_btk)
-    e, k = self.w_gate_edf.shape[0], self.top_k
-    flat_expert_a = experts_btk.reshape(-1)  # a = one (token, choice) assignment, b*t*k of them
-    order_a = jnp.argsort(flat_expert_a, stable=True)
-    token_a = order_a // k
-    group_sizes_e = jnp.bincount(flat_expert_a, length=e).astype(jnp.int32)
-    x_ad = x_btd.reshape(b * t, d)[token_a]
-    gate_af = jax.lax.ragged_dot(x_ad, self.w_gate_edf[...], group_sizes_e)
-    up_af = jax.lax.ragged_dot(x_ad, self.w_up_edf[...], group_sizes_e)
-    out_ad = jax.lax.ragged_dot(jax.nn.silu(gate_af) * up_af, self.w_down_efd[...], group_sizes_e)
-    out_ad = out_ad * weights_btk.reshape(-1)[order_a][:, None].astype(out_ad.dtype)
-    return jnp.zeros((b * t, d), out_ad.dtype).at[token_a].add(out_ad).reshape(b, t, d), experts_btk
+    weights = (self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
+    placement = _DISPATCH[-1] if _DISPATCH else None
+    if placement is not None:
+      mesh, axes = placement
+      shards = math.prod(mesh.shape[a] for a in axes)
+      if axes and x_btd.shape[0] % shards == 0:
+        rows = PartitionSpec(axes)
+        dispatch = jax.shard_map(_dispatch, mesh=mesh, in_specs=(rows, rows, rows) + (PartitionSpec(),) * 3,
+                                 out_specs=rows)
+        return dispatch(x_btd, experts_btk, weights_btk, *weights), experts_btk
+    return _dispatch(x_btd, experts_btk, weights_btk, *weights), experts_btk
+
+
+def _dispatch(x_btd, experts_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd):
+  """Every token through its k experts, weighted and summed: the assignments sorted by expert, each expert's group
+  multiplied by its weights (`jax.lax.ragged_dot`), added back onto their tokens."""
+  b, t, d = x_btd.shape
+  e, k = w_gate_edf.shape[0], experts_btk.shape[-1]
+  flat_expert_a = experts_btk.reshape(-1)  # a = one (token, choice) assignment, b*t*k of them
+  order_a = jnp.argsort(flat_expert_a, stable=True)
+  token_a = order_a // k
+  group_sizes_e = jnp.bincount(flat_expert_a, length=e).astype(jnp.int32)
+  x_ad = x_btd.reshape(b * t, d)[token_a]
+  gate_af = jax.lax.ragged_dot(x_ad, w_gate_edf, group_sizes_e)
+  up_af = jax.lax.ragged_dot(x_ad, w_up_edf, group_sizes_e)
+  out_ad = jax.lax.ragged_dot(jax.nn.silu(gate_af) * up_af, w_down_efd, group_sizes_e)
+  out_ad = out_ad * weights_btk.reshape(-1)[order_a][:, None].astype(out_ad.dtype)
+  return jnp.zeros((b * t, d), out_ad.dtype).at[token_a].add(out_ad).reshape(b, t, d)
+
+
+_DISPATCH: list[tuple[Mesh, tuple[str, ...]]] = []  # `dispatch_experts_over`'s placements, innermost last
+
+
+@contextlib.contextmanager
+def dispatch_experts_over(mesh: Mesh, batch_axes: tuple[str, ...]) -> Iterator[None]:
+  """Programs traced inside dispatch each batch shard's tokens to the experts on its own devices: the dispatch
+  runs under `shard_map` over `batch_axes` (the mesh axes the batch's rows are split over), with the experts'
+  weights gathered whole, as FSDP gathers a layer. Without it, the sort of a whole batch's assignments is one
+  array that GSPMD does not split, so every device would dispatch every token. A batch whose rows the axes do
+  not divide dispatches as one."""
+  _DISPATCH.append((mesh, tuple(batch_axes)))
+  try:
+    yield
+  finally:
+    _DISPATCH.pop()
 
 
 class Block(nnx.Module):

@@ -176,3 +176,38 @@ def test_router_replay_makes_the_first_ratio_one_where_fragile_routing_breaks_it
     return -jnp.sum(nnx.merge(graphdef, params)(tokens, routes=sampled)[:, :, 0])
   grads = jax.grad(loss)(params)
   assert float(jnp.abs(grads["layers"][0]["mlp"]["w_router_de"][...]).max()) > 0
+
+
+def test_experts_dispatched_per_batch_shard_on_8_devices_equal_one_device(model):
+  """The model sharded over a 4 (fsdp) x 2 (tensor) mesh of fake CPU devices, its experts' dispatch split over
+  the batch's shards (`dispatch_experts_over`): the same logits and gradients as one device, and the compiled
+  update holds no whole-batch copy of the assignments (its temporaries shrink)."""
+  from jaxagent import sharding  # pylint: disable=g-import-not-at-top
+  assert jax.device_count() == 8, "tests/conftest.py must give 8 CPU devices"
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  graphdef, params = nnx.split(model)
+  sharded = nnx.split(models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh,
+                                         sharding.FSDP_TP_RULES))[1]
+  sharded = jax.tree.map(lambda s, p: jax.device_put(p, s.sharding), sharded, params)  # the same values, laid out
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, CONFIG.vocab_size, (8, 12)), jnp.int32)
+  rows = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+
+  def loss(params, tokens):
+    return jnp.mean(nnx.merge(graphdef, params)(tokens) ** 2)
+
+  grad = jax.jit(jax.value_and_grad(loss))
+  expected_loss, expected_grads = grad(params, tokens)
+
+  def dispatched(params, tokens):
+    with models.dispatch_experts_over(mesh, ("fsdp",)):
+      return jax.value_and_grad(loss)(params, tokens)
+
+  program = jax.jit(dispatched).lower(sharded, rows).compile()
+  got_loss, got_grads = program(sharded, rows)
+  np.testing.assert_allclose(float(got_loss), float(expected_loss), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(expected_grads), jax.tree.leaves(got_grads)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
+  whole = jax.jit(jax.value_and_grad(loss)).lower(sharded, rows).compile()
+  print(f"temporaries per device: dispatched per shard {program.memory_analysis().temp_size_in_bytes:,} B, as one "
+        f"{whole.memory_analysis().temp_size_in_bytes:,} B")
+  assert program.memory_analysis().temp_size_in_bytes < whole.memory_analysis().temp_size_in_bytes

@@ -485,6 +485,16 @@ class _Steps:
   logprob_fn: Callable | None
 
 
+def _expert_dispatch(policy) -> tuple[jax.sharding.Mesh, tuple[str, ...]] | None:
+  """A mixture-of-experts policy's (learner mesh, the axes its batches are split over), for the update to dispatch
+  each shard's tokens on its own devices; None for a dense policy or an unsplit batch."""
+  if not policy.model.config.num_experts:
+    return None
+  mesh = policy.layout.mesh
+  axes, shards = multihost.batch_shards(mesh.devices.size, mesh, policy.layout.learner_rules)
+  return (mesh, axes) if shards > 1 else None
+
+
 def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
   """The jitted steps (none for evaluation): rl, bc (masked NLL), one offline iw_pg step per truncation
   setting, and PPO's value function at collection time."""
@@ -493,7 +503,8 @@ def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
   if purpose == "train":
     shared = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat,
                   state_shardings=policy.layout.state_shardings, compute_dtype=policy.mixed,
-                  attention=cfg.model.attention, frozen=policy.frozen, lora_scale=policy.lora_scale)
+                  attention=cfg.model.attention, frozen=policy.frozen, lora_scale=policy.lora_scale,
+                  expert_dispatch=_expert_dispatch(policy))
     rl_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=cfg.train.micro_batches,
                               mode="rl", temperature=cfg.rollout.temperature, **shared)
     bc_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="bc", **shared)

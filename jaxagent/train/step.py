@@ -10,6 +10,7 @@ so the gradient is the same whether the batch is processed whole or in micro-bat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Literal
@@ -210,8 +211,12 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
                     algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
                     temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
                     compute_dtype=None, attention: str = "einsum", frozen: tuple[str, ...] = (),
-                    lora_scale: float = 0.0, max_ratio: float = 1.0, min_negative_ratio: float = 0.0):
+                    lora_scale: float = 0.0, max_ratio: float = 1.0, min_negative_ratio: float = 0.0,
+                    expert_dispatch: tuple[Any, tuple[str, ...]] | None = None):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
+
+  `expert_dispatch`: a mixture-of-experts policy's (mesh, batch axes): each batch shard's tokens are dispatched
+  to the experts on its own devices (`models.dispatch_experts_over`); None: a micro-batch dispatches as one.
 
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
   each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
@@ -247,6 +252,10 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
 
   def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
            value_normalizer: jax.Array | float = 0.0) -> tuple[TrainState, dict[str, Any]]:
+    with (models.dispatch_experts_over(*expert_dispatch) if expert_dispatch else contextlib.nullcontext()):
+      return _step(state, batch, normalizer, value_targets, value_normalizer)
+
+  def _step(state, batch, normalizer, value_targets, value_normalizer):
     micro = jax.tree.map(split, (batch, value_targets))
     trained = {k: v for k, v in state.params.items() if k not in frozen}
     fixed = {k: v for k, v in state.params.items() if k in frozen}
