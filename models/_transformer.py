@@ -31,6 +31,7 @@ from models._rope import apply_rope, inverse_frequencies
 # body is rematerialized, so neither pass holds more than one block's [C, S] logits (long-context training).
 ATTENTION_IMPLEMENTATIONS = ("einsum", "dot_product", "chunked")
 ATTENTION_CHUNK = 512
+ROUTE_DTYPE = jnp.int16  # recorded expert ids (router replay): experts per layer stay far below 2^15
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -61,6 +62,9 @@ class KVCache:
     index: int32[B], each row's next slot to write. T new tokens of row b go to slots index[b] .. index[b]+T-1;
       slots past S are dropped (callers decide per row whether a chunk fits: the sampler does). The index is
       not advanced here beyond `index + T`: callers that append fewer real tokens than T set it themselves.
+    routes: mixture of experts with route recording (`init(routes=True)`): int16[B, S, M, k], the experts each
+      cached token used in the M sparse layers (-1: nothing written there); written with the keys and values,
+      so every copy of a row's slots carries its routes (router replay). None otherwise.
 
   Both layouts let a decode step read each cache in place, reducing over an axis that is not the last one
   (keys over H, values over S), which XLA's CPU backend fuses into one pass over the cache. Measured with
@@ -73,17 +77,23 @@ class KVCache:
   v: tuple[jax.Array, ...]
   segment_ids: jax.Array
   index: jax.Array
+  routes: jax.Array | None = None
 
   K_AXES = ("batch", "kv_heads", "head_dim", "length")  # logical axes of each k array
   V_AXES = ("batch", "kv_heads", "length", "head_dim")  # logical axes of each v array
 
   @classmethod
-  def init(cls, config: ModelConfig, batch: int, size: int, dtype: Any = jnp.float32) -> "KVCache":
+  def init(cls, config: ModelConfig, batch: int, size: int, dtype: Any = jnp.float32, *, routes: bool = False
+           ) -> "KVCache":
+    """An empty cache; `routes=True` also records each cached token's experts (a model with sparse layers)."""
     k, h, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    sparse = sum(config.is_moe_layer(i) for i in range(layers))
     return cls(k=tuple(jnp.zeros((batch, k, h, size), dtype) for _ in range(layers)),
                v=tuple(jnp.zeros((batch, k, size, h), dtype) for _ in range(layers)),
                segment_ids=jnp.zeros((batch, size), jnp.int32),
-               index=jnp.zeros((batch,), jnp.int32))
+               index=jnp.zeros((batch,), jnp.int32),
+               routes=(jnp.full((batch, size, sparse, config.num_experts_per_tok), -1, ROUTE_DTYPE)
+                       if routes and sparse else None))
 
   @property
   def size(self) -> int:
@@ -484,11 +494,17 @@ class Transformer(nnx.Module):
         new_v.append(layer_kv[1])
     x_btd = self.final_norm(x_btd)
     out_cache = None
+    recorded = sparse and (return_routes or (cache is not None and cache.routes is not None))
+    used_btmk = jnp.stack([used[i] for i in sparse], axis=2) if recorded else None
     if cache is not None:
       index = start_b + t if cache_rows is None else cache.index.at[cache_rows].add(t, mode="drop")
-      out_cache = KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index)
+      cache_routes = cache.routes
+      if cache_routes is not None:
+        cache_routes = cache_routes.at[rows_b1, slots_bt].set(used_btmk.astype(ROUTE_DTYPE), mode="drop")
+      out_cache = KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index,
+                          routes=cache_routes)
     if return_routes:
-      return x_btd, out_cache, jnp.stack([used[i] for i in sparse], axis=2) if sparse else None
+      return x_btd, out_cache, used_btmk
     return x_btd, out_cache
 
   def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention, replay):

@@ -78,7 +78,7 @@ def test_invariants_are_checked():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(schema=99), r"unknown schema version 99 .*reads versions \(1, 2, 3, 4, 5, 6\)"),
+    (lambda d: d.update(schema=99), r"unknown schema version 99 .*reads versions \(1, 2, 3, 4, 5, 6, 7\)"),
     (lambda d: d.pop("schema"), "unknown schema version None"),
     (lambda d: d.update(kind="other"), "record kind 'other'"),
     (lambda d: d.pop("env"), "missing field 'env'"),

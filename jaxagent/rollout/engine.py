@@ -64,6 +64,10 @@ HOLD_READY_FRACTION = 0.75
 # cost more than the early hand-off gains (bench/rollout.py, zero latency: 0.79x lockstep with the rule, 0.99x
 # without).
 CHUNK_UNTIL_FINISHED = 0.25
+# Router replay reads each episode's routes from the sampler state as the episode ends, between device calls.
+ROUTES_NEED_HOST_LOOP = ("router replay reads each episode's recorded experts as it ends, which the callback "
+                         "program keeps on the device: use rollout.env_transport: host_loop, or "
+                         "model.moe.router_replay: false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,11 @@ class Actor(abc.ABC):
     ok = self.feed(f)
     return ok, lambda running: self.decode(running, lockstep)
 
+  def episode_routes(self, slot: int, stream: Sequence[int]) -> np.ndarray | None:
+    """Router replay: the experts every token of the episode in `slot` (its token `stream`) used when the actor
+    computed it, int16[len(stream), M, k] (-1: not computed there); None when the actor records none."""
+    return None
+
 
 class SampledActions(Actor):
   """The policy's actions through the jitted sampler.
@@ -143,7 +152,9 @@ class SampledActions(Actor):
     self.state = None
     self.decode_s = self.extend_s = 0.0
     self.version = version          # of `params`; `set_params` changes both
-    self.track_cache = track_cache  # keep each row's cached tokens on the host (`set_params(refill=True)`)
+    # Keep each row's cached tokens on the host (`set_params(refill=True)`; router replay: which prefix of an
+    # episode's stream its row's recorded routes belong to).
+    self.track_cache = track_cache or sampler.records_routes
 
   def width_for(self, longest: int) -> int:
     if jax.process_count() > 1:  # feeds are collective: one width everywhere, with no agreement needed
@@ -221,6 +232,23 @@ class SampledActions(Actor):
     self.extend_s += time.perf_counter() - t0
     return {"refill_rows": float(len(rows)), "refill_kl": float(kl[rows].mean())}
 
+  def episode_routes(self, slot, stream):
+    """The routes the row recorded for the longest prefix of `stream` its cache holds: every token the sampler
+    fed or sampled for the episode. The rest of the stream (tokens never fed, such as a last observation after
+    the episode ended) keeps -1: the learner routes those itself. Read when the episode ends, before its row is
+    reset."""
+    if not self.sampler.records_routes:
+      return None
+    cached, stream = self._cached[slot], list(stream)
+    n = 0
+    limit = min(len(cached), len(stream))
+    while n < limit and cached[n] == stream[n]:
+      n += 1
+    recorded = self.sampler.routes(self.state, [slot], [n])[0]
+    out = np.full((len(stream),) + recorded.shape[1:], -1, recorded.dtype)
+    out[:n] = recorded
+    return out
+
   def global_ids(self, f: Feed) -> Feed:
     """Forks and episodes name this process's rows and episodes: make them global."""
     offset = jax.process_index() * self.slots
@@ -270,6 +298,8 @@ class SampledActions(Actor):
   def run_program(self, exchange: Callable) -> None:
     """Runs the rollout as one jitted program (`Sampler.run_callback_program`) whose host side is `exchange`
     (all of this process's rows at once; `_BlockExchange` gathers the program's per-block calls for it)."""
+    if self.sampler.records_routes:
+      raise ValueError(ROUTES_NEED_HOST_LOOP)
     rows = self.slots * jax.process_count()
     _, blocks = self.sampler.batch_shards(rows)
     per_block = rows // blocks
@@ -441,6 +471,7 @@ class _Episode:
   turns: list[tr.Turn] = dataclasses.field(default_factory=list)
   state_key: str | None = None  # the anchor state its next action is taken in (the last observation's)
   branch: Branch | None = None  # continues another trajectory (see `Branch`)
+  routes: np.ndarray | None = None  # router replay: the experts its tokens used (`Actor.episode_routes`)
   termination: envs.Termination | None = None
   verifier: tr.VerifierRecord = tr.VerifierRecord()
   verify_s: float = 0.0
@@ -628,7 +659,7 @@ class RolloutEngine:
         turns=tuple(ep.turns), id=uuid.uuid4().hex, group_id=ep.group_id,
         timing=tr.Timing(reset_s=ep.reset_s, verify_s=ep.verify_s, decode_s=ep.decode_s, env_s=ep.env_s,
                          extend_s=ep.extend_s, admitted_s=ep.admitted_s, ended_s=ep.ended_s),
-        verifier=ep.verifier, reasoning=self.reasoning, metadata=ep.provenance,
+        verifier=ep.verifier, reasoning=self.reasoning, metadata=ep.provenance, expert_routes=ep.routes,
         **ep.stream.arrays())
 
 
@@ -670,6 +701,8 @@ class _Scheduler:
     if termination is not None:
       ep.termination = termination
     ep.state, ep.ended_s = _State.DONE, self.now()
+    if ep.slot is not None and ep.stream is not None:
+      ep.routes = self.actor.episode_routes(ep.slot, ep.stream.tokens(0, len(ep.stream)))
     if ep.slot is not None:
       self.slot_episode[ep.slot] = None
       if self.resident.get(ep.prompt) == ep.slot:  # another live row holding the prompt serves forks now

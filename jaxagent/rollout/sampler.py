@@ -364,7 +364,8 @@ def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rul
       x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
   return cache.replace(k=tuple(con(k, models.KVCache.K_AXES) for k in cache.k),
                        v=tuple(con(v, models.KVCache.V_AXES) for v in cache.v),
-                       segment_ids=con(cache.segment_ids, ("batch", "length")), index=con(cache.index, ("batch",)))
+                       segment_ids=con(cache.segment_ids, ("batch", "length")), index=con(cache.index, ("batch",)),
+                       routes=None if cache.routes is None else con(cache.routes, ("batch", None, None, None)))
 
 
 def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules) -> SamplerState:
@@ -379,13 +380,13 @@ def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules
 
 
 def init_state(model: models.Transformer, rows: int, cache_size: int, config: SamplingConfig, pad_id: int,
-               rng: jax.Array) -> SamplerState:
-  """Empty rows: nothing in the cache, nothing running."""
+               rng: jax.Array, *, routes: bool = False) -> SamplerState:
+  """Empty rows: nothing in the cache, nothing running (`routes`: the cache records each token's experts)."""
   m, window = config.max_new_tokens, _stop_table(config)[1]
   v = model.config.vocab_size
   key_data = jax.random.key_data(rng)
   return SamplerState(
-      cache=models.KVCache.init(model.config, rows, cache_size, model.dtype),
+      cache=models.KVCache.init(model.config, rows, cache_size, model.dtype, routes=routes),
       next_logits=jnp.zeros((rows, v), jnp.float32), next_position=jnp.zeros((rows,), jnp.int32), rng=rng,
       row_key=jnp.zeros((rows,) + key_data.shape, key_data.dtype),
       prompt_logits=jnp.zeros((rows, v), jnp.float32), prompt_length=jnp.zeros((rows,), jnp.int32),
@@ -466,7 +467,8 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
       length = st.prompt_length[s]
       seg = jnp.where(jnp.arange(size) < length, cache.segment_ids[s], 0)
       cache = cache.replace(k=tuple(k.at[d].set(k[s]) for k in cache.k), v=tuple(v.at[d].set(v[s]) for v in cache.v),
-                            segment_ids=cache.segment_ids.at[d].set(seg), index=cache.index.at[d].set(length))
+                            segment_ids=cache.segment_ids.at[d].set(seg), index=cache.index.at[d].set(length),
+                            routes=None if cache.routes is None else cache.routes.at[d].set(cache.routes[s]))
       return st.replace(cache=cache, next_position=st.next_position.at[d].set(length),
                         next_logits=st.next_logits.at[d].set(st.prompt_logits[s]),
                         prompt_logits=st.prompt_logits.at[d].set(st.prompt_logits[s]),
@@ -616,12 +618,15 @@ class Sampler:
       data, kv heads over tensor).
     buckets: allowed prompt widths of `prefill` (static shapes).
     extend_buckets: allowed chunk widths of `extend` and `feed`.
+    record_routes: a mixture of experts records the experts every cached token used (`KVCache.routes`; read
+      with `routes`), for the learner to replay (router replay).
   """
 
   def __init__(self, model: models.Transformer, *, cache_size: int, config: SamplingConfig, pad_id: int,
                mesh: Mesh | None = None, rules: models.Rules = (),
                buckets: Sequence[int] = DEFAULT_BUCKETS,
-               extend_buckets: Sequence[int] = DEFAULT_EXTEND_BUCKETS, attention: str = "einsum"):
+               extend_buckets: Sequence[int] = DEFAULT_EXTEND_BUCKETS, attention: str = "einsum",
+               record_routes: bool = False):
     self.graphdef, _ = nnx.split(model)
     self.model_config = model.config
     self.cache_size = cache_size
@@ -631,6 +636,7 @@ class Sampler:
     self.extend_buckets = tuple(extend_buckets)
     self.mesh = mesh
     self.rules = rules
+    self.records_routes = bool(record_routes) and model.config.num_experts > 0
     shard = dict(mesh=mesh, rules=rules)
     merge = lambda params: nnx.merge(self.graphdef, params)
     self.merge, self.attention = merge, attention
@@ -639,7 +645,8 @@ class Sampler:
     self._exchange: Callable | None = None
 
     def new_state(rows, rng):
-      return _constrain_state(init_state(model, rows, cache_size, config, pad_id, rng), mesh, rules)
+      return _constrain_state(init_state(model, rows, cache_size, config, pad_id, rng, routes=self.records_routes),
+                              mesh, rules)
 
     def prefill_fn(params, tokens, lengths, rng):
       rows = tokens.shape[0]
@@ -758,6 +765,21 @@ class Sampler:
     if jax.process_count() == 1:  # one batched transfer: every copy starts before the first wait
       return jax.tree.map(np.asarray, jax.device_get(tree))
     return jax.tree.map(multihost.local_rows, tree)
+
+  def routes(self, state: SamplerState, rows: Sequence[int], lengths: Sequence[int]) -> list[np.ndarray]:
+    """The experts the tokens in slots [0, lengths[i]) of this process's row `rows[i]` used (int16[L, M, k]),
+    read from the shards this process holds (no collective: each process asks when its own episodes end)."""
+    routes = state.cache.routes
+    if routes is None:
+      raise ValueError("this sampler records no routes (Sampler(record_routes=True) on a mixture of experts)")
+    offset = jax.process_index() * (routes.shape[0] // jax.process_count())
+    shards = [(sh.index[0].indices(routes.shape[0]), sh.data) for sh in routes.addressable_shards]
+    out = []
+    for row, length in zip(rows, lengths):
+      g = offset + int(row)
+      (start, _, _), data = next(((sl, d) for sl, d in shards if sl[0] <= g < sl[1]))
+      out.append(np.asarray(data[g - start, :int(length)]))
+    return out
 
   # -- slots
 

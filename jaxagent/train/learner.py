@@ -25,11 +25,11 @@ from jaxagent import algos, multihost
 from jaxagent import buckets as buckets_lib
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
-from jaxagent.assembly import Batch, advantage_inputs, assemble, step_group_indices, turn_rewards
+from jaxagent.assembly import Batch, RouteShape, advantage_inputs, assemble, step_group_indices, turn_rewards
 from jaxagent.config import Config
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.rollouts import trained_rows
-from jaxagent.train.run import Run
+from jaxagent.train.run import Run, replays_routes
 from jaxagent.train.state import TrainState
 from jaxagent.train.value import ValueTargets
 
@@ -124,7 +124,8 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
   rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
   mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
   layout = dict(length=batch_length(cfg, trajectories), rows=run.train_rows, pad_id=run.tokenizer.pad_id,
-                thresholds=config_lib.truncates(cfg.rollout))
+                thresholds=config_lib.truncates(cfg.rollout),
+                routes=RouteShape.of(run.model.config) if replays_routes(cfg, run.model.config) else None)
   values_ns = bootstrap_n = value_targets = None
   if cfg.algo.name == "ppo":
     # V(s_t) is read at the token before action t; V(s_T) of a cut-off episode at its last token (unpacked

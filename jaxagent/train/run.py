@@ -29,13 +29,14 @@ from jax.sharding import PartitionSpec as P
 import envs
 import envs.pool
 import models
+from jaxagent import assembly
 from jaxagent import buckets as buckets_lib
 from jaxagent import weights, multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import sharding as sharding_lib
 from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateError, make_chat
 from jaxagent.config import Config
-from jaxagent.rollout.engine import RolloutEngine
+from jaxagent.rollout.engine import ROUTES_NEED_HOST_LOOP, RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.tasks import contamination, pipeline
 from jaxagent.tasks import supply as task_supply
@@ -556,17 +557,26 @@ def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: in
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
       cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
       action_syntax=io.syntax, perturb=cfg.env.perturb, score_heldout=cfg.env.score_heldout), num_slots=slots)
+  if replays_routes(cfg, policy.model.config) and cfg.rollout.env_transport == "callback":
+    raise config_lib.ConfigError(f"rollout.env_transport=callback with a mixture of experts: {ROUTES_NEED_HOST_LOOP}")
   engine = RolloutEngine(pool, io.env_spec, io.chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
                          invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
                          schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
-  return _Rollout(pool=pool, engine=engine, sampler=make_sampler(cfg, io, policy),
+  return _Rollout(pool=pool, engine=engine, sampler=make_sampler(cfg, io, policy, record_routes=True),
                   eval_sampler=make_sampler(cfg, io, policy, temperature=cfg.train.eval_temperature))
 
 
-def make_sampler(cfg: Config, io: _Interface, policy: _Policy, temperature: float | None = None) -> Sampler:
+def replays_routes(cfg: Config, model_config: models.ModelConfig) -> bool:
+  """Router replay is on: a mixture-of-experts policy with model.moe.router_replay."""
+  return cfg.model.moe.router_replay and assembly.RouteShape.of(model_config) is not None
+
+
+def make_sampler(cfg: Config, io: _Interface, policy: _Policy, temperature: float | None = None, *,
+                 record_routes: bool = False) -> Sampler:
   """The sampler over the rollout copy of the policy (its compute dtype, its KV cache too), on the rollout mesh
   in the rollout rules, at `temperature` (default rollout.temperature). Observation frames are padded to the chat
-  format's longest frame: one compiled extend per run."""
+  format's longest frame: one compiled extend per run. `record_routes`: the trained rollouts' sampler records
+  each token's experts when router replay is on (`replays_routes`)."""
   sampling = SamplingConfig(temperature=cfg.rollout.temperature if temperature is None else temperature,
                             top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens, stop_sequences=io.chat.stop_sequences)
@@ -576,7 +586,7 @@ def make_sampler(cfg: Config, io: _Interface, policy: _Policy, temperature: floa
   return Sampler(rollout_model, cache_size=cfg.rollout.max_context, config=sampling, pad_id=io.tokenizer.pad_id,
                  buckets=buckets_lib.up_to(cfg.rollout.max_context), extend_buckets=(io.chat.frame_length,),
                  mesh=policy.layout.rollout_mesh or policy.layout.mesh, rules=policy.layout.rollout_rules,
-                 attention=cfg.model.attention)
+                 attention=cfg.model.attention, record_routes=record_routes and replays_routes(cfg, model.config))
 
 
 def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo: bool = True) -> Run:

@@ -146,11 +146,15 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
 
 def _scores(params, graphdefs, batch: Batch, options: StepOptions):
   """The policy's features and, per token, log π (under the rollout temperature, cut at the recorded sampling
-  thresholds, in rl and offline modes), entropy and the log of the kept mass. `params` already merged and cast."""
+  thresholds, in rl and offline modes), entropy and the log of the kept mass. `params` already merged and cast.
+
+  Router replay: a mixture of experts sends each token to the experts the sampler recorded for it
+  (`batch.expert_routes`), so π_θ is scored through the same experts μ was; the router keeps its gradient
+  through the weights it gives those experts (`models.MoE.route`). The reference policy routes itself."""
   o = options
   model = nnx.merge(graphdefs["policy"], params["policy"])
   x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                            remat=o.remat, attention=o.attention)
+                            remat=o.remat, attention=o.attention, routes=batch.expert_routes)
   scale = 1.0 if o.mode == "bc" else o.temperature
   # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
   # its recorded threshold (None: rollouts sampled from the whole distribution; behavior cloning never cuts).
@@ -297,7 +301,8 @@ def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_s
     if compute_dtype is not None:
       params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdefs["policy"], params["policy"])
-    x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids)
+    x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
+                              routes=batch.expert_routes)  # the features the loss's value head reads
     return nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
 
   return jax.jit(values)
