@@ -2,6 +2,11 @@
 
 No torch: tensors are read with `safetensors` (numpy, bf16 through ml_dtypes). With a mesh, each tensor is
 placed straight onto its sharding (`jax.make_array_from_callback`: every device receives only its slice).
+
+Both directions stream one tensor at a time, so a host never holds the model: loading maps a file only while
+it reads one tensor from it (a mapping kept open would keep every page read through it resident), and export
+writes each shard as soon as it is full. Peak host memory is a few times the largest tensor (a layer's stacked
+experts for a mixture), measured in bench/checkpoint_memory.py.
 """
 
 from __future__ import annotations
@@ -122,7 +127,8 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 
 
 class _TensorIndex:
-  """Which safetensors file holds each tensor; opens files lazily and names them in every error."""
+  """Which safetensors file holds each tensor; maps a file only while reading one tensor from it, and names the
+  file in every error."""
 
   def __init__(self, path: Path):
     index = path / INDEX_FILE
@@ -141,9 +147,9 @@ class _TensorIndex:
         raise CheckpointError(f"{path}: no *.safetensors files (and no {INDEX_FILE})")
       self.files = {}
       for file in files:
-        for name in self._open(file).keys():
-          self.files[name] = file
-    self._handles: dict[Path, Any] = {}
+        with self._open(file) as handle:
+          for name in handle.keys():
+            self.files[name] = file
 
   def _open(self, file: Path):
     try:
@@ -156,10 +162,9 @@ class _TensorIndex:
       raise CheckpointError(f"tensor {name!r} is missing from the checkpoint "
                             f"(files: {sorted({f.name for f in self.files.values()})})")
     file = self.files[name]
-    if file not in self._handles:
-      self._handles[file] = self._open(file)
     try:
-      return self._handles[file].get_tensor(name)
+      with self._open(file) as handle:
+        return handle.get_tensor(name)  # a copy: the mapping closes here
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(f"{file}: cannot read tensor {name!r} (truncated or corrupt?): {e}") from None
 
@@ -203,7 +208,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: 
       parts.append(raw)
     array = np.asarray(to_ours(parts[0] if len(names) == 1 else np.stack(parts)))
     del parts
-    array = array.astype(dtype)
+    array = array.astype(dtype, copy=False)
     if mesh is None:
       values[key] = jnp.asarray(array)
     else:
@@ -229,16 +234,22 @@ def _host_array(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
-  """All parameters of `model` as HF-named host arrays."""
+def _hf_parameters(model: Transformer):
+  """Per parameter: its HF names, and a function giving their host arrays (read only when called)."""
   _, state = nnx.split(model)
-  out = {}
   for key, variable in nnx.to_flat_state(state):
     names, _, to_hf = _hf_names(key, model.config)
-    array = to_hf(_host_array(variable[...]))
-    for i, name in enumerate(names):
-      out[name] = np.ascontiguousarray(array if len(names) == 1 else array[i])
-  return out
+
+    def arrays(variable=variable, names=names, to_hf=to_hf) -> dict[str, np.ndarray]:
+      array = to_hf(_host_array(variable[...]))
+      return {name: np.ascontiguousarray(array if len(names) == 1 else array[i]) for i, name in enumerate(names)}
+
+    yield key, variable, names, to_hf, arrays
+
+
+def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+  """All parameters of `model` as HF-named host arrays (the whole model on the host: `save_pretrained` streams)."""
+  return {name: array for *_, arrays in _hf_parameters(model) for name, array in arrays().items()}
 
 
 def save_pretrained(model: Transformer, path: str | os.PathLike, *,
@@ -247,29 +258,40 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
 
   The directory loads with `transformers.AutoModelForCausalLM.from_pretrained`. Files are written to a
   temporary name first and renamed, so a crash never leaves a half-written file under the final name.
-  Only process 0 writes in a multi-process run.
+  Only process 0 writes in a multi-process run (every process gathers each tensor with it, in the same order).
+  Shards are planned from the parameters' shapes and written one at a time: the host holds one shard at most.
   """
   path = Path(path)
-  tensors = hf_tensors(model)
-  if jax.process_index() != 0:
+  params = list(_hf_parameters(model))
+  # Plan the shards from shapes alone (the file names say how many there are).
+  sizes: list[int] = []
+  plan: list[list[int]] = [[]]  # parameter indices per shard
+  for i, (key, variable, names, to_hf, _) in enumerate(params):
+    shape = jax.eval_shape(lambda x, f=to_hf: f(x), jax.ShapeDtypeStruct(variable.shape, variable[...].dtype))
+    nbytes = shape.size * shape.dtype.itemsize
+    if plan[-1] and sum(sizes[j] for j in plan[-1]) + nbytes > max_shard_bytes:
+      plan.append([])
+    plan[-1].append(i)
+    sizes.append(nbytes)
+  files = (["model.safetensors"] if len(plan) == 1 else
+           [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+  writer = jax.process_index() == 0
+  if writer:
+    path.mkdir(parents=True, exist_ok=True)
+  weight_map, dtype = {}, None
+  for file, members in zip(files, plan):
+    shard: dict[str, np.ndarray] = {}
+    for i in members:
+      shard.update(params[i][-1]())  # collective in a multi-process run: every process gathers
+    if writer:
+      _atomic_write(path / file, lambda tmp, s=shard: save_file(s, tmp, metadata={"format": "pt"}))
+    weight_map.update({name: file for name in shard})
+    dtype = dtype or str(next(iter(shard.values())).dtype)
+    del shard
+  if not writer:
     return path
-  path.mkdir(parents=True, exist_ok=True)
-  dtype = str(next(iter(tensors.values())).dtype)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name, array in tensors.items():
-    if shards[-1] and size + array.nbytes > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = array
-    size += array.nbytes
-  names = (["model.safetensors"] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  for file, shard in zip(names, shards):
-    _atomic_write(path / file, lambda tmp, s=shard: save_file(s, tmp, metadata={"format": "pt"}))
-  if len(shards) > 1:
-    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
-             "weight_map": {n: f for f, s in zip(names, shards) for n in s}}
+  if len(plan) > 1:
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     _atomic_write(path / INDEX_FILE, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
   hf_config = config_to_hf(model.config, dtype=dtype)
   _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2)))

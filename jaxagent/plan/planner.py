@@ -15,13 +15,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
 from jaxagent import config as config_lib
 from jaxagent import multihost
-from jaxagent.assembly import Batch
+from jaxagent.assembly import Batch, RouteShape
 from jaxagent.config import Config
 from jaxagent.plan.compiled import ProgramCost, compile_program
 from jaxagent.plan.topologies import GIB, Topology, per_device_bytes
@@ -163,16 +164,22 @@ def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def _batch(cfg: Config, rows: int, length: int, mesh, rules) -> tuple[Batch, ValueTargets | None]:
+def _batch(cfg: Config, rows: int, length: int, mesh, rules, model_config: models.ModelConfig
+           ) -> tuple[Batch, ValueTargets | None]:
   """The abstract update batch a run hands its rl step (`learner.prepare_batch`'s fields and dtypes)."""
   sh = multihost.batch_sharding((rows, length), mesh, rules)
   a = lambda dtype: _abstract((rows, length), dtype, sh)
-  truncated = cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0
+  truncated = config_lib.truncates(cfg.rollout)
+  routes = RouteShape.of(model_config) if run_lib.replays_routes(cfg, model_config) else None
+  if routes is not None:
+    shape = (rows, length, routes.sparse_layers, routes.experts_per_token)
+    routes = _abstract(shape, np.int16, multihost.batch_sharding(shape, mesh, rules))
   batch = Batch(tokens=a(jnp.int32), positions=a(jnp.int32), segment_ids=a(jnp.int32), loss_mask=a(jnp.bool_),
                 roles=a(jnp.int8), behavior_logprobs=a(jnp.float32), advantages=a(jnp.float32),
                 policy_versions=a(jnp.int32), trajectory_index=a(jnp.int32),
                 sampling_thresholds=a(jnp.float32) if truncated else None,
-                proximal_logprobs=a(jnp.float32) if cfg.algo.loss == "decoupled_ppo" else None)
+                proximal_logprobs=a(jnp.float32) if cfg.algo.loss == "decoupled_ppo" else None,
+                expert_routes=routes)
   values = (ValueTargets(old_values=a(jnp.float32), returns=a(jnp.float32), mask=a(jnp.bool_))
             if cfg.algo.name == "ppo" else None)
   return batch, values
@@ -242,7 +249,8 @@ def _make_plan(cfg: Config, topology: Topology, *, headroom: float, progress: Ca
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   length = cfg.rollout.max_context
   parts = _Parts(cfg=cfg, topology=topology, io=io, policy=policy, steps=run_lib.build_steps(cfg, policy, "train"),
-                 sampler=run_lib.make_sampler(cfg, io, policy), rows=cfg.rollout.slots or global_rows,
+                 sampler=run_lib.make_sampler(cfg, io, policy, record_routes=True),
+                 rows=cfg.rollout.slots or global_rows,
                  train_rows=run_lib.train_rows(cfg, global_rows, policy.layout.mesh.devices.size), length=length,
                  generated=min(cfg.env.max_turns * cfg.rollout.max_new_tokens, length))
   compile_ = _Compiler(groups, compiled, progress)
@@ -265,7 +273,7 @@ def _update_programs(parts: _Parts, compile_: _Compiler) -> float:
   layout, state = policy.layout, policy.abstract_state
   mesh, rows, length = layout.mesh, parts.train_rows, parts.length
   work = train_step_flops(policy.model.config, rows, length, cfg.train.remat) / mesh.devices.size
-  batch, values = _batch(cfg, rows, length, mesh, layout.learner_rules)
+  batch, values = _batch(cfg, rows, length, mesh, layout.learner_rules, policy.model.config)
   scalar = _abstract((), jnp.float32, NamedSharding(mesh, P()))
   compile_("train_step", f"{cfg.algo.name} update of {rows} x {length} tokens, "
            f"{cfg.train.micro_batches} micro-batch(es), remat {cfg.train.remat}", steps.rl,
