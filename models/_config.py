@@ -9,6 +9,8 @@ import dataclasses
 from typing import Any, Literal
 
 RopeType = Literal["default", "linear", "llama3"]
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's: SwiGLU, GeGLU (tanh-approximated GELU)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,16 @@ class ModelConfig:
     num_experts_per_tok: experts each token is routed to (top-k of the router's softmax, in float32).
     moe_intermediate_size: each expert's MLP width (dense layers keep `intermediate_size`).
     norm_topk_prob: the k routing weights are renormalized to sum to 1 (else they keep their softmax mass).
+    hidden_activation: the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+    norm_offset: RMSNorm multiplies by (norm_offset + weight), in float32 before the cast back (Gemma: 1, its
+      weights stored zero-centred); 0: by the weight, after the cast (Llama).
+    sandwich_norms: each block also normalizes its attention and MLP outputs before adding them (Gemma's four
+      norms per block).
+    embed_scale: the embeddings are multiplied by this, rounded to the parameter dtype (Gemma: sqrt(hidden)).
+    query_pre_attn_scalar: attention logits are scaled by its inverse square root (None: head_dim's).
+    layer_types: per layer "full_attention" or "sliding_attention" (empty: every layer full).
+    sliding_window: a sliding layer's query sees the keys less than this many positions back (itself included).
+    rope_local_theta: RoPE base of the sliding layers (unscaled); full layers use rope_theta and rope_scaling.
   """
 
   model_type: str = "llama"
@@ -67,6 +79,14 @@ class ModelConfig:
   norm_topk_prob: bool = False
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
+  hidden_activation: str = "silu"
+  norm_offset: float = 0.0
+  sandwich_norms: bool = False
+  embed_scale: float = 1.0
+  query_pre_attn_scalar: float | None = None
+  layer_types: tuple[str, ...] = ()
+  sliding_window: int | None = None
+  rope_local_theta: float = 10000.0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -81,6 +101,20 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+    object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
+    if self.hidden_activation not in ACTIVATIONS:
+      raise ValueError(f"ModelConfig.hidden_activation={self.hidden_activation!r}: not one of {ACTIVATIONS}")
+    if self.layer_types:
+      if len(self.layer_types) != self.num_hidden_layers:
+        raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                         f"{self.num_hidden_layers} layers")
+      bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+      if bad:
+        raise ValueError(f"ModelConfig.layer_types {bad}: not one of {LAYER_TYPES}")
+      if "sliding_attention" in self.layer_types and not (isinstance(self.sliding_window, int)
+                                                          and self.sliding_window >= 1):
+        raise ValueError(f"ModelConfig.sliding_window must be a positive int with sliding layers, got "
+                         f"{self.sliding_window!r}")
     if self.num_experts:
       if not 1 <= self.num_experts_per_tok <= self.num_experts:
         raise ValueError(f"ModelConfig.num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got "
@@ -95,6 +129,10 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.mlp_only_layers {bad}: not layers of 0..{self.num_hidden_layers - 1}")
     elif self.num_experts < 0:
       raise ValueError(f"ModelConfig.num_experts must be >= 0 (0: dense), got {self.num_experts!r}")
+
+  def is_sliding_layer(self, layer: int) -> bool:
+    """Whether layer `layer` attends within a sliding window (`layer_types`)."""
+    return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
   def is_moe_layer(self, layer: int) -> bool:
     """Whether layer `layer`'s MLP is a mixture of experts (HF Qwen3-MoE's rule)."""
@@ -116,7 +154,8 @@ class ModelConfig:
     attn += 2 * h * self.qk_norm
     dense = 3 * d * f + (2 * f + d) * self.mlp_bias
     sparse = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
-    layers = sum(attn + 2 * d + (sparse if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
+    norms = (4 if self.sandwich_norms else 2) * d
+    layers = sum(attn + norms + (sparse if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
     embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
     return embed + layers + d
 

@@ -61,6 +61,9 @@ register_family(Family("qwen3", "Qwen3ForCausalLM", _qwen3_flags,
                        "Qwen3: Llama layout with per-head q/k RMSNorm"))
 register_family(Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_flags,
                        "Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3 with top-k routed expert MLPs (dropless)"))
+register_family(Family("gemma3_text", "Gemma3ForCausalLM", _qwen3_flags,
+                       "Gemma 3 (text): sliding-window and global layers with their own RoPE bases, q/k norms, four "
+                       "norms per block, scaled tied embeddings, GeGLU"))
 
 
 def families() -> dict[str, Family]:
@@ -97,18 +100,30 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling |
 
 def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
   """Builds a `ModelConfig` from an HF `config.json` dict; unsupported options are errors."""
+  if hf.get("model_type") == "gemma3":
+    raise UnsupportedModelError(f"{source}: model_type 'gemma3' is the multimodal Gemma3ForConditionalGeneration; "
+                                "its text model (text_config, model_type 'gemma3_text') is supported")
   family = get_family(hf.get("model_type"), source=source)
-  act = hf.get("hidden_act", "silu")
-  if act != "silu":
-    raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported; valid: 'silu'")
-  if hf.get("use_sliding_window"):
+  gemma = family.model_type == "gemma3_text"
+  act = hf.get("hidden_activation" if gemma else "hidden_act", "silu")
+  valid = GEMMA_ACTIVATIONS if gemma else {"silu": "silu"}
+  if act not in valid:
+    raise UnsupportedModelError(f"{source}: activation {act!r} is not supported; valid: {sorted(valid)}")
+  if gemma:
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+      if hf.get(key) is not None:
+        raise UnsupportedModelError(f"{source}: {key}={hf[key]!r} is not supported (Gemma 3 has none); set it null")
+    if hf.get("use_bidirectional_attention"):
+      raise UnsupportedModelError(f"{source}: use_bidirectional_attention=true is not supported (a causal LM)")
+  elif hf.get("use_sliding_window"):
     raise UnsupportedModelError(f"{source}: use_sliding_window=true is not supported; set it to false")
   missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                          "num_attention_heads") if k not in hf]
   if missing:
     raise UnsupportedModelError(f"{source}: missing required keys {missing}")
   heads = int(hf["num_attention_heads"])
-  theta, scaling = _rope_from_hf(hf, source)
+  extra = _gemma3_from_hf(hf, source) if gemma else {}
+  theta, scaling = _rope_from_hf(extra.pop("rope_hf") if gemma else hf, source)
   moe = _moe_from_hf(hf, source) if family.model_type in MOE_FAMILIES else {}
   eos = hf.get("eos_token_id")
   return ModelConfig(
@@ -123,14 +138,49 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       rope_theta=theta,
       rope_scaling=scaling,
-      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # Gemma ties by default
       max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
       bos_token_id=hf.get("bos_token_id"),
       eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
       pad_token_id=hf.get("pad_token_id"),
       **family.flags(hf),
       **moe,
+      **extra,
   )
+
+
+GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}  # HF's name -> ours
+
+
+def _int_if_whole(x: float | None) -> int | float | None:
+  """transformers' strict configs type some scalars as int (Gemma 3's query_pre_attn_scalar)."""
+  return int(x) if x is not None and float(x).is_integer() else x
+
+
+def _gemma3_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+  """Gemma 3's fields. RoPE: transformers 5 nests `rope_parameters` by layer type; the hub's configs give
+  `rope_theta` / `rope_scaling` (full layers) and `rope_local_base_freq` (sliding layers). Layer types: listed, or
+  every `sliding_window_pattern`-th layer full (HF's default rule)."""
+  params = hf.get("rope_parameters") or {}
+  if "full_attention" in params:
+    full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    rope_hf = {"rope_parameters": full}
+    local_theta = float(local.get("rope_theta", 10000.0))
+    if local.get("rope_type", "default") != "default":
+      raise UnsupportedModelError(f"{source}: sliding layers' rope_type {local['rope_type']!r} is not supported; "
+                                  "valid: 'default'")
+  else:
+    rope_hf = {k: hf[k] for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in hf}
+    local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+  layers = int(hf["num_hidden_layers"])
+  pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+  types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                    for i in range(layers)]
+  return dict(rope_hf=rope_hf, rope_local_theta=local_theta, layer_types=tuple(types),
+              sliding_window=hf.get("sliding_window"), hidden_activation=GEMMA_ACTIVATIONS[hf.get(
+                  "hidden_activation", "gelu_pytorch_tanh")], norm_offset=1.0, sandwich_norms=True,
+              embed_scale=float(int(hf["hidden_size"]) ** 0.5),
+              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
 
 
 MOE_FAMILIES = ("qwen3_moe",)
@@ -189,6 +239,17 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, An
     hf["mlp_bias"] = config.mlp_bias
   if config.model_type in ("qwen2", "qwen3", "qwen3_moe"):
     hf["use_sliding_window"] = False
+  if config.model_type == "gemma3_text":
+    hf.pop("hidden_act")
+    hf.update(hidden_activation={v: k for k, v in GEMMA_ACTIVATIONS.items()}[config.hidden_activation],
+              rope_parameters={"full_attention": rope,
+                               "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_local_theta}},
+              layer_types=list(config.layer_types), sliding_window=config.sliding_window,
+              query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar), final_logit_softcapping=None,
+              attn_logit_softcapping=None, attention_bias=config.attention_bias)
+  elif config.hidden_activation != "silu" or config.sandwich_norms or config.layer_types or config.norm_offset:
+    raise UnsupportedModelError(f"{config.model_type}: Gemma's options (activation, norms, sliding layers) have no "
+                                "HF form in this family; use model_type gemma3_text")
   if config.model_type in MOE_FAMILIES:
     hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
               moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,

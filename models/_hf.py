@@ -76,9 +76,15 @@ def _hf_mapping(path: tuple[Any, ...], config: ModelConfig) -> tuple[str, Transf
   prefix = f"model.layers.{path[1]}."
   rest = path[2:]
   heads = {"q": n, "k": k, "v": k}
+  # Gemma's four norms: HF's post_attention_layernorm normalizes the attention's output there, and
+  # pre_feedforward_layernorm is what Llama calls post_attention_layernorm.
+  sandwich = config.sandwich_norms
   simple = {
       ("attn_norm", "scale"): ("input_layernorm.weight", _ID, _ID),
-      ("mlp_norm", "scale"): ("post_attention_layernorm.weight", _ID, _ID),
+      ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight",
+                              _ID, _ID),
+      ("attn_out_norm", "scale"): ("post_attention_layernorm.weight", _ID, _ID),
+      ("mlp_out_norm", "scale"): ("post_feedforward_layernorm.weight", _ID, _ID),
       ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", _ID, _ID),
       ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", _ID, _ID),
       ("attn", "b_o_d"): ("self_attn.o_proj.bias", _ID, _ID),

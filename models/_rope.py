@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -32,6 +33,13 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
   smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
   medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
   return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(config: ModelConfig) -> dict[str, np.ndarray]:
+  """Each layer type's inverse frequencies: full-attention layers rope_theta with rope_scaling, sliding ones
+  rope_local_theta unscaled (Gemma 3; a model without sliding layers never reads that table)."""
+  local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+  return {"full_attention": inverse_frequencies(config), "sliding_attention": inverse_frequencies(local)}
 
 
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray) -> jax.Array:

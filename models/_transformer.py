@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from models._config import ModelConfig
-from models._rope import apply_rope, inverse_frequencies
+from models._config import LAYER_TYPES, ModelConfig
+from models._rope import apply_rope, rope_tables
 
 # Per-layer rematerialization (`Transformer.features(remat=...)`): what a layer keeps for the backward pass.
 # Attention kernels for T > 1 (`features(attention=...)`): einsum + softmax over the whole [T, S] logits,
@@ -101,14 +101,19 @@ class KVCache:
 
 
 class RMSNorm(nnx.Module):
+  """`offset` 0: the normed input cast back, times the weight (Llama); otherwise times (offset + weight) in
+  float32, then cast (Gemma, whose weights are stored zero-centred: they start at 0)."""
 
-  def __init__(self, dim: int, eps: float, *, dtype: Any, axes: tuple[str, ...] = ("norm",)):
-    self.scale = _ones((dim,), axes, dtype)
+  def __init__(self, dim: int, eps: float, *, dtype: Any, axes: tuple[str, ...] = ("norm",), offset: float = 0.0):
+    self.scale = (_zeros if offset else _ones)((dim,), axes, dtype)
     self.eps = eps
+    self.offset = offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    if self.offset:
+      return (x32 * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
     return self.scale[...] * x32.astype(x.dtype)
 
 
@@ -142,7 +147,25 @@ def _scores_operand(dtype):
   return jnp.float32 if target_platform() == "cpu" else dtype
 
 
-def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs, dtype):
+_ACTIVATION = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def _visible(key_seg_bs, segment_ids_bt, query_slot_bt, window):
+  """bool[B, T, S]: a query sees the keys of its own segment at or before its slot, and with a sliding `window`
+  only those less than `window` slots back. The window counts slots, as transformers counts cache positions: the
+  sampler and assembly write a segment's tokens in consecutive slots, where slots and positions advance together
+  (a padding hole inside a row would count toward the window)."""
+  s = key_seg_bs.shape[-1]
+  slots_s = jnp.arange(s)[None, None, :]
+  visible = ((key_seg_bs[:, None, :] == segment_ids_bt[:, :, None]) & (key_seg_bs[:, None, :] != 0)
+             & (slots_s <= query_slot_bt[:, :, None]))
+  if window is not None:
+    visible &= query_slot_bt[:, :, None] - slots_s < window
+  return visible
+
+
+def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs, dtype,
+                       scale, window=None):
   """The einsum path over blocks of `ATTENTION_CHUNK` queries (the last block padded with invisible queries):
   one block's logits [B, K, G, C, S] at a time, recomputed in the backward pass (`jax.checkpoint` on the scan
   body), so memory grows with T x C instead of T x S. The same masking rule, products and accumulation."""
@@ -161,10 +184,9 @@ def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_sl
   @jax.checkpoint
   def block(_, xs):
     q_bckgh, seg_bc, slot_bc = xs
-    visible_bcs = ((key_seg_bs[:, None, :] == seg_bc[:, :, None]) & (key_seg_bs[:, None, :] != 0)
-                   & (jnp.arange(s)[None, None, :] <= slot_bc[:, :, None]))
+    visible_bcs = _visible(key_seg_bs, seg_bc, slot_bc, window)
     logits_bkgcs = jnp.einsum("bckgh,bkhs->bkgcs", q_bckgh.astype(operand), keys,
-                              preferred_element_type=jnp.float32) * (h ** -0.5)
+                              preferred_element_type=jnp.float32) * scale
     probs_bkgcs = _masked_softmax(logits_bkgcs, visible_bcs, dtype)
     return None, jnp.einsum("bkgcs,bksh->bckgh", probs_bkgcs, values)
 
@@ -175,7 +197,7 @@ def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_sl
 
 class Attention(nnx.Module):
 
-  def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs, layer: int = 0):
     d, n, k, h = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                   config.head_dim)
     self.num_groups = n // k
@@ -190,17 +212,23 @@ class Attention(nnx.Module):
     if config.attention_out_bias:
       self.b_o_d = _zeros((d,), ("norm",), dtype)
     if config.qk_norm:
-      self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
-      self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype)
+      self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
+      self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
     self.config = config
+    sliding = config.is_sliding_layer(layer)
+    self.layer_type = LAYER_TYPES[sliding]  # which RoPE table it takes (`rope_tables`)
+    self.window = config.sliding_window if sliding else None
+    self.scale = float(config.query_pre_attn_scalar or h) ** -0.5
 
   def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None, attention: str = "einsum"):
     """Returns (output [B, T, D], (k_cache, v_cache, cache_segment_ids) or None).
 
-    `attention` (see `ATTENTION_IMPLEMENTATIONS`) picks the kernel for T > 1
-    (prefill, training); one-token decode always takes the multiply-reduce path below.
+    `inv_freq`: the model's RoPE tables by layer type (`rope_tables`). `attention` (see
+    `ATTENTION_IMPLEMENTATIONS`) picks the kernel for T > 1 (prefill, training); one-token decode always takes
+    the multiply-reduce path below.
     """
     cfg = self.config
+    inv_freq = inv_freq[self.layer_type]
     q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.w_q_dnh[...])
     k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.w_k_dkh[...])
     v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.w_v_dkh[...])
@@ -233,11 +261,7 @@ class Attention(nnx.Module):
       if cache_rows is not None:
         take = jnp.minimum(cache_rows, k_cache.shape[0] - 1)
         keys_bkhs, values_bksh, key_seg_bs = k_cache[take], v_cache[take], key_seg_bs[take]
-    s = keys_bkhs.shape[3]
-
-    visible_bts = ((key_seg_bs[:, None, :] == segment_ids_bt[:, :, None])
-                   & (key_seg_bs[:, None, :] != 0)
-                   & (jnp.arange(s)[None, None, :] <= query_slot_bt[:, :, None]))
+    visible_bts = _visible(key_seg_bs, segment_ids_bt, query_slot_bt, self.window)
 
     b, _, n, h = q_btnh.shape
     q_btkgh = q_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h)
@@ -248,17 +272,17 @@ class Attention(nnx.Module):
       # einsum path: head i reads KV head i // num_groups.
       out_btnh = jax.nn.dot_product_attention(
           q_btnh, keys_bkhs.transpose(0, 3, 1, 2).astype(q_btnh.dtype),
-          values_bksh.transpose(0, 2, 1, 3).astype(q_btnh.dtype), mask=visible_bts[:, None], scale=h ** -0.5)
+          values_bksh.transpose(0, 2, 1, 3).astype(q_btnh.dtype), mask=visible_bts[:, None], scale=self.scale)
       out_btkgh = out_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h).astype(x_btd.dtype)
     elif t > 1 and attention == "chunked":
       out_btkgh = _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs,
-                                     x_btd.dtype)
+                                     x_btd.dtype, self.scale, self.window)
     elif t == 1 and target_platform() != "cpu":
       # One query per row (decode) on an accelerator: dots on the cache as it is stored (bf16 stays bf16; the
       # products of bf16 values are exact in the float32 accumulator, so only the order of the sums differs from
       # the CPU path). Widening the cache first made XLA for TPU move ~9x the cache and weights per step.
       logits_bkgts = jnp.einsum("bkgh,bkhs->bkgs", q_btkgh[:, 0], keys_bkhs.astype(q_btkgh.dtype),
-                                preferred_element_type=f32)[:, :, :, None, :] * (h ** -0.5)
+                                preferred_element_type=f32)[:, :, :, None, :] * self.scale
       probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
       out_btkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgts[:, :, :, 0], values_bksh.astype(x_btd.dtype),
                              preferred_element_type=f32)[:, None].astype(x_btd.dtype)
@@ -266,14 +290,14 @@ class Attention(nnx.Module):
       # One query per row (decode) on XLA:CPU: multiply-reduces, one fused pass over each cache (see `KVCache`). As
       # dot_generals they are B*K tiny matmuls, measured 2-7x slower on CPU at B=64, S=128.
       logits_bkgts = jnp.sum(q_btkgh[:, 0, :, :, :, None].astype(f32) * keys_bkhs[:, :, None].astype(f32),
-                             axis=3)[:, :, :, None, :] * (h ** -0.5)
+                             axis=3)[:, :, :, None, :] * self.scale
       probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
       out_btkgh = jnp.sum(probs_bkgts[:, :, :, 0, :, None].astype(f32) * values_bksh[:, :, None].astype(f32),
                           axis=-2)[:, None].astype(x_btd.dtype)
     else:
       operand = _scores_operand(q_btkgh.dtype)
       logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh.astype(operand), keys_bkhs.astype(operand),
-                                preferred_element_type=f32) * (h ** -0.5)
+                                preferred_element_type=f32) * self.scale
       probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
       out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts, values_bksh.astype(x_btd.dtype))
     # Heads flattened first: contracting (n, h) as two axes, XLA transposed w_o (a copy per decode step).
@@ -292,6 +316,7 @@ class MLP(nnx.Module):
     self.w_up_df = _param(rngs, (d, f), ("embed", "mlp"), dtype)
     self.w_down_fd = _param(rngs, (f, d), ("mlp", "embed"), dtype)
     self.bias = config.mlp_bias
+    self.activation = config.hidden_activation
     if self.bias:
       self.b_gate_f = _zeros((f,), ("mlp",), dtype)
       self.b_up_f = _zeros((f,), ("mlp",), dtype)
@@ -303,7 +328,7 @@ class MLP(nnx.Module):
     if self.bias:
       gate_btf += self.b_gate_f[...]
       up_btf += self.b_up_f[...]
-    out_btd = (jax.nn.silu(gate_btf) * up_btf) @ self.w_down_fd[...]
+    out_btd = (_ACTIVATION[self.activation](gate_btf) * up_btf) @ self.w_down_fd[...]
     if self.bias:
       out_btd += self.b_down_d[...]
     return out_btd
@@ -400,19 +425,25 @@ def dispatch_experts_over(mesh: Mesh, batch_axes: tuple[str, ...]) -> Iterator[N
 class Block(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs, layer: int = 0):
-    self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-    self.attn = Attention(config, dtype=dtype, rngs=rngs)
-    self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
+    self.attn_norm = norm()
+    self.attn = Attention(config, dtype=dtype, rngs=rngs, layer=layer)
+    self.mlp_norm = norm()
     self.mlp = (MoE if config.is_moe_layer(layer) else MLP)(config, dtype=dtype, rngs=rngs)
+    if config.sandwich_norms:
+      self.attn_out_norm, self.mlp_out_norm = norm(), norm()
 
   def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum", replay_btk=None):
     """(output, the updated cache or None, the expert ids its tokens used [B, T, k] or None for a dense MLP)."""
+    sandwich = hasattr(self, "attn_out_norm")
     attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv, attention)
-    x_btd = x_btd + attn_btd
+    x_btd = x_btd + (self.attn_out_norm(attn_btd) if sandwich else attn_btd)
+    experts_btk = None
     if isinstance(self.mlp, MoE):
       mlp_btd, experts_btk = self.mlp(self.mlp_norm(x_btd), replay_btk)
-      return x_btd + mlp_btd, new_kv, experts_btk
-    return x_btd + self.mlp(self.mlp_norm(x_btd)), new_kv, None
+    else:
+      mlp_btd = self.mlp(self.mlp_norm(x_btd))
+    return x_btd + (self.mlp_out_norm(mlp_btd) if sandwich else mlp_btd), new_kv, experts_btk
 
 
 class Transformer(nnx.Module):
@@ -438,7 +469,7 @@ class Transformer(nnx.Module):
     self.embed_vd = _param(rngs, (v, d), ("vocab", "embed"), dtype)
     self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, layer=i)
                             for i in range(config.num_hidden_layers)])
-    self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+    self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
     if not config.tie_word_embeddings:
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
 
@@ -473,8 +504,10 @@ class Transformer(nnx.Module):
       rows_b1 = (jnp.arange(b) if cache_rows is None else cache_rows)[:, None]
       cache_seg_bs = cache.segment_ids.at[rows_b1, slots_bt].set(segment_ids_bt, mode="drop")
 
-    inv_freq = inverse_frequencies(self.config)  # static: folded into the compiled program
+    inv_freq = rope_tables(self.config)  # static: folded into the compiled program
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0)
+    if self.config.embed_scale != 1.0:
+      x_btd = x_btd * jnp.asarray(self.config.embed_scale, x_btd.dtype)
     sparse = [i for i in range(len(self.layers)) if self.config.is_moe_layer(i)]
     if routes is not None and (not sparse or routes.shape[:3] != (b, t, len(sparse))):
       raise ValueError(f"routes of shape {tuple(routes.shape)}: this model takes [B={b}, T={t}, "

@@ -37,6 +37,14 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3moe-sparse-step": ("qwen3_moe", dict(
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True,
         num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2)),
+    # Gemma 3: sliding layers (window 5, shorter than the 12-token batch) around a global one whose RoPE is
+    # linearly scaled, a query scale of its own, GeGLU, four zero-centred norms per block, scaled tied embeddings.
+    "gemma3-window-in-prompt": ("gemma3_text", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        sliding_window=5, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 VOCAB = 101
@@ -52,6 +60,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides: Any):
       "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
       "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
       "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+      "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
   }
   config_cls, model_cls = classes[family]
   kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -67,7 +76,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides: Any):
     for name, param in model.named_parameters():
       if name.endswith("bias"):
         param.normal_(0.0, 0.1)
-      elif "norm" in name:
+      elif "norm" in name:  # Gemma's scale is 1 + weight: either way the norms are far from plain
         param.copy_(1.0 + 0.3 * torch.randn_like(param))
       elif name.endswith("mlp.gate.weight"):  # a router: decisive, so float rounding flips no top-k choice
         param.normal_(0.0, 0.5)

@@ -59,7 +59,32 @@ def test_round_trip_through_save_pretrained(checkpoint, tmp_path):
   assert np.abs(got - a)[mask.astype(bool)].max() <= TOL
 
 
+def test_greedy_generation_equals_transformers_generate_past_the_sliding_window():
+  """Gemma 3 through the sampler (prefill, then one-token decode steps on the KV cache): a 12-token prompt and 10
+  new tokens under a window of 5, the same greedy tokens as transformers' generate."""
+  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  family, overrides = ref.SPECS["gemma3-window-in-prompt"]
+  torch_model = ref.make_hf_model(family, seed=3, **overrides)
+  prompts = np.random.default_rng(4).integers(0, ref.VOCAB, (2, 12))
+  with torch.no_grad():
+    want = torch_model.generate(torch.tensor(prompts), max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                                attention_mask=torch.ones(prompts.shape, dtype=torch.long)).numpy()[:, 12:]
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    model = models.from_pretrained(ref.save_hf_model(torch_model, __import__("pathlib").Path(tmp)))
+  sampler = Sampler(model, cache_size=32, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=0,
+                    buckets=(16,))
+  params = nnx.state(model)
+  state = sampler.prefill(params, prompts.tolist(), jax.random.key(0))
+  _, out = sampler.generate(params, state)
+  np.testing.assert_array_equal(np.asarray(out.tokens), want)
+
+
 def test_registry_covers_the_families():
-  assert {"llama", "qwen2", "qwen3", "qwen3_moe"} <= set(models.families())
+  assert {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"} <= set(models.families())
   for family in models.families().values():
     assert family.architecture.endswith("ForCausalLM")

@@ -29,7 +29,14 @@ def decisive_routers(model, seed=0):
   return model
 
 
-@pytest.fixture(scope="module", params=[CONFIG, MOE_CONFIG], ids=["dense", "moe"])
+# Gemma 3's layout: a sliding layer (window 3, shorter than the rows) and a global one, each with its own RoPE base.
+GEMMA_CONFIG = dataclasses.replace(CONFIG, model_type="gemma3_text", hidden_activation="gelu_tanh", norm_offset=1.0,
+                                   sandwich_norms=True, embed_scale=8.0, query_pre_attn_scalar=24.0,
+                                   layer_types=("sliding_attention", "full_attention"), sliding_window=3,
+                                   rope_theta=1e6, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module", params=[CONFIG, MOE_CONFIG, GEMMA_CONFIG], ids=["dense", "moe", "gemma3"])
 def model(request):
   return decisive_routers(models.Transformer(request.param, rngs=nnx.Rngs(3)))
 
@@ -91,6 +98,14 @@ def test_ragged_extend_with_holes_equals_compact_sequences(model):
     pieces.append(np.asarray(logits))
   cached = np.concatenate(pieces, axis=1)
   mask = valid.astype(bool)
+  if model.config.sliding_window:
+    # A sliding window counts slots, as transformers counts cache positions: a hole inside a row (which the
+    # sampler and assembly never leave) is inside the window, so the compact rows differ. The cache must still
+    # equal the full forward of the same padded rows.
+    full = np.asarray(model(jnp.asarray(tokens, jnp.int32), positions_bt=jnp.asarray(positions, jnp.int32),
+                            segment_ids_bt=jnp.asarray(valid, jnp.int32)))
+    assert np.abs(cached - full)[mask].max() <= TOL
+    return
   assert np.abs(cached - _compact_logits(model, tokens, valid))[mask].max() <= TOL
 
 
@@ -138,17 +153,22 @@ def test_cache_output_is_finite_at_padding_slots(model):
   assert np.isfinite(np.asarray(logits)).all()
 
 
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding"])
 @pytest.mark.parametrize("attention", ["dot_product", "chunked"])
-def test_attention_kernels_equal_the_einsum_path_for_forward_prefill_and_extend(attention, monkeypatch):
+def test_attention_kernels_equal_the_einsum_path_for_forward_prefill_and_extend(attention, window, monkeypatch):
   """jax.nn.dot_product_attention and the chunked kernel (blocks of 4 queries here, so a 10-token row is three
   blocks, the last padded) on packed, padded rows and through the sampler's prefill and extend (KV cache): the
-  same logits as the einsum path; decode is shared."""
+  same logits as the einsum path; decode is shared. "sliding": a Gemma 3 layout whose first layer sees 3 slots."""
   from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
 
   monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)  # pylint: disable=protected-access
 
   cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+  if window:
+    cfg = dataclasses.replace(cfg, model_type="gemma3_text", qk_norm=True, hidden_activation="gelu_tanh",
+                              norm_offset=1.0, sandwich_norms=True, embed_scale=32 ** 0.5,
+                              layer_types=("sliding_attention", "full_attention"), sliding_window=window)
   model = models.Transformer(cfg, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 64, (3, 10)), jnp.int32)
