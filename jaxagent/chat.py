@@ -175,7 +175,10 @@ class TemplateChat(ChatFormat):
   history, so the policy saw, and the learner trains on, its own earlier reasoning in context.
 
   Tools: the env's tool schemas go to the template (`tools=`). A template that does not render tools gets them
-  in the system prompt instead (`TOOLS_SYSTEM_PROMPT`; `tools_in_system_prompt` is True).
+  in the system prompt instead (`TOOLS_SYSTEM_PROMPT`; `tools_in_system_prompt` is True). A template that refuses
+  a tool message (Gemma 3's roles must alternate user / model) frames observations as user turns
+  (`observation_role` "user"); one without a system role folds the system prompt where it puts it (Gemma: into
+  the first user turn).
 
   Args:
     tokenizer: an `models.HFTokenizer` with a chat template.
@@ -210,9 +213,17 @@ class TemplateChat(ChatFormat):
       self.system_prompt = system_prompt
       self._base = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + user
       before, after = _split(self._render(self._base, self.tools, True), _USER, "the user message")
+      # A template without a tool role (Gemma's: roles alternate user / model) gets observations as user turns.
+      self.observation_role = "tool"
       conversation = self._base + [{"role": "assistant", "content": _ACTION},
                                    {"role": "tool", "content": _OBSERVATION}]
-      _, after_action = _split(self._render(conversation, self.tools, True), _ACTION, "the assistant message")
+      try:
+        rendered = self._render(conversation, self.tools, True)
+      except Exception:  # pylint: disable=broad-except  (jinja's raise_exception, or any template error)
+        self.observation_role = "user"
+        conversation[-1] = {"role": "user", "content": _OBSERVATION}
+        rendered = self._render(conversation, self.tools, True)
+      _, after_action = _split(rendered, _ACTION, "the assistant message")
       self._frame_head_text, frame_tail = _split(after_action, _OBSERVATION, "the tool message")
     except TemplateError:
       raise
@@ -302,7 +313,8 @@ class TemplateChat(ChatFormat):
     message = {"role": "assistant", "content": "",
                "tool_calls": [{"type": "function", "function": {"name": call["name"],
                                                                  "arguments": call.get("arguments", {})}}]}
-    full = self._render(self._base + [message, {"role": "tool", "content": _OBSERVATION}], self.tools, False)
+    full = self._render(self._base + [message, {"role": self.observation_role, "content": _OBSERVATION}],
+                        self.tools, False)
     if not full.startswith(self._user_turn):
       raise TemplateError("the chat template re-renders the user message differently once an assistant follows")
     rest = full[len(self._user_turn):]

