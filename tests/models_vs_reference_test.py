@@ -59,15 +59,16 @@ def test_round_trip_through_save_pretrained(checkpoint, tmp_path):
   assert np.abs(got - a)[mask.astype(bool)].max() <= TOL
 
 
-def test_greedy_generation_equals_transformers_generate_past_the_sliding_window():
-  """Gemma 3 through the sampler (prefill, then one-token decode steps on the KV cache): a 12-token prompt and 10
-  new tokens under a window of 5, the same greedy tokens as transformers' generate."""
+@pytest.mark.parametrize("spec", ["gemma3-window-in-prompt", "qwen3moe-dense-layer"])
+def test_greedy_generation_equals_transformers_generate(spec):
+  """The new families through the sampler (prefill, then one-token decode steps on the KV cache): a 12-token
+  prompt and 10 new tokens (Gemma 3: under a window of 5), the same greedy tokens as transformers' generate."""
   from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  family, overrides = ref.SPECS["gemma3-window-in-prompt"]
+  family, overrides = ref.SPECS[spec]
   torch_model = ref.make_hf_model(family, seed=3, **overrides)
   prompts = np.random.default_rng(4).integers(0, ref.VOCAB, (2, 12))
   with torch.no_grad():
