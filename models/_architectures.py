@@ -45,6 +45,16 @@ ARCHITECTURES: dict[str, ModelConfig] = {
         tie_word_embeddings=False, qk_norm=True, max_position_embeddings=40960, bos_token_id=151643,
         eos_token_id=151645, pad_token_id=None, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
         norm_topk_prob=True),
+    # google/gemma-3-4b-it's text model: 5 sliding layers (window 1024, RoPE base 10K) to every global one (RoPE
+    # base 1M, linear scaling x8), query_pre_attn_scalar 256, tied embeddings; eos <eos> and <end_of_turn>.
+    "gemma3-4b": ModelConfig(
+        model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_scaling=RopeScaling(rope_type="linear", factor=8.0), tie_word_embeddings=True, qk_norm=True,
+        max_position_embeddings=131072, bos_token_id=2, eos_token_id=(1, 106), pad_token_id=0,
+        hidden_activation="gelu_tanh", norm_offset=1.0, sandwich_norms=True, embed_scale=2560 ** 0.5,
+        query_pre_attn_scalar=256.0, sliding_window=1024, rope_local_theta=10000.0,
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34))),
 }
 
 

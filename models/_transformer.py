@@ -66,6 +66,11 @@ class KVCache:
       cached token used in the M sparse layers (-1: nothing written there); written with the keys and values,
       so every copy of a row's slots carries its routes (router replay). None otherwise.
 
+  A sliding-window layer whose window W is shorter than S keeps a ring of W slots instead (its k is [B, K, H, W]):
+  the token of slot p is in ring slot p % W, and a chunk attends to the ring as it was before the chunk plus the
+  chunk's own keys (`Attention`), then writes its last W real tokens. Slots, segment ids and the index stay those
+  of the whole row.
+
   Both layouts let a decode step read each cache in place, reducing over an axis that is not the last one
   (keys over H, values over S), which XLA's CPU backend fuses into one pass over the cache. Measured with
   `jax.profiler` on the tiny config's decode (B=64, S=128, CPU): keys as [B, K, S, H] (reduce over the last
@@ -88,8 +93,9 @@ class KVCache:
     """An empty cache; `routes=True` also records each cached token's experts (a model with sparse layers)."""
     k, h, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     sparse = sum(config.is_moe_layer(i) for i in range(layers))
-    return cls(k=tuple(jnp.zeros((batch, k, h, size), dtype) for _ in range(layers)),
-               v=tuple(jnp.zeros((batch, k, size, h), dtype) for _ in range(layers)),
+    slots = [ring_size(config, i, size) or size for i in range(layers)]
+    return cls(k=tuple(jnp.zeros((batch, k, h, n), dtype) for n in slots),
+               v=tuple(jnp.zeros((batch, k, n, h), dtype) for n in slots),
                segment_ids=jnp.zeros((batch, size), jnp.int32),
                index=jnp.zeros((batch,), jnp.int32),
                routes=(jnp.full((batch, size, sparse, config.num_experts_per_tok), -1, ROUTE_DTYPE)
@@ -98,6 +104,12 @@ class KVCache:
   @property
   def size(self) -> int:
     return self.segment_ids.shape[1]
+
+
+def ring_size(config: ModelConfig, layer: int, size: int) -> int | None:
+  """The ring a sliding-window layer's cache of `size` slots keeps (its window), or None: a full cache."""
+  window = config.sliding_window if config.is_sliding_layer(layer) else None
+  return window if window is not None and window < size else None
 
 
 class RMSNorm(nnx.Module):
@@ -150,13 +162,14 @@ def _scores_operand(dtype):
 _ACTIVATION = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
-def _visible(key_seg_bs, segment_ids_bt, query_slot_bt, window):
+def _visible(key_seg_bs, segment_ids_bt, query_slot_bt, window, key_slot_bs=None):
   """bool[B, T, S]: a query sees the keys of its own segment at or before its slot, and with a sliding `window`
   only those less than `window` slots back. The window counts slots, as transformers counts cache positions: the
   sampler and assembly write a segment's tokens in consecutive slots, where slots and positions advance together
-  (a padding hole inside a row would count toward the window)."""
+  (a padding hole inside a row would count toward the window). `key_slot_bs`: each key's slot (default: its
+  index; a ring's keys say which slot they hold)."""
   s = key_seg_bs.shape[-1]
-  slots_s = jnp.arange(s)[None, None, :]
+  slots_s = jnp.arange(s)[None, None, :] if key_slot_bs is None else key_slot_bs[:, None, :]
   visible = ((key_seg_bs[:, None, :] == segment_ids_bt[:, :, None]) & (key_seg_bs[:, None, :] != 0)
              & (slots_s <= query_slot_bt[:, :, None]))
   if window is not None:
@@ -165,7 +178,7 @@ def _visible(key_seg_bs, segment_ids_bt, query_slot_bt, window):
 
 
 def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs, dtype,
-                       scale, window=None):
+                       scale, window=None, key_slot_bs=None):
   """The einsum path over blocks of `ATTENTION_CHUNK` queries (the last block padded with invisible queries):
   one block's logits [B, K, G, C, S] at a time, recomputed in the backward pass (`jax.checkpoint` on the scan
   body), so memory grows with T x C instead of T x S. The same masking rule, products and accumulation."""
@@ -184,7 +197,7 @@ def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_sl
   @jax.checkpoint
   def block(_, xs):
     q_bckgh, seg_bc, slot_bc = xs
-    visible_bcs = _visible(key_seg_bs, seg_bc, slot_bc, window)
+    visible_bcs = _visible(key_seg_bs, seg_bc, slot_bc, window, key_slot_bs)
     logits_bkgcs = jnp.einsum("bckgh,bkhs->bkgcs", q_bckgh.astype(operand), keys,
                               preferred_element_type=jnp.float32) * scale
     probs_bkgcs = _masked_softmax(logits_bkgcs, visible_bcs, dtype)
@@ -254,14 +267,51 @@ class Attention(nnx.Module):
       k_cache, v_cache, key_seg_bs, start_b, cache_rows = kv
       query_slot_bt = start_b[:, None] + jnp.arange(t)[None, :]
       rows_b1 = (jnp.arange(x_btd.shape[0]) if cache_rows is None else cache_rows)[:, None]
+      take = None if cache_rows is None else jnp.minimum(cache_rows, k_cache.shape[0] - 1)
+      if k_cache.shape[-1] < key_seg_bs.shape[-1]:  # a ring: see `KVCache`
+        return self._ring(q_btnh, k_btkh, v_btkh, segment_ids_bt, query_slot_bt, kv, rows_b1, take, attention,
+                          x_btd.dtype)
       k_cache = k_cache.at[rows_b1, :, :, query_slot_bt].set(k_btkh.astype(k_cache.dtype), mode="drop")
       v_cache = v_cache.at[rows_b1, :, query_slot_bt, :].set(v_btkh.astype(v_cache.dtype), mode="drop")
       new_kv = (k_cache, v_cache)
       keys_bkhs, values_bksh = k_cache, v_cache
       if cache_rows is not None:
-        take = jnp.minimum(cache_rows, k_cache.shape[0] - 1)
         keys_bkhs, values_bksh, key_seg_bs = k_cache[take], v_cache[take], key_seg_bs[take]
     visible_bts = _visible(key_seg_bs, segment_ids_bt, query_slot_bt, self.window)
+    return self._attend(q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, query_slot_bt, key_seg_bs,
+                        attention, x_btd.dtype), new_kv
+
+  def _ring(self, q_btnh, k_btkh, v_btkh, segment_ids_bt, query_slot_bt, kv, rows_b1, take, attention, dtype):
+    """A sliding layer's ring cache: the chunk attends to the ring as it stands (ring slot r holds the row's
+    latest slot p < start with p % W == r; its segment id says whether it is this row's stream and visible) and
+    to its own keys, under the window; then its last W real tokens are written (padding never is: a ring slot
+    has no room for it)."""
+    k_cache, v_cache, key_seg_bs, start_b, _ = kv
+    w, t = k_cache.shape[-1], q_btnh.shape[1]
+    ring_k, ring_v = (k_cache, v_cache) if take is None else (k_cache[take], v_cache[take])
+    seg_bs = key_seg_bs if take is None else key_seg_bs[take]
+    last_b1 = start_b[:, None] - 1
+    held_bw = last_b1 - jnp.mod(last_b1 - jnp.arange(w)[None, :], w)  # the slot each ring slot holds (< 0: none)
+    held_seg_bw = jnp.where(held_bw >= 0, jnp.take_along_axis(seg_bs, jnp.maximum(held_bw, 0), axis=1), 0)
+    keys_bkhs = jnp.concatenate([ring_k, k_btkh.transpose(0, 2, 3, 1).astype(ring_k.dtype)], axis=-1)
+    values_bksh = jnp.concatenate([ring_v, v_btkh.transpose(0, 2, 1, 3).astype(ring_v.dtype)], axis=-2)
+    key_slot_bs = jnp.concatenate([held_bw, query_slot_bt], axis=1)
+    key_seg = jnp.concatenate([held_seg_bw, segment_ids_bt], axis=1)
+    visible_bts = _visible(key_seg, segment_ids_bt, query_slot_bt, self.window, key_slot_bs)
+    out = self._attend(q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, query_slot_bt, key_seg,
+                       attention, dtype, key_slot_bs)
+    real_bt = segment_ids_bt != 0
+    last_real_b1 = jnp.max(jnp.where(real_bt, query_slot_bt, -1), axis=1, keepdims=True)
+    write = real_bt & (query_slot_bt > last_real_b1 - w)  # distinct ring slots: the last W real tokens
+    ring_slot_bt = jnp.where(write, jnp.mod(query_slot_bt, w), w)  # w: dropped
+    k_cache = k_cache.at[rows_b1, :, :, ring_slot_bt].set(k_btkh.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows_b1, :, ring_slot_bt, :].set(v_btkh.astype(v_cache.dtype), mode="drop")
+    return out, (k_cache, v_cache)
+
+  def _attend(self, q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, query_slot_bt, key_seg_bs,
+              attention, dtype, key_slot_bs=None):
+    """Attention of the queries over the given keys and values ([B, K, H, S] / [B, K, S, H]) under the mask."""
+    t = q_btnh.shape[1]
 
     b, _, n, h = q_btnh.shape
     q_btkgh = q_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h)
@@ -273,39 +323,39 @@ class Attention(nnx.Module):
       out_btnh = jax.nn.dot_product_attention(
           q_btnh, keys_bkhs.transpose(0, 3, 1, 2).astype(q_btnh.dtype),
           values_bksh.transpose(0, 2, 1, 3).astype(q_btnh.dtype), mask=visible_bts[:, None], scale=self.scale)
-      out_btkgh = out_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h).astype(x_btd.dtype)
+      out_btkgh = out_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h).astype(dtype)
     elif t > 1 and attention == "chunked":
       out_btkgh = _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs,
-                                     x_btd.dtype, self.scale, self.window)
+                                     dtype, self.scale, self.window, key_slot_bs)
     elif t == 1 and target_platform() != "cpu":
       # One query per row (decode) on an accelerator: dots on the cache as it is stored (bf16 stays bf16; the
       # products of bf16 values are exact in the float32 accumulator, so only the order of the sums differs from
       # the CPU path). Widening the cache first made XLA for TPU move ~9x the cache and weights per step.
       logits_bkgts = jnp.einsum("bkgh,bkhs->bkgs", q_btkgh[:, 0], keys_bkhs.astype(q_btkgh.dtype),
                                 preferred_element_type=f32)[:, :, :, None, :] * self.scale
-      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
-      out_btkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgts[:, :, :, 0], values_bksh.astype(x_btd.dtype),
-                             preferred_element_type=f32)[:, None].astype(x_btd.dtype)
+      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, dtype)
+      out_btkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgts[:, :, :, 0], values_bksh.astype(dtype),
+                             preferred_element_type=f32)[:, None].astype(dtype)
     elif t == 1:
       # One query per row (decode) on XLA:CPU: multiply-reduces, one fused pass over each cache (see `KVCache`). As
       # dot_generals they are B*K tiny matmuls, measured 2-7x slower on CPU at B=64, S=128.
       logits_bkgts = jnp.sum(q_btkgh[:, 0, :, :, :, None].astype(f32) * keys_bkhs[:, :, None].astype(f32),
                              axis=3)[:, :, :, None, :] * self.scale
-      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
+      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, dtype)
       out_btkgh = jnp.sum(probs_bkgts[:, :, :, 0, :, None].astype(f32) * values_bksh[:, :, None].astype(f32),
-                          axis=-2)[:, None].astype(x_btd.dtype)
+                          axis=-2)[:, None].astype(dtype)
     else:
       operand = _scores_operand(q_btkgh.dtype)
       logits_bkgts = jnp.einsum("btkgh,bkhs->bkgts", q_btkgh.astype(operand), keys_bkhs.astype(operand),
                                 preferred_element_type=f32) * self.scale
-      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, x_btd.dtype)
-      out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts, values_bksh.astype(x_btd.dtype))
+      probs_bkgts = _masked_softmax(logits_bkgts, visible_bts, dtype)
+      out_btkgh = jnp.einsum("bkgts,bksh->btkgh", probs_bkgts, values_bksh.astype(dtype))
     # Heads flattened first: contracting (n, h) as two axes, XLA transposed w_o (a copy per decode step).
     out_btd = jnp.einsum("btf,fd->btd", out_btkgh.reshape(b, t, n * h),
                          self.w_o_nhd[...].reshape(n * h, self.w_o_nhd.shape[-1]))
-    if cfg.attention_out_bias:
+    if self.config.attention_out_bias:
       out_btd += self.b_o_d[...]
-    return out_btd, new_kv
+    return out_btd
 
 
 class MLP(nnx.Module):

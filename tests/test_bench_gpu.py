@@ -53,7 +53,9 @@ def test_architectures_are_the_published_shapes():
   assert round(models.architecture("qwen3-0.6b").num_params() / 1e6, 1) == 596.0     # Qwen3-0.6B (0.6B)
   assert round(models.architecture("qwen3-8b").num_params() / 1e9, 2) == 8.19         # Qwen3-8B (8.2B)
   assert round(models.architecture("llama3.1-70b").num_params() / 1e9, 2) == 70.55    # Llama-3.1-70B (70.6B)
-  with pytest.raises(ValueError, match=r"unknown architecture 'qwen9'; known: \['llama3.1-70b', 'qwen3-0.6b', "
+  assert round(models.architecture("gemma3-4b").num_params() / 1e9, 2) == 3.88        # Gemma 3 4B's text model
+  with pytest.raises(ValueError, match=r"unknown architecture 'qwen9'; known: \['gemma3-4b', 'llama3.1-70b', "
+                     r"'qwen3-0.6b', "
                      r"'qwen3-30b-a3b', 'qwen3-8b', 'smollm2-135m'\]"):
     models.architecture("qwen9")
 

@@ -57,7 +57,7 @@ def test_every_shipped_yaml_loads_and_round_trips(path):
     ("rollout.decode_chunk=0", r"rollout\.decode_chunk=0: must be >= 1"),
     ("rollout.slots=0", r"rollout\.slots=0: must be >= 1"),
     ("model.matmul_precision=tf32", r"model\.matmul_precision='tf32': not one of \['float32', 'tensorfloat32'"),
-    ("model.architecture=qwen9", r"model\.architecture='qwen9': not one of \['llama3\.1-70b', 'qwen3-0\.6b', 'qwen3-30b-a3b', 'qwen3-8b', 'smollm2-135m'\]"),
+    ("model.architecture=qwen9", r"model\.architecture='qwen9': not one of \['gemma3-4b', 'llama3\.1-70b', 'qwen3-0\.6b', 'qwen3-30b-a3b', 'qwen3-8b', 'smollm2-135m'\]"),
 ])
 def test_bad_values_name_the_key_and_what_is_valid(override, pattern):
   with pytest.raises(ConfigError, match=pattern):

@@ -20,7 +20,12 @@ TINY_MODEL = {"qwen3": dict(model_type="qwen3", qk_norm="true", vocab_size=15193
               "llama": dict(model_type="llama", vocab_size=128256, eos_token_id=128009, pad_token_id=128001),
               "qwen3_moe": dict(model_type="qwen3_moe", qk_norm="true", vocab_size=151936, eos_token_id=151645,
                                 pad_token_id=151643, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                norm_topk_prob="true")}
+                                norm_topk_prob="true"),
+              # Gemma 3's layout in the tiny shapes (hidden 64): a sliding layer (window 64) and a global one.
+              "gemma3_text": dict(model_type="gemma3_text", qk_norm="true", vocab_size=262208, eos_token_id=1,
+                                  pad_token_id=0, hidden_activation="gelu_tanh", norm_offset=1.0,
+                                  sandwich_norms="true", embed_scale=8.0, query_pre_attn_scalar=32,
+                                  layer_types="[sliding_attention,full_attention]", sliding_window=64)}
 SMALL = ["train.iterations=1", "train.tasks_per_iteration=2", "train.group_size=2", "train.micro_batches=2",
          "train.eval_episodes=0", "train.logits_chunk=64", "rollout.max_new_tokens=16", "rollout.max_context=448",
          "rollout.max_observation_tokens=16", "env.pool.kind=inprocess", "env.max_turns=2",
@@ -34,7 +39,8 @@ SMALL = ["train.iterations=1", "train.tasks_per_iteration=2", "train.group_size=
                                                      ("llama3_tpu", "llama", "llama3_tokenizer_dir"),
                                                      ("qwen3_8b_v5p64", "qwen3", "qwen3_tokenizer_dir"),
                                                      ("qwen3_30b_a3b_v5p64", "qwen3_moe", "qwen3_tokenizer_dir"),
-                                                     ("llama3p1_70b_v5p256", "llama", "llama3_tokenizer_dir")])
+                                                     ("llama3p1_70b_v5p256", "llama", "llama3_tokenizer_dir"),
+                                                     ("gemma3_4b_v5p8", "gemma3_text", "gemma3_tokenizer_dir")])
 def test_accelerator_recipe_runs_one_iteration_as_its_tiny_cpu_twin(recipe, family, fixture, tmp_path, request):
   tokenizer = request.getfixturevalue(fixture)
   overrides = SMALL + [f"model.init.{k}={v}" for k, v in TINY_MODEL[family].items()] + [

@@ -110,6 +110,9 @@ class SamplerState:
       slot it runs in, which rows share its steps, or when its observations arrive.
     prompt_logits, prompt_length: the logits and length at the end of each row's prompt, kept while the row
       holds its episode: another row with the same prompt copies them and the prompt's slots (`Feed.fork`).
+    prompt_k, prompt_v: the ring caches of the sliding-window layers (`models.KVCache`) as they stood at the end
+      of each row's prompt, in layer order: a ring moves on as the row decodes, so a fork copies these instead.
+      Empty without rings.
     running: bool[B], the row is decoding an action.
     n: int32[B] tokens of the current action; tokens / logprobs / raw_logprobs / thresholds: [B, M] its tokens
       so far (thresholds: the truncation each token was drawn under, `truncation_threshold`; NaN: none);
@@ -132,6 +135,13 @@ class SamplerState:
   raw_logprobs: jax.Array
   thresholds: jax.Array
   finish: jax.Array
+  prompt_k: tuple[jax.Array, ...] = ()
+  prompt_v: tuple[jax.Array, ...] = ()
+
+
+def _rings(cache: models.KVCache) -> list[int]:
+  """The layers whose cache is a ring (a sliding window shorter than the cache)."""
+  return [i for i, k in enumerate(cache.k) if k.shape[-1] < cache.size]
 
 
 @flax.struct.dataclass
@@ -376,6 +386,8 @@ def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules
       x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
   return state.replace(cache=_constrain_cache(state.cache, mesh, rules),
                        rng=jax.lax.with_sharding_constraint(state.rng, NamedSharding(mesh, PartitionSpec())),
+                       prompt_k=tuple(con(k, models.KVCache.K_AXES) for k in state.prompt_k),
+                       prompt_v=tuple(con(v, models.KVCache.V_AXES) for v in state.prompt_v),
                        **{name: con(getattr(state, name), axes) for name, axes in _STATE_AXES.items()})
 
 
@@ -385,8 +397,10 @@ def init_state(model: models.Transformer, rows: int, cache_size: int, config: Sa
   m, window = config.max_new_tokens, _stop_table(config)[1]
   v = model.config.vocab_size
   key_data = jax.random.key_data(rng)
+  cache = models.KVCache.init(model.config, rows, cache_size, model.dtype, routes=routes)
+  rings = _rings(cache)
   return SamplerState(
-      cache=models.KVCache.init(model.config, rows, cache_size, model.dtype, routes=routes),
+      cache=cache, prompt_k=tuple(cache.k[i] for i in rings), prompt_v=tuple(cache.v[i] for i in rings),
       next_logits=jnp.zeros((rows, v), jnp.float32), next_position=jnp.zeros((rows,), jnp.int32), rng=rng,
       row_key=jnp.zeros((rows,) + key_data.shape, key_data.dtype),
       prompt_logits=jnp.zeros((rows, v), jnp.float32), prompt_length=jnp.zeros((rows,), jnp.int32),
@@ -449,6 +463,7 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
   done = f.prompt_done & ok
   state = state.replace(prompt_logits=jnp.where(done[:, None], state.next_logits, state.prompt_logits),
                         prompt_length=jnp.where(done, state.cache.index, state.prompt_length))
+  state = _remember_prompt_rings(state, done)
 
   # 4. Forks: the prompt's slots, logits and length of another row (its later slots stay invisible: segment 0).
   # A source whose prompt did not fit (or is not complete) has nothing to give: that fork is refused (ok False).
@@ -466,10 +481,15 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
       cache = st.cache
       length = st.prompt_length[s]
       seg = jnp.where(jnp.arange(size) < length, cache.segment_ids[s], 0)
-      cache = cache.replace(k=tuple(k.at[d].set(k[s]) for k in cache.k), v=tuple(v.at[d].set(v[s]) for v in cache.v),
+      # A ring copies the source's prompt-time ring (the source's own has moved on if it decoded since).
+      ring_k, ring_v = dict(zip(_rings(cache), st.prompt_k)), dict(zip(_rings(cache), st.prompt_v))
+      cache = cache.replace(k=tuple(k.at[d].set(ring_k.get(i, k)[s]) for i, k in enumerate(cache.k)),
+                            v=tuple(v.at[d].set(ring_v.get(i, v)[s]) for i, v in enumerate(cache.v)),
                             segment_ids=cache.segment_ids.at[d].set(seg), index=cache.index.at[d].set(length),
                             routes=None if cache.routes is None else cache.routes.at[d].set(cache.routes[s]))
       return st.replace(cache=cache, next_position=st.next_position.at[d].set(length),
+                        prompt_k=tuple(k.at[d].set(k[s]) for k in st.prompt_k),
+                        prompt_v=tuple(v.at[d].set(v[s]) for v in st.prompt_v),
                         next_logits=st.next_logits.at[d].set(st.prompt_logits[s]),
                         prompt_logits=st.prompt_logits.at[d].set(st.prompt_logits[s]),
                         prompt_length=st.prompt_length.at[d].set(length))
@@ -490,6 +510,15 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
   return _constrain_state(state, mesh, rules), ok
 
 
+def _remember_prompt_rings(state: SamplerState, done_b: jax.Array) -> SamplerState:
+  """The rows of `done_b` keep their rings as they stand now (their prompt's end) for forks."""
+  if not state.prompt_k:
+    return state
+  rings, pick = _rings(state.cache), lambda new, old: jnp.where(done_b[:, None, None, None], new, old)
+  return state.replace(prompt_k=tuple(pick(state.cache.k[i], k) for i, k in zip(rings, state.prompt_k)),
+                       prompt_v=tuple(pick(state.cache.v[i], v) for i, v in zip(rings, state.prompt_v)))
+
+
 def refill(model: models.Transformer, state: SamplerState, tokens_bc: jax.Array, lengths_b: jax.Array,
            prompt_lengths_b: jax.Array, *, mesh: Mesh | None = None, rules: models.Rules = (),
            attention: str = "einsum") -> tuple[SamplerState, jax.Array]:
@@ -503,19 +532,33 @@ def refill(model: models.Transformer, state: SamplerState, tokens_bc: jax.Array,
   cache = state.cache
   cache = cache.replace(segment_ids=jnp.where(mask[:, None], 0, cache.segment_ids),
                         index=jnp.where(mask, 0, cache.index))
-  positions = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
-  segments = (jnp.arange(c)[None, :] < lengths_b[:, None]).astype(jnp.int32)
-  logits_bcv, cache = model(tokens_bc, positions_bt=positions, segment_ids_bt=segments, cache=cache,
-                            cache_rows=rows, attention=attention)
-  at = lambda i_b: logits_bcv[jnp.arange(b), jnp.clip(i_b - 1, 0, c - 1)].astype(jnp.float32)
-  new_next = at(lengths_b)
+  j_bc = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+  has_prompt = mask & (prompt_lengths_b > 0)
+  if not state.prompt_k:
+    logits_bcv, cache = model(tokens_bc, positions_bt=j_bc, segment_ids_bt=(j_bc < lengths_b[:, None]).astype(
+        jnp.int32), cache=cache, cache_rows=rows, attention=attention)
+    at = lambda i_b: logits_bcv[jnp.arange(b), jnp.clip(i_b - 1, 0, c - 1)].astype(jnp.float32)
+    new_next, new_prompt = at(lengths_b), at(prompt_lengths_b)
+  else:
+    # Rings: the prompt first, so that its rings can be kept for forks (as a feed keeps them), then the rest.
+    split_b = jnp.where(mask, jnp.minimum(prompt_lengths_b, lengths_b), 0)
+    first, cache = model(tokens_bc, positions_bt=j_bc, segment_ids_bt=(j_bc < split_b[:, None]).astype(jnp.int32),
+                         cache=cache, cache_rows=rows, attention=attention)
+    state = _remember_prompt_rings(state.replace(cache=cache), has_prompt)
+    rest_bc = jnp.take_along_axis(tokens_bc, jnp.minimum(split_b[:, None] + j_bc, c - 1), axis=1)
+    cache = state.cache.replace(index=jnp.where(mask, split_b, state.cache.index))
+    second, cache = model(rest_bc, positions_bt=split_b[:, None] + j_bc,
+                          segment_ids_bt=(j_bc < (lengths_b - split_b)[:, None]).astype(jnp.int32), cache=cache,
+                          cache_rows=rows, attention=attention)
+    at = lambda logits, i_b: logits[jnp.arange(b), jnp.clip(i_b - 1, 0, c - 1)].astype(jnp.float32)
+    new_next = jnp.where((lengths_b > split_b)[:, None], at(second, lengths_b - split_b), at(first, lengths_b))
+    new_prompt = at(first, prompt_lengths_b)
   old_logp = jax.nn.log_softmax(state.next_logits, -1)
   kl = jnp.where(mask, jnp.sum(jnp.exp(old_logp) * (old_logp - jax.nn.log_softmax(new_next, -1)), -1), 0.0)
-  has_prompt = mask & (prompt_lengths_b > 0)
   state = state.replace(
       cache=cache.replace(index=jnp.where(mask, lengths_b, state.cache.index)),
       next_logits=jnp.where(mask[:, None], new_next, state.next_logits),
-      prompt_logits=jnp.where(has_prompt[:, None], at(prompt_lengths_b), state.prompt_logits))
+      prompt_logits=jnp.where(has_prompt[:, None], new_prompt, state.prompt_logits))
   return _constrain_state(state, mesh, rules), kl
 
 
