@@ -32,13 +32,40 @@ def test_echo_trap_fires_once_when_all_three_signals_turn_and_not_on_one_alone()
   collapse = [{"reward_std_within_group": 0.05, "entropy": 0.2, "grad_norm": 8.0,
                monitors.TASK_IDENTIFICATION: 0.6}] * 4
   fired, last = _feed(_healthy(9) + collapse)
-  assert fired == [("echo_trap", 10)] and last  # the collapse began at 9: two of the 3-window suffice[monitors.ECHO_TRAP] == 1 and last[monitors.TEMPLATE_COLLAPSE] == 0
+  assert fired == [("echo_trap", 10)]  # the collapse began at 9: two of the 3-window suffice
+  assert last[monitors.ECHO_TRAP] == 1 and last[monitors.TEMPLATE_COLLAPSE] == 0
   assert _feed(_healthy(30))[0] == []
   for keep in ("reward_std_within_group", "entropy", "grad_norm"):  # one signal stays healthy: no alarm
     partial = [{**c, keep: _healthy(1)[0][keep]} for c in collapse]
     assert _feed(_healthy(9) + partial)[0] == [], keep
   off = dataclasses.replace(CFG, echo_trap=False)
   assert _feed(_healthy(9) + collapse, off)[0] == []
+
+
+@pytest.mark.parametrize("cut", [4, 10, 11])  # before the windows fill, inside the collapse, after its alert
+def test_monitors_restored_from_a_checkpoint_alert_as_the_uninterrupted_run(cut):
+  """A run checkpointed after `cut` iterations and resumed (its state through JSON, as checkpoint metadata)
+  watches the same windows: the same alerts at the same iterations, the same flags, and an alert already
+  reported before the checkpoint is not reported again."""
+  import json  # pylint: disable=g-import-not-at-top
+  series = _healthy(9) + [{"reward_std_within_group": 0.05, "entropy": 0.2, "grad_norm": 8.0,
+                           monitors.TASK_IDENTIFICATION: 0.6}] * 4
+
+  def run(mon, start, stop, fired, flags):
+    for it in range(start, stop):
+      m = dict(series[it])
+      fired += [(a.kind, it) for a in mon.observe(it, m)]
+      flags.append(m)
+
+  fired, flags = [], []
+  run(monitors.Monitors(CFG), 0, len(series), fired, flags)
+  before, resumed_fired, resumed_flags = monitors.Monitors(CFG), [], []
+  run(before, 0, cut, resumed_fired, resumed_flags)
+  after = monitors.Monitors(CFG, json.loads(json.dumps(before.state())))
+  run(after, cut, len(series), resumed_fired, resumed_flags)
+  assert fired == resumed_fired == [("echo_trap", 10)]
+  assert flags == resumed_flags
+  assert monitors.Monitors(CFG).state() == {"history": {}, "active": []}
 
 
 def test_template_collapse_fires_when_actions_stop_naming_tasks_while_entropy_stays():

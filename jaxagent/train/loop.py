@@ -316,7 +316,7 @@ def _cold_start(run: Run, session: _Session, progress: LoopState) -> LoopState:
       if end == cfg.train.bc_steps:  # one checkpoint after all bc stages (all at iteration 0: one step)
         progress = dataclasses.replace(progress, state=set_reference(run, state), stage=after_cold_start,
                                        stage_start=progress.iteration)
-        save(run, progress, session.writer, session.env_change, session.stream)
+        save(run, progress, session.writer, session.env_change, session.stream, session.monitors)
       else:
         progress = dataclasses.replace(progress, state=state, stage=i + 1)
     begin = end
@@ -353,7 +353,7 @@ def _after_iteration(run: Run, session: _Session, progress: LoopState, end: int)
     progress = dataclasses.replace(progress, stage=i + 1, stage_start=it)
   checkpointed = it % cfg.train.checkpoint_every == 0 or it == cfg.train.iterations or promoted
   if checkpointed:
-    save(run, progress, session.writer, session.env_change, session.stream)
+    save(run, progress, session.writer, session.env_change, session.stream, session.monitors)
   return progress, promoted, checkpointed
 
 
@@ -379,7 +379,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
                      env_change=(resume_meta or {}).get("env_change_allowed"),
                      start_wall=time.perf_counter() - progress.counters[metrics_lib.WALL_SECONDS],
                      resume_stream=(resume_meta or {}).get("stream"),
-                     monitors=monitors.Monitors(cfg.train.monitors))
+                     monitors=monitors.Monitors(cfg.train.monitors, (resume_meta or {}).get("monitors")))
   before = after = None
   stages = config_lib.stages(cfg)
   explicit = bool(cfg.curriculum.stages)
@@ -423,7 +423,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
           saved = it
         if alerts and cfg.train.monitors.action == "stop":
           if not checkpointed:
-            save(run, progress, session.writer, session.env_change, session.stream)
+            save(run, progress, session.writer, session.env_change, session.stream, session.monitors)
             saved = it
           bar.write(f"stopping at iteration {it} (train.monitors.action=stop), checkpointed: resume with --resume "
                     "after changing what collapsed (e.g. a lower optim.learning_rate)")
@@ -436,7 +436,7 @@ def run_loop(run: Run, progress: LoopState, *, resume_meta: Mapping[str, Any] | 
           break
         progress = dataclasses.replace(progress, stage=i + 1, stage_start=progress.iteration)
     if saved != progress.iteration:
-      save(run, progress, session.writer, session.env_change, session.stream)
+      save(run, progress, session.writer, session.env_change, session.stream, session.monitors)
     bar.close()
     run.checkpointer.wait()
     if session.stream is not None:

@@ -11,7 +11,8 @@ their most similar other trajectory of the batch; the score is how often that on
 that 0 is chance (identical or input-independent actions) and 1 is always.
 
 The thresholds are `train.monitors` (config.py: MonitorsConfig); windows are of `window` iterations, compared
-with the best window so far. Host-side, no JAX. A resumed run starts its windows afresh.
+with the best window so far. Host-side, no JAX. The history is checkpointed (`state`), so a resumed run watches
+the same windows, and alerts or stops (`train.monitors.action: stop`) where the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -78,10 +79,19 @@ class Monitors:
   """Watches the rl iterations' metrics (`observe`): each collapse is reported when it starts, not again until it
   has cleared. `observe` also adds the monitor's flags (0/1) to the metrics it is given."""
 
-  def __init__(self, config):  # config: jaxagent.config.MonitorsConfig
+  def __init__(self, config, state: Mapping | None = None):  # config: jaxagent.config.MonitorsConfig
+    """`state`: what `state()` returned at a checkpoint (None: a fresh run)."""
     self.cfg = config
     self.history: dict[str, list[float]] = collections.defaultdict(list)
     self.active: set[str] = set()
+    if state:
+      for key, values in dict(state.get("history") or {}).items():
+        self.history[str(key)] = [float(v) for v in values]
+      self.active = {str(k) for k in state.get("active") or ()}
+
+  def state(self) -> dict:
+    """What a checkpoint stores (JSON): the watched series and the collapses reported and not yet cleared."""
+    return {"history": {k: list(v) for k, v in self.history.items()}, "active": sorted(self.active)}
 
   def _series(self, key: str) -> list[float]:
     return self.history.get(key, [])

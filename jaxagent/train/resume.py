@@ -1,6 +1,6 @@
 """Checkpoints of a run and resuming from them: what a checkpoint's metadata holds besides the train state
 (iteration, curriculum stage, counters, task-iterator state, env and library versions, trajectory shards,
-LoRA settings), and the checks a resume makes (env unchanged, same LoRA settings, stage in range).
+LoRA settings, the monitors' windows), and the checks a resume makes (env unchanged, same LoRA settings, stage in range).
 
   save(run, progress, writer)   -> None                    (asynchronous; `run.checkpointer` waits on close)
   restore(run)                  -> LoopState, metadata     (the newest intact checkpoint)
@@ -33,9 +33,10 @@ class EnvChangedError(config_lib.ConfigError):
 
 
 def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
-         env_change: Mapping[str, Any] | None = None, stream: Any = None) -> None:
+         env_change: Mapping[str, Any] | None = None, stream: Any = None, monitors: Any = None) -> None:
   """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously).
-  `stream`: an async run's `freshness.Freshness` (its queue, slots in flight and counters are stored too)."""
+  `stream`: an async run's `freshness.Freshness` (its queue, slots in flight and counters are stored too);
+  `monitors`: the run's `monitors.Monitors` (their windows, so a resumed run alerts as the uninterrupted one)."""
   shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
   supply = run.supply(progress.stage)
   meta = {"iteration": progress.iteration, "data_iterator": None if supply is None else supply.get_state(),
@@ -48,6 +49,8 @@ def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWrite
     meta["env_change_allowed"] = dict(env_change)
   if stream is not None:
     meta["stream"] = stream.checkpoint(progress.iteration)
+  if monitors is not None:  # train.monitors' windows (`monitors.Monitors.state`)
+    meta["monitors"] = monitors.state()
   run.checkpointer.save(progress.iteration, progress.state, meta, run.model_config, config_lib.to_dict(run.config))
 
 
