@@ -243,6 +243,11 @@ class AlgoConfig:
       "cap)) Â log π_θ (IMPALA's ρ̄)")
   behavior_weight_cap: float = field(2.0, gt=0.0, help="decoupled_ppo / tis: importance weights are truncated "
                                      "at this")
+  moe_load_balance_coef: float = field(0.0, ge=0.0, help="mixture of experts: weight of the load-balancing loss "
+                                       "E·Σ f_e·P_e (1 when balanced), averaged over sparse layers and micro-batches; "
+                                       "0: off (RL fine-tuning usually keeps the pretrained routing)")
+  moe_router_z_coef: float = field(0.0, ge=0.0, help="mixture of experts: weight of the router z-loss "
+                                   "mean(logsumexp(router logits)²); 0: off")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -422,6 +422,20 @@ class MoE(nnx.Module):
       weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
     return experts_btk, weights_btk
 
+  def router_stats(self, x_btd, experts_btk, mask_bt):
+    """float32[2]: the load-balancing loss E · Σ_e f_e · P_e (f_e: the share of the tokens' k assignments that
+    went to expert e, P_e: its mean router probability; 1 when both are uniform) and the router z-loss
+    mean(logsumexp(logits)²), over the tokens of `mask_bt`."""
+    logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.w_router_de[...].astype(jnp.float32))
+    mask = mask_bt.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    e, k = logits_bte.shape[-1], experts_btk.shape[-1]
+    counts_e = jnp.sum(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32) * mask[..., None, None], axis=(0, 1, 2))
+    probs_e = jnp.sum(jax.nn.softmax(logits_bte, axis=-1) * mask[..., None], axis=(0, 1)) / n
+    balance = e * jnp.sum(counts_e / (n * k) * probs_e)
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_bte, axis=-1)) * mask) / n
+    return jnp.stack([balance, z])
+
   def __call__(self, x_btd, replay_btk=None):
     """(output [B, T, D], the expert ids each token used int32[B, T, k])."""
     experts_btk, weights_btk = self.route(x_btd, replay_btk)
@@ -483,17 +497,22 @@ class Block(nnx.Module):
     if config.sandwich_norms:
       self.attn_out_norm, self.mlp_out_norm = norm(), norm()
 
-  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum", replay_btk=None):
-    """(output, the updated cache or None, the expert ids its tokens used [B, T, k] or None for a dense MLP)."""
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum", replay_btk=None,
+               router_stats: bool = False):
+    """(output, the updated cache or None, the expert ids its tokens used [B, T, k] or None for a dense MLP,
+    `MoE.router_stats` over the real tokens when asked (None otherwise, and for a dense MLP))."""
     sandwich = hasattr(self, "attn_out_norm")
     attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv, attention)
     x_btd = x_btd + (self.attn_out_norm(attn_btd) if sandwich else attn_btd)
-    experts_btk = None
+    experts_btk = stats = None
     if isinstance(self.mlp, MoE):
-      mlp_btd, experts_btk = self.mlp(self.mlp_norm(x_btd), replay_btk)
+      normed_btd = self.mlp_norm(x_btd)
+      mlp_btd, experts_btk = self.mlp(normed_btd, replay_btk)
+      if router_stats:
+        stats = self.mlp.router_stats(normed_btd, experts_btk, segment_ids_bt != 0)
     else:
       mlp_btd = self.mlp(self.mlp_norm(x_btd))
-    return x_btd + (self.mlp_out_norm(mlp_btd) if sandwich else mlp_btd), new_kv, experts_btk
+    return x_btd + (self.mlp_out_norm(mlp_btd) if sandwich else mlp_btd), new_kv, experts_btk, stats
 
 
 class Transformer(nnx.Module):
@@ -525,7 +544,7 @@ class Transformer(nnx.Module):
 
   def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None,
                cache_rows=None, remat: str = "none", attention: str = "einsum", routes=None,
-               return_routes: bool = False):
+               return_routes: bool = False, router_stats: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them.
 
     `remat` (training, no cache): the layers run as one scan and each layer's activations are recomputed in the
@@ -534,7 +553,8 @@ class Transformer(nnx.Module):
 
     Mixture of experts: `routes` int32[B, T, M, k] replays expert ids in the M sparse layers (in layer order;
     a token whose ids are -1 routes itself: `MoE.route`); `return_routes` appends the ids every token used,
-    int32[B, T, M, k], to the result: (features, cache, routes).
+    int32[B, T, M, k], to the result: (features, cache, routes). `router_stats` appends the sparse layers' mean
+    `MoE.router_stats`, {"load_balance", "router_z"} (float32 scalars), last.
     """
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r}: not one of {sorted(REMAT_POLICIES)}")
@@ -564,14 +584,15 @@ class Transformer(nnx.Module):
                        f"{len(sparse)} sparse layers, k={self.config.num_experts_per_tok}]"
                        + ("" if sparse else " (it has no sparse layer: no routes)"))
     replay = {i: None if routes is None else routes[:, :, m] for m, i in enumerate(sparse)}
-    new_k, new_v, used = [], [], {}
+    new_k, new_v, used, stats = [], [], {}, {}
     if remat != "none" and cache is None:
-      x_btd, used = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq, REMAT_POLICIES[remat],
-                                         attention, replay)
+      x_btd, used, stats = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq,
+                                                REMAT_POLICIES[remat], attention, replay, router_stats)
     for i, layer in enumerate(self.layers if remat == "none" or cache is not None else ()):
       with jax.named_scope(f"layer_{i}"):
         kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start_b, cache_rows)
-        x_btd, layer_kv, used[i] = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention, replay.get(i))
+        x_btd, layer_kv, used[i], stats[i] = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention,
+                                                   replay.get(i), router_stats)
       if layer_kv is not None:
         new_k.append(layer_kv[0])
         new_v.append(layer_kv[1])
@@ -586,11 +607,16 @@ class Transformer(nnx.Module):
         cache_routes = cache_routes.at[rows_b1, slots_bt].set(used_btmk.astype(ROUTE_DTYPE), mode="drop")
       out_cache = KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index,
                           routes=cache_routes)
-    if return_routes:
-      return x_btd, out_cache, used_btmk
-    return x_btd, out_cache
+    out = (x_btd, out_cache) + ((used_btmk,) if return_routes else ())
+    if router_stats:
+      if not sparse:
+        raise ValueError("router_stats: this model has no sparse layer")
+      mean = jnp.mean(jnp.stack([stats[i] for i in sparse]), axis=0)
+      out += ({"load_balance": mean[0], "router_z": mean[1]},)
+    return out
 
-  def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention, replay):
+  def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention, replay,
+                      router_stats=False):
     """The layers as `lax.scan`s over their parameters stacked on the fly, each step rematerialized: one scan
     per run of consecutive layers of the same structure (all of them for a uniform model; a mixture of experts
     with dense layers among its sparse ones scans each run).
@@ -606,7 +632,7 @@ class Transformer(nnx.Module):
         runs[-1].append(i)
       else:
         runs.append([i])
-    used = {}
+    used, stats = {}, {}
     for run in runs:
       graphdef = nnx.graphdef(self.layers[run[0]])
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(self.layers[i]) for i in run])
@@ -616,13 +642,14 @@ class Transformer(nnx.Module):
       @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)  # prevent_cse is moot inside scan
       def body(x_btd, layer_xs, graphdef=graphdef):
         layer_state, replay_btk = layer_xs
-        x_btd, _, experts_btk = nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt, inv_freq,
-                                                                 None, attention, replay_btk)
-        return x_btd, experts_btk
+        x_btd, _, experts_btk, stats_2 = nnx.merge(graphdef, layer_state)(
+            x_btd, positions_bt, segment_ids_bt, inv_freq, None, attention, replay_btk, router_stats)
+        return x_btd, (experts_btk, stats_2)
 
-      x_btd, experts = jax.lax.scan(body, x_btd, xs)
+      x_btd, (experts, run_stats) = jax.lax.scan(body, x_btd, xs)
       used.update({i: None if experts is None else experts[n] for n, i in enumerate(run)})
-    return x_btd, used
+      stats.update({i: None if run_stats is None else run_stats[n] for n, i in enumerate(run)})
+    return x_btd, used, stats
 
   def unembed_weight(self) -> jax.Array:
     """The [D, V] matrix that maps hidden states to logits (the tied embedding, transposed, or its own)."""

@@ -211,3 +211,29 @@ def test_experts_dispatched_per_batch_shard_on_8_devices_equal_one_device(model)
   print(f"temporaries per device: dispatched per shard {program.memory_analysis().temp_size_in_bytes:,} B, as one "
         f"{whole.memory_analysis().temp_size_in_bytes:,} B")
   assert program.memory_analysis().temp_size_in_bytes < whole.memory_analysis().temp_size_in_bytes
+
+
+def test_router_statistics_are_one_and_log_e_squared_for_a_uniform_router_and_ignore_padding(model):
+  """`features(router_stats=True)`: the load-balancing loss E·Σ f_e·P_e is 1 whenever the router's probabilities
+  are uniform (whatever the top-k picks), the z-loss is logsumexp(0)² = (log E)²; a skewed router raises the
+  balance loss; padding tokens (segment 0) count in neither."""
+  graphdef, params = nnx.split(model)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, CONFIG.vocab_size, (2, 9)), jnp.int32)
+  uniform = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.zeros_like(x) if "w_router_de" in str(path) else x, params))
+  stats = uniform.features(tokens, router_stats=True)[-1]
+  np.testing.assert_allclose(float(stats["load_balance"]), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(float(stats["router_z"]), np.log(CONFIG.num_experts) ** 2, rtol=1e-5)
+  skewed = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
+      lambda path, x: x.at[:, 0].add(3.0) if "w_router_de" in str(path) else x, params))
+  assert float(skewed.features(tokens, router_stats=True)[-1]["load_balance"]) > 1.1
+  # Padding changes nothing: the same tokens with padded ones appended.
+  padded = jnp.concatenate([tokens, tokens[:, :4]], axis=1)
+  segments = jnp.concatenate([jnp.ones((2, 9), jnp.int32), jnp.zeros((2, 4), jnp.int32)], axis=1)
+  got = model.features(padded, segment_ids_bt=segments, router_stats=True)[-1]
+  want = model.features(tokens, router_stats=True)[-1]
+  for key in ("load_balance", "router_z"):
+    np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=1e-5)
+  # Under remat (the layers scanned) the statistics are the same.
+  scanned = model.features(tokens, remat="full", router_stats=True)[-1]
+  np.testing.assert_allclose(float(scanned["load_balance"]), float(want["load_balance"]), rtol=1e-5)

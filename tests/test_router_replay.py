@@ -160,3 +160,29 @@ def test_router_replay_needs_the_host_loop_transport(tmp_path):
   cfg = config_lib.load("tiny_cpu", TINY + MOE + [f"run.root={tmp_path}", "rollout.env_transport=callback"])
   with pytest.raises(config_lib.ConfigError, match="env_transport=callback with a mixture of experts.*router_replay"):
     build_run(cfg, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_router_losses_are_off_by_default_logged_and_in_the_gradient_when_on_and_refused_for_a_dense_policy(tmp_path):
+  def first_update(*extra):
+    cfg = config_lib.load("tiny_cpu", TINY + MOE + [f"run.root={tmp_path}", "train.bc_steps=0",
+                                                     "train.eval_episodes=0", *extra])
+    run = build_run(cfg, tmp_path / f"run{len(extra)}")
+    try:
+      progress = loop.LoopState(state=run.init_state())
+      with trajectory_store.TrajectoryWriter(tmp_path / f"stored{len(extra)}") as writer:
+        progress, m = loop.rl_iteration(run, progress, writer, 0.0)
+      router = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(progress.state.params)[0]
+                if "w_router_de" in jax.tree_util.keystr(p)]
+    finally:
+      run.close()
+    return m, router
+
+  off, router_off = first_update()
+  on, router_on = first_update("algo.moe_load_balance_coef=1.0", "algo.moe_router_z_coef=0.1")
+  assert "moe/load_balance" not in off and "moe/router_z" not in off
+  assert 0.5 < on["moe/load_balance"] < 6 and on["moe/router_z"] > 0  # E = 6 experts: 1 when balanced
+  assert any(np.abs(a - b).max() > 0 for a, b in zip(router_on, router_off))  # the losses move the routers
+  with pytest.raises(config_lib.ConfigError, match="has no mixture-of-experts layer; set both to 0"):
+    build_run(config_lib.load("tiny_cpu", TINY + [f"run.root={tmp_path}", "algo.moe_router_z_coef=0.1"]),
+              tmp_path / "dense")

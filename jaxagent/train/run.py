@@ -601,6 +601,11 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   io = build_interface(cfg)
   tasks, stage_tasks = _build_supplies(cfg, io.env_spec, purpose, echo)
   policy = build_policy(cfg, io)
+  if (cfg.algo.moe_load_balance_coef or cfg.algo.moe_router_z_coef) and not policy.model.config.num_experts:
+    raise config_lib.ConfigError(
+        f"algo.moe_load_balance_coef={cfg.algo.moe_load_balance_coef}, algo.moe_router_z_coef="
+        f"{cfg.algo.moe_router_z_coef}: the policy ({policy.model.config.model_type}) has no mixture-of-experts "
+        "layer; set both to 0")
   steps = build_steps(cfg, policy, purpose)
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rollout = _build_rollout(cfg, io, policy, global_rows)

@@ -41,6 +41,9 @@ _SUMS = ("loss_tokens", "value_positions", "pg_loss", "value_loss")
 _TOKEN_MEANS = ("clip_fraction", "ratio_mean", "approx_kl", "entropy", "kl", "nll", "policy_lag", "kept_mass",
                 "behavior_weight_mean", "truncated_fraction")
 _VALUE_MEANS = ("value_clip_fraction", "value_error")
+#   router means: the mixture of experts' router losses, computed per micro-batch (the load-balancing loss is not a
+#                sum over tokens, so it is the one term micro-batching changes) and averaged over them.
+_ROUTER_MEANS = ("moe/load_balance", "moe/router_z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,7 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   if compute_dtype is not None:
     params = cast_floating(params, compute_dtype)
     ref_params = None if ref_params is None else cast_floating(ref_params, compute_dtype)
-  x_btd, logp_bt, entropy_bt, log_kept_bt = _scores(params, graphdefs, batch, options)
+  x_btd, logp_bt, entropy_bt, log_kept_bt, router = _scores(params, graphdefs, batch, options)
   mask_bt = batch.loss_mask
   thresholds_bt = None if mode == "bc" else batch.sampling_thresholds
   token_mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1)
@@ -119,8 +122,8 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
         logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
         entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=algo.behavior_weight_cap,
         entropy_coef=algo.entropy_coef)
-    return _with_value(params, graphdefs, x_btd, dict(metrics, policy_lag=token_mean(lag_bt), **kept), loss,
-                       value_targets, value_normalizer, algo)
+    loss, metrics = _with_router(loss, dict(metrics, policy_lag=token_mean(lag_bt), **kept), router, o)
+    return _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo)
   ref_logp_bt = None
   if ref_params is not None:
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
@@ -141,26 +144,42 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
                                     behavior_weight_cap=algo.behavior_weight_cap,
                                     **algos.policy_loss_kwargs(algo))
   metrics = dict(metrics, policy_lag=token_mean(lag_bt), **kept)
+  loss, metrics = _with_router(loss, metrics, router, o)
   return _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo)
+
+
+def _with_router(loss, metrics, router, options: StepOptions):
+  """Adds a mixture of experts' router losses (`algo.moe_load_balance_coef`, `moe_router_z_coef`; `router` None:
+  off): each micro-batch adds 1/M of its own, so the step's loss has their mean over micro-batches."""
+  if router is None:
+    return loss, metrics
+  algo = options.algo
+  loss = loss + (algo.moe_load_balance_coef * router["load_balance"]
+                 + algo.moe_router_z_coef * router["router_z"]) / options.micro_batches
+  return loss, {**metrics, "moe/load_balance": router["load_balance"], "moe/router_z": router["router_z"]}
 
 
 def _scores(params, graphdefs, batch: Batch, options: StepOptions):
   """The policy's features and, per token, log π (under the rollout temperature, cut at the recorded sampling
-  thresholds, in rl and offline modes), entropy and the log of the kept mass. `params` already merged and cast.
+  thresholds, in rl and offline modes), entropy and the log of the kept mass; then a mixture of experts' router
+  statistics when rl mode weights them (`_with_router`; else None). `params` already merged and cast.
 
   Router replay: a mixture of experts sends each token to the experts the sampler recorded for it
   (`batch.expert_routes`), so π_θ is scored through the same experts μ was; the router keeps its gradient
   through the weights it gives those experts (`models.MoE.route`). The reference policy routes itself."""
   o = options
   model = nnx.merge(graphdefs["policy"], params["policy"])
-  x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                            remat=o.remat, attention=o.attention, routes=batch.expert_routes)
+  router = o.mode == "rl" and bool(o.algo.moe_load_balance_coef or o.algo.moe_router_z_coef)
+  x_btd, _, *stats = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
+                                    remat=o.remat, attention=o.attention, routes=batch.expert_routes,
+                                    router_stats=router)
   scale = 1.0 if o.mode == "bc" else o.temperature
   # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
   # its recorded threshold (None: rollouts sampled from the whole distribution; behavior cloning never cuts).
   thresholds_bt = None if o.mode == "bc" else batch.sampling_thresholds
   return (x_btd,) + algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, batch.loss_mask,
-                                           temperature=scale, chunk=o.logits_chunk, thresholds_bt=thresholds_bt)
+                                           temperature=scale, chunk=o.logits_chunk,
+                                           thresholds_bt=thresholds_bt) + (stats[0] if stats else None,)
 
 
 def _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo):
@@ -200,6 +219,8 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
       out[key] = weighted_mean(value, tokens)
     elif key in _VALUE_MEANS:
       out[key] = weighted_mean(value, metrics["value_positions"])
+    elif key in _ROUTER_MEANS:
+      out[key] = jnp.mean(value)
     elif key == "ratio_min":
       out[key] = jnp.where(total > 0, jnp.min(jnp.where(tokens > 0, value, jnp.inf)), 0.0)
     elif key in ("ratio_max", "behavior_weight_max"):
