@@ -31,6 +31,21 @@ def _sampler(model):
                  extend_buckets=(8,))
 
 
+def _fork_row_0_and_decode(sampler, params, state):
+  """Row 1 forks row 0's prompt and decodes an action: the same tokens and log-probs as the prompt prefilled on
+  its own (a fork that copied the source's moved-on ring would decode from other keys). Returns (state, the
+  prefilled prompt's action)."""
+  f = Feed.empty(2, 8, 0)
+  f.reset[1], f.episode[1], f.fork[1], f.start[1] = 1, 1, 0, 1
+  state, ok = sampler.feed(params, state, f)
+  state = sampler.decode(params, state, 6)
+  _, want = sampler.generate(params, sampler.prefill(params, [PROMPT], jax.random.key(0)))
+  assert np.asarray(ok).all()
+  np.testing.assert_array_equal(np.asarray(state.tokens[1]), np.asarray(want.tokens[0]))
+  np.testing.assert_allclose(np.asarray(state.raw_logprobs[1]), np.asarray(want.raw_logprobs[0]), atol=1e-5)
+  return state, want
+
+
 def test_the_sliding_layers_cache_is_a_ring_of_the_window():
   cache = models.KVCache.init(CONFIG, 2, 32)
   assert [k.shape[-1] for k in cache.k] == [WINDOW, 32]  # layer 0 slides, layer 1 is global
@@ -47,16 +62,8 @@ def test_a_fork_after_its_source_decoded_equals_a_fresh_prefill():
   state, ok = sampler.feed(params, sampler.init(2, jax.random.key(0)), f)
   state = sampler.decode(params, state, 6)
   assert int(state.n[0]) == 6 and np.asarray(ok).all()
-  f = Feed.empty(2, 8, 0)
-  f.reset[1], f.episode[1], f.fork[1], f.start[1] = 1, 1, 0, 1
-  state, ok = sampler.feed(params, state, f)
-  state = sampler.decode(params, state, 6)
-  fresh, out = sampler.generate(params, sampler.prefill(params, [PROMPT], jax.random.key(0)))
-  assert np.asarray(ok).all()
-  np.testing.assert_array_equal(np.asarray(state.tokens[1]), np.asarray(out.tokens[0]))
+  state, out = _fork_row_0_and_decode(sampler, params, state)
   np.testing.assert_array_equal(np.asarray(state.tokens[0]), np.asarray(out.tokens[0]))
-  # The log-probs too: a fork that copied the source's moved-on ring would decode from other keys.
-  np.testing.assert_allclose(np.asarray(state.raw_logprobs[1]), np.asarray(out.raw_logprobs[0]), atol=1e-5)
 
 
 def test_a_refill_under_new_weights_equals_a_fresh_prefill_and_keeps_the_prompt_for_forks():
@@ -79,14 +86,7 @@ def test_a_refill_under_new_weights_equals_a_fresh_prefill_and_keeps_the_prompt_
   state, a = sampler.generate(new, state)  # row 0 decodes on: a fork must take its prompt-time rings
   _, b = sampler.generate(new, fresh)
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-  # The refilled prompt (its rings recomputed under the new weights) serves a fork.
-  f = Feed.empty(2, 8, 0)
-  f.reset[1], f.episode[1], f.fork[1], f.start[1] = 1, 1, 0, 1
-  forked, ok = sampler.feed(new, state, f)
-  forked = sampler.decode(new, forked, 6)
-  _, want = sampler.generate(new, sampler.prefill(new, [PROMPT], jax.random.key(0)))
-  assert np.asarray(ok).all()
-  np.testing.assert_array_equal(np.asarray(forked.tokens[1]), np.asarray(want.tokens[0]))
+  _fork_row_0_and_decode(sampler, new, state)  # the refilled prompt (its rings recomputed) serves a fork
 
 
 def test_a_32k_rollout_of_gemma3_4b_keeps_a_fraction_of_the_full_cache():
