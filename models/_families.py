@@ -105,10 +105,11 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
                                 "its text model (text_config, model_type 'gemma3_text') is supported")
   family = get_family(hf.get("model_type"), source=source)
   gemma = family.model_type == "gemma3_text"
-  act = hf.get("hidden_activation" if gemma else "hidden_act", "silu")
+  act_key = "hidden_activation" if gemma else "hidden_act"
+  act = hf.get(act_key, "silu")
   valid = GEMMA_ACTIVATIONS if gemma else {"silu": "silu"}
   if act not in valid:
-    raise UnsupportedModelError(f"{source}: activation {act!r} is not supported; valid: {sorted(valid)}")
+    raise UnsupportedModelError(f"{source}: {act_key} {act!r} is not supported; valid: {sorted(valid)}")
   if gemma:
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
       if hf.get(key) is not None:

@@ -105,7 +105,7 @@ def test_the_tiny_new_family_recipes_train_two_grpo_iterations_and_export_to_tra
   from tests import hf_reference  # pylint: disable=g-import-not-at-top
 
   overrides = [f"model.tokenizer={request.getfixturevalue(tokenizer)}", f"run.root={tmp_path}",
-               "train.eval_episodes=0", "train.bc_steps=12", "train.bc_batch_size=2", "env.pool.kind=inprocess"]
+               "train.eval_episodes=0", "train.bc_steps=4", "train.bc_batch_size=2", "env.pool.kind=inprocess"]
   init = config_lib.load(recipe, overrides).model.init
   assert (init.num_experts, init.mlp_only_layers) == (8, (1,)) or init.layer_types.count("sliding_attention") == 2
   run = tmp_path / "run"

@@ -73,6 +73,7 @@ def test_router_replay_makes_the_first_update_on_policy_where_fragile_routing_br
   print(f"first update's ratio: without replay [{without['ratio_min']:.4f}, {without['ratio_max']:.4f}], "
         f"with replay [{with_replay['ratio_min']:.7f}, {with_replay['ratio_max']:.7f}]")
   assert without["loss_tokens"] > 0 and with_replay["loss_tokens"] > 0
+  assert "moe/load_balance" not in with_replay and "moe/router_z" not in with_replay  # router losses: off by default
   assert max(abs(without["ratio_min"] - 1), abs(without["ratio_max"] - 1)) > 0.05
   assert max(abs(with_replay["ratio_min"] - 1), abs(with_replay["ratio_max"] - 1)) < ON_POLICY_TOL
   # The routes travel in the stored trajectories: every token the sampler computed has its experts.
@@ -163,26 +164,20 @@ def test_router_replay_needs_the_host_loop_transport(tmp_path):
 
 
 @pytest.mark.slow
-def test_router_losses_are_off_by_default_logged_and_in_the_gradient_when_on_and_refused_for_a_dense_policy(tmp_path):
-  def first_update(*extra):
-    cfg = config_lib.load("tiny_cpu", TINY + MOE + [f"run.root={tmp_path}", "train.bc_steps=0",
-                                                     "train.eval_episodes=0", *extra])
-    run = build_run(cfg, tmp_path / f"run{len(extra)}")
-    try:
-      progress = loop.LoopState(state=run.init_state())
-      with trajectory_store.TrajectoryWriter(tmp_path / f"stored{len(extra)}") as writer:
-        progress, m = loop.rl_iteration(run, progress, writer, 0.0)
-      router = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(progress.state.params)[0]
-                if "w_router_de" in jax.tree_util.keystr(p)]
-    finally:
-      run.close()
-    return m, router
-
-  off, router_off = first_update()
-  on, router_on = first_update("algo.moe_load_balance_coef=1.0", "algo.moe_router_z_coef=0.1")
-  assert "moe/load_balance" not in off and "moe/router_z" not in off
-  assert 0.5 < on["moe/load_balance"] < 6 and on["moe/router_z"] > 0  # E = 6 experts: 1 when balanced
-  assert any(np.abs(a - b).max() > 0 for a, b in zip(router_on, router_off))  # the losses move the routers
+def test_router_losses_are_in_the_loss_and_logged_when_on_and_refused_for_a_dense_policy(tmp_path):
+  """With both weights on, the update's loss is the policy loss plus exactly the weighted router losses it logs
+  (so they are in the gradient); off by default, nothing is logged (the first-update test's runs)."""
+  cfg = config_lib.load("tiny_cpu", TINY + MOE + [f"run.root={tmp_path}", "train.bc_steps=0", "train.eval_episodes=0",
+                                                   "algo.moe_load_balance_coef=1.0", "algo.moe_router_z_coef=0.1"])
+  run = build_run(cfg, tmp_path / "run")
+  try:
+    with trajectory_store.TrajectoryWriter(tmp_path / "stored") as writer:
+      _, m = loop.rl_iteration(run, loop.LoopState(state=run.init_state()), writer, 0.0)
+  finally:
+    run.close()
+  assert 0.5 < m["moe/load_balance"] < 6 and m["moe/router_z"] > 0  # E = 6 experts: 1 when balanced
+  np.testing.assert_allclose(m["loss"] - m["pg_loss"], 1.0 * m["moe/load_balance"] + 0.1 * m["moe/router_z"],
+                             rtol=1e-4)
   with pytest.raises(config_lib.ConfigError, match="has no mixture-of-experts layer; set both to 0"):
     build_run(config_lib.load("tiny_cpu", TINY + [f"run.root={tmp_path}", "algo.moe_router_z_coef=0.1"]),
               tmp_path / "dense")
