@@ -116,9 +116,11 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
-  """Sizes of the mesh axes `data, fsdp, tensor` in one group (ICI or DCN); one may be -1 (inferred)."""
+  """Sizes of the mesh axes `data, fsdp, expert, tensor` in one group (ICI or DCN); one may be -1 (inferred).
+  `expert` splits a mixture of experts' experts (expert parallelism) and, outside the experts, the batch."""
   data: int = field(1, ge=-1)
   fsdp: int = field(1, ge=-1)
+  expert: int = field(1, ge=-1)
   tensor: int = field(1, ge=-1)
 
   def __post_init__(self):
@@ -132,13 +134,13 @@ class MeshAxes:
 
 @dataclasses.dataclass(frozen=True)
 class IciAxes(MeshAxes):
-  """ICI sizes; unset keys default to FSDP over the whole granule (data 1, fsdp -1, tensor 1)."""
+  """ICI sizes; unset keys default to FSDP over the whole granule (data 1, fsdp -1, expert 1, tensor 1)."""
   fsdp: int = field(-1, ge=-1)
 
 
 @dataclasses.dataclass(frozen=True)
 class DcnAxes(MeshAxes):
-  """DCN sizes; unset keys default to data parallelism across granules (data -1, fsdp 1, tensor 1)."""
+  """DCN sizes; unset keys default to data parallelism across granules (data -1, fsdp 1, expert 1, tensor 1)."""
   data: int = field(-1, ge=-1)
 
 

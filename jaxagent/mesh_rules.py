@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import models
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
-# Training: parameters FSDP over `fsdp`, tensor parallelism over `tensor`; `batch` is for activations and data.
+# Training: parameters FSDP over `fsdp`, tensor parallelism over `tensor`, experts split over `expert`; `batch`
+# is for activations and data (the expert axis splits the batch too: outside the experts it is data parallel).
 FSDP_TP_RULES: models.Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
-    # Mixture of experts: each expert's weights laid out as a dense MLP's (embed over fsdp, its width over
-    # tensor), every expert on every device; the router's expert axis is small and stays whole.
-    ("experts", None),
+    # Mixture of experts: the experts split over `expert` (expert parallelism: models.MoE's dispatch), each
+    # expert's weights laid out as a dense MLP's (embed over fsdp, its width over tensor).
+    ("experts", "expert"),
     ("expert_mlp", "tensor"),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -34,7 +35,7 @@ TENSOR_PARALLEL_RULES: models.Rules = tuple((name, None if name == "embed" else 
 
 # Everything replicated but the batch: small models, debugging; the replication guard rejects it on a
 # multi-device learner mesh unless mesh.max_replicated_fraction allows it.
-REPLICATED_RULES: models.Rules = tuple((name, ("data", "fsdp") if name == "batch" else None)
+REPLICATED_RULES: models.Rules = tuple((name, ("data", "fsdp", "expert") if name == "batch" else None)
                                        for name, _ in FSDP_TP_RULES)
 
 RULE_TABLES: dict[str, models.Rules] = {

@@ -39,6 +39,18 @@ def batch_shards(rows: int, mesh: Mesh, rules: models.Rules) -> tuple[tuple[str,
   return axes, math.prod(mesh.shape[a] for a in axes)
 
 
+def expert_placement(num_experts: int, mesh: Mesh | None,
+                     rules: models.Rules) -> models.ExpertPlacement | None:
+  """Where a mixture-of-experts policy's programs on `mesh` dispatch tokens to experts: per shard of the batch's
+  rows (the axes `rules` split a batch over), to the experts the rules place on each device (`expert` axis: expert
+  parallelism). None for a dense policy, no mesh, or nothing split."""
+  if not num_experts or mesh is None:
+    return None
+  axes, shards = batch_shards(mesh.devices.size, mesh, rules)
+  experts_split = models.logical_to_spec(("experts",), (num_experts,), mesh, rules)[0] is not None
+  return models.ExpertPlacement(mesh, axes, tuple(rules)) if shards > 1 or experts_split else None
+
+
 def to_global(tree: Any, mesh: Mesh | None, rules: models.Rules) -> Any:
   """This process's rows of host arrays -> global arrays whose leading axis is laid out as logical `batch`.
 

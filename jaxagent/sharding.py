@@ -1,6 +1,6 @@
 """Meshes from config, per-role rules tables, and a guard against silently replicated parameters.
 
-The mesh has axes `data, fsdp, tensor`. Each axis has an ICI size (inside a granule: a TPU slice, or one
+The mesh has axes `data, fsdp, expert, tensor`. Each axis has an ICI size (inside a granule: a TPU slice, or one
 process elsewhere) and a DCN size (across granules); the mesh axis is their product. One size per group may
 be -1 (inferred). With DCN sizes all 1 the mesh is `mesh_utils.create_device_mesh` over every device;
 otherwise `mesh_utils.create_hybrid_device_mesh`, so that only the DCN axes cross slow links.
@@ -75,7 +75,7 @@ def resolve_mesh_shape(config: MeshConfig, num_devices: int, num_granules: int) 
     num_granules: TPU slices, or processes on other platforms.
 
   Returns:
-    `(ici, dcn)` dicts over `data, fsdp, tensor`. With DCN sizes all 1, the ICI sizes cover every device.
+    `(ici, dcn)` dicts over `data, fsdp, expert, tensor`. With DCN sizes all 1, the ICI sizes cover every device.
 
   Raises:
     ValueError: the sizes do not fit the devices; the message names the config keys and counts.
@@ -104,7 +104,7 @@ def _granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
 
 
 def mesh_from_config(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The `data, fsdp, tensor` mesh the config describes, over `devices` (default: all devices of all processes).
+  """The `data, fsdp, expert, tensor` mesh the config describes, over `devices` (default: all devices of all processes).
 
   Args:
     config: the `mesh` config section.
@@ -189,12 +189,12 @@ _CROSS_MESH_PROGRAMS: dict[Any, Any] = {}  # (union mesh, specs, shapes) -> the 
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A `data, fsdp, tensor` mesh over `devices` (default: all) from explicit sizes; one may be -1 (inferred).
+  """A `data, fsdp, expert, tensor` mesh over `devices` (default: all) from explicit sizes; one may be -1 (inferred).
 
-  Unset axes default to `data: -1, fsdp: 1, tensor: 1`. For the configured mesh use `mesh_from_config`.
+  Unset axes default to `data: -1, fsdp: 1, expert: 1, tensor: 1`. For the configured mesh use `mesh_from_config`.
   """
   devices = list(jax.devices() if devices is None else devices)
-  sizes = {"data": -1, "fsdp": 1, "tensor": 1, **(shape or {})}
+  sizes = {"data": -1, "fsdp": 1, "expert": 1, "tensor": 1, **(shape or {})}
   if -1 not in sizes.values() and math.prod(sizes.values()) != len(devices):
     raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, have {len(devices)}")
   sizes = _infer(sizes, len(devices), "mesh")

@@ -12,6 +12,7 @@ Segment 0 marks padding (left, right or in the middle of a cache after a ragged 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Any, Iterator
@@ -24,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from models._config import LAYER_TYPES, ModelConfig
 from models._rope import apply_rope, rope_tables
+from models._sharding import Rules, logical_to_spec
 
 # Per-layer rematerialization (`Transformer.features(remat=...)`): what a layer keeps for the backward pass.
 # Attention kernels for T > 1 (`features(attention=...)`): einsum + softmax over the whole [T, S] logits,
@@ -392,14 +394,20 @@ class MoE(nnx.Module):
   assignments are sorted by expert and each expert's contiguous group is multiplied by its weights
   (`jax.lax.ragged_dot`), then scattered back, weighted, onto their tokens. Compute and memory follow the k
   experts a token uses, never all E of them; an einsum over every expert would cost E/k times the FLOPs.
+  Under `dispatch_experts_over` the experts may be split over devices (expert parallelism, see there).
   """
+
+  # Logical axes of the expert weights (the rules tables map `experts` to the expert-parallel mesh axis). The
+  # router's expert axis is small and stays whole on every device: each device routes its own tokens.
+  GATE_UP_AXES = ("experts", "embed", "expert_mlp")
+  DOWN_AXES = ("experts", "expert_mlp", "embed")
 
   def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
     e, d, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    self.w_router_de = _param(rngs, (d, e), ("embed", "experts"), dtype)
-    self.w_gate_edf = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype)
-    self.w_up_edf = _param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype)
-    self.w_down_efd = _param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), dtype)
+    self.w_router_de = _param(rngs, (d, e), ("embed", None), dtype)
+    self.w_gate_edf = _param(rngs, (e, d, f), self.GATE_UP_AXES, dtype)
+    self.w_up_edf = _param(rngs, (e, d, f), self.GATE_UP_AXES, dtype)
+    self.w_down_efd = _param(rngs, (e, f, d), self.DOWN_AXES, dtype)
     self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
 
   def route(self, x_btd, replay_btk=None):
@@ -442,44 +450,159 @@ class MoE(nnx.Module):
     weights = (self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
     placement = _DISPATCH[-1] if _DISPATCH else None
     if placement is not None:
-      mesh, axes = placement
-      shards = math.prod(mesh.shape[a] for a in axes)
-      if axes and x_btd.shape[0] % shards == 0:
-        rows = PartitionSpec(axes)
-        dispatch = jax.shard_map(_dispatch, mesh=mesh, in_specs=(rows, rows, rows) + (PartitionSpec(),) * 3,
-                                 out_specs=rows)
-        return dispatch(x_btd, experts_btk, weights_btk, *weights), experts_btk
+      layout = placement.layout(x_btd.shape, self.top_k, weights)
+      if layout is not None:
+        return layout.dispatch(x_btd, experts_btk, weights_btk, *weights), experts_btk
     return _dispatch(x_btd, experts_btk, weights_btk, *weights), experts_btk
 
 
 def _dispatch(x_btd, experts_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd):
   """Every token through its k experts, weighted and summed: the assignments sorted by expert, each expert's group
-  multiplied by its weights (`jax.lax.ragged_dot`), added back onto their tokens."""
+  multiplied by its weights (`jax.lax.ragged_dot`), added back onto their tokens.
+
+  The weights may hold a contiguous block of the experts only (expert parallelism): ids are then relative to the
+  block's first expert, and assignments outside [0, block size) are sorted last, outside every group, so
+  `ragged_dot` gives them zero rows and they add nothing here (their experts' devices add them)."""
   b, t, d = x_btd.shape
   e, k = w_gate_edf.shape[0], experts_btk.shape[-1]
   flat_expert_a = experts_btk.reshape(-1)  # a = one (token, choice) assignment, b*t*k of them
-  order_a = jnp.argsort(flat_expert_a, stable=True)
+  held_a = (flat_expert_a >= 0) & (flat_expert_a < e)
+  group_a = jnp.where(held_a, flat_expert_a, e)  # group e: experts held elsewhere
+  order_a = jnp.argsort(group_a, stable=True)
   token_a = order_a // k
-  group_sizes_e = jnp.bincount(flat_expert_a, length=e).astype(jnp.int32)
+  group_sizes_e = jnp.bincount(group_a, length=e + 1)[:e].astype(jnp.int32)
   x_ad = x_btd.reshape(b * t, d)[token_a]
   gate_af = jax.lax.ragged_dot(x_ad, w_gate_edf, group_sizes_e)
   up_af = jax.lax.ragged_dot(x_ad, w_up_edf, group_sizes_e)
   out_ad = jax.lax.ragged_dot(jax.nn.silu(gate_af) * up_af, w_down_efd, group_sizes_e)
-  out_ad = out_ad * weights_btk.reshape(-1)[order_a][:, None].astype(out_ad.dtype)
+  out_ad = out_ad * jnp.where(held_a, weights_btk.reshape(-1), 0.0)[order_a][:, None].astype(out_ad.dtype)
   return jnp.zeros((b * t, d), out_ad.dtype).at[token_a].add(out_ad).reshape(b, t, d)
 
 
-_DISPATCH: list[tuple[Mesh, tuple[str, ...]]] = []  # `dispatch_experts_over`'s placements, innermost last
+# Expert parallelism sends a call's tokens to the experts when the devices of an expert group together make at
+# most this many assignments per expert a device holds (one-token decode steps): a grouped matmul with so few rows
+# per expert is bound by reading the expert's weights (v5p: 459 TFLOP/s over 2.76 TB/s is ~166 FLOP per byte), so
+# each device reads only its own experts. With more (prefill, the update) the experts come to the tokens instead:
+# a layer's experts are gathered whole, as FSDP gathers a layer, and each device computes its own tokens only.
+TOKENS_TO_EXPERTS_MAX_PER_EXPERT = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertLayout:
+  """How one MoE call's dispatch is split over a mesh (`ExpertPlacement.layout`): `jax.shard_map` over the
+  mesh, the tokens' rows over `batch_axes`, each expert weight as `weight_specs` says.
+
+  `expert_axes` non-empty: the tokens go to the experts. The experts' axis stays split over `expert_axes`: each
+  device holds a contiguous block of experts and computes, for every token of its group, the assignments to its
+  own experts; the partial outputs are summed back onto the tokens. Where the tokens are split over an expert
+  axis too (the usual case: it is one of the batch's axes), the group's tokens are first all-gathered over it and
+  the sum is a reduce-scatter, so each device gets back its own rows; where they are not, the sum is a psum. All
+  of it is static in shape and drops nothing: the gathered assignments are sorted with the other devices' experts
+  last, outside every group of `ragged_dot`. An all-to-all of each token to its k experts would move about k x a
+  device's tokens; the all-gather moves (ep - 1) x, no more where ep <= k (Qwen3-30B-A3B: k = 8), which is why it
+  is the mechanism here. Its cost is the sort's buffer, ep x the device's assignments, which is why only calls
+  with few tokens (`TOKENS_TO_EXPERTS_MAX_PER_EXPERT`) take this way.
+
+  The weights' `expert_mlp` axis may stay split (tensor parallelism inside each expert): the down projection's
+  partial sums are then summed over `contracted_axes`.
+  """
+  mesh: Mesh
+  batch_axes: tuple[str, ...]
+  expert_axes: tuple[str, ...]
+  contracted_axes: tuple[str, ...]
+  weight_specs: tuple[PartitionSpec, PartitionSpec, PartitionSpec]
+
+  def dispatch(self, x_btd, experts_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd):
+    rows = PartitionSpec(self.batch_axes) if self.batch_axes else PartitionSpec()
+    gathered = tuple(a for a in self.expert_axes if a in self.batch_axes)
+    summed = tuple(a for a in self.expert_axes if a not in self.batch_axes)
+
+    def local(x_btd, experts_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd):
+      if gathered:  # the group's tokens, so that this device's experts see every assignment made to them
+        x_btd, experts_btk, weights_btk = (jax.lax.all_gather(v, gathered, axis=0, tiled=True)
+                                           for v in (x_btd, experts_btk, weights_btk))
+      if summed:  # the same tokens on each device of the group: their gradients must be summed over it. Said
+        # explicitly: left implicit, the tokens' gradient through the row gather below came back without the other
+        # devices' share (jax 0.10, tested against one device in tests/test_moe.py).
+        x_btd, weights_btk = (jax.lax.pcast(v, summed, to="varying") for v in (x_btd, weights_btk))
+      if self.expert_axes:
+        experts_btk = experts_btk - jax.lax.axis_index(self.expert_axes) * w_gate_edf.shape[0]
+      out_btd = _dispatch(x_btd, experts_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd)
+      if gathered:
+        out_btd = jax.lax.psum_scatter(out_btd, gathered, scatter_dimension=0, tiled=True)
+      if summed + self.contracted_axes:
+        out_btd = jax.lax.psum(out_btd, summed + self.contracted_axes)
+      return out_btd
+
+    manual = set(self.batch_axes) | set(self.expert_axes) | set(self.contracted_axes)
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(rows, rows, rows) + self.weight_specs, out_specs=rows,
+                         axis_names=manual)(x_btd, experts_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd)
+
+
+def _axes(target) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPlacement:
+  """Where a program's mixture-of-experts dispatch runs: `mesh`, the mesh axes the batch's rows are split over
+  (`batch_axes`), and the `rules` the expert weights were placed with."""
+  mesh: Mesh
+  batch_axes: tuple[str, ...]
+  rules: Rules
+
+  def layout(self, x_shape: tuple[int, ...], top_k: int, weights) -> _ExpertLayout | None:
+    """The split of a call on tokens of `x_shape` [B, T, D] with these expert weights; None when there is nothing
+    to split (the rows not divisible over the batch's axes, no expert axis): the call dispatches as one array."""
+    rows, length = x_shape[0], x_shape[1]
+    size = lambda axes: math.prod(self.mesh.shape[a] for a in axes)
+    batch_axes = self.batch_axes if self.batch_axes and rows % size(self.batch_axes) == 0 else ()
+    gate_up, _, down = weights
+    expert_axes = _axes(logical_to_spec(MoE.GATE_UP_AXES, gate_up.shape, self.mesh, self.rules)[0])
+    if expert_axes:  # the tokens of one expert group: every device's rows but for the group's own split
+      group_tokens = rows // size(tuple(a for a in batch_axes if a not in expert_axes)) * length
+      held = gate_up.shape[0] // size(expert_axes)
+      if group_tokens * top_k > TOKENS_TO_EXPERTS_MAX_PER_EXPERT * held:
+        expert_axes = ()  # the experts come to the tokens
+    if not batch_axes and not expert_axes:
+      return None
+
+    # Inside the map the rows' axes are the tokens' (even when these rows are too few to split): a weight
+    # dimension other than the experts' that is split over one of them (FSDP's `embed`) is gathered whole, as
+    # FSDP gathers a layer; so is the experts' own when the experts come to the tokens.
+    def spec(axes, shape):
+      kept = []
+      for i, target in enumerate(logical_to_spec(axes, shape, self.mesh, self.rules)):
+        if i == 0:
+          names = tuple(a for a in _axes(target) if a in expert_axes)
+        else:
+          names = tuple(a for a in _axes(target) if a not in self.batch_axes and a not in expert_axes)
+        kept.append(None if not names else names[0] if len(names) == 1 else names)
+      return PartitionSpec(*kept)
+
+    gate_up_spec, down_spec = spec(MoE.GATE_UP_AXES, gate_up.shape), spec(MoE.DOWN_AXES, down.shape)
+    return _ExpertLayout(self.mesh, batch_axes, expert_axes, _axes(down_spec[1]),
+                         (gate_up_spec, gate_up_spec, down_spec))
+
+
+_DISPATCH: list[ExpertPlacement] = []  # `dispatch_experts_over`'s placements, innermost last
 
 
 @contextlib.contextmanager
-def dispatch_experts_over(mesh: Mesh, batch_axes: tuple[str, ...]) -> Iterator[None]:
-  """Programs traced inside dispatch each batch shard's tokens to the experts on its own devices: the dispatch
-  runs under `shard_map` over `batch_axes` (the mesh axes the batch's rows are split over), with the experts'
-  weights gathered whole, as FSDP gathers a layer. Without it, the sort of a whole batch's assignments is one
-  array that GSPMD does not split, so every device would dispatch every token. A batch whose rows the axes do
-  not divide dispatches as one."""
-  _DISPATCH.append((mesh, tuple(batch_axes)))
+def dispatch_experts_over(placement: ExpertPlacement | None) -> Iterator[None]:
+  """Programs traced inside dispatch each batch shard's tokens on its own devices (None: as one array, as
+  outside): the dispatch runs under `shard_map` over `placement.batch_axes` (the mesh axes the batch's rows are
+  split over). The expert weights keep the layout `placement.rules` gives them where the map allows it: experts
+  split over an expert-parallel axis stay split (`_ExpertLayout`), an `expert_mlp` split stays split; a
+  dimension split over one of the rows' axes (FSDP) is gathered whole, as FSDP gathers a layer. Without it, the
+  sort of a whole batch's assignments is one array that GSPMD does not split, so every device would dispatch
+  every token. A batch whose rows the axes do not divide dispatches its rows whole (still expert-parallel when
+  the rules split the experts)."""
+  if placement is None:
+    yield
+    return
+  _DISPATCH.append(placement)
   try:
     yield
   finally:

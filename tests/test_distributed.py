@@ -137,7 +137,7 @@ def test_two_processes_form_one_mesh_and_reduce_across_processes(tmp_path):
   for i, r in enumerate(results):
     assert r["process_id"] == i and r["num_processes"] == 2 and r["device_count"] == 8
     assert r["method"] == "explicit" and r["coordinator"] == (i == 0)
-    assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}  # dcn data=-1 -> 2 processes, ici fsdp=-1 -> 4
+    assert r["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}  # dcn data=-1 -> 2 processes, ici fsdp=-1 -> 4
     assert r["processes_in_mesh"] == [0, 1]
     # Process i contributes 2*3*4 = 24 values equal to i + 1: 24*1 + 24*2 = 72 needs both processes.
     assert r["sum"] == r["psum"] == r["expected"] == 72.0

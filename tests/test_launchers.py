@@ -58,7 +58,7 @@ def test_local_launcher_runs_two_processes_as_one_job():
   assert sorted(lines) == ["[p0]", "[p1]"]
   for i, r in enumerate((lines["[p0]"], lines["[p1]"])):
     assert r["process_id"] == i and r["num_processes"] == 2 and r["method"] == "explicit"
-    assert r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert r["mesh"] == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert r["sum"] == r["psum"] == r["expected"] == 72.0
 
 

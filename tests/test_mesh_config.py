@@ -20,13 +20,14 @@ def _mesh_config(*overrides):
   return config_lib.load(None, list(overrides)).mesh
 
 
-@pytest.mark.parametrize("overrides, devices, granules, ici, dcn", [
-    ((), 8, 1, (1, 8, 1), (1, 1, 1)),                                   # default: FSDP inside, data across
-    ((), 8, 2, (1, 4, 1), (2, 1, 1)),
-    (("mesh.ici.tensor=2",), 16, 4, (1, 2, 2), (4, 1, 1)),
-    (("mesh.dcn.data=1", "mesh.dcn.fsdp=-1"), 32, 4, (1, 8, 1), (1, 4, 1)),
-    (("mesh.dcn.data=1",), 8, 2, (1, 8, 1), (1, 1, 1)),                 # DCN all 1: ICI covers every device
-    (("mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=-1"), 8, 1, (2, 1, 4), (1, 1, 1)),
+@pytest.mark.parametrize("overrides, devices, granules, ici, dcn", [  # (data, fsdp, expert, tensor)
+    ((), 8, 1, (1, 8, 1, 1), (1, 1, 1, 1)),                             # default: FSDP inside, data across
+    ((), 8, 2, (1, 4, 1, 1), (2, 1, 1, 1)),
+    (("mesh.ici.tensor=2",), 16, 4, (1, 2, 1, 2), (4, 1, 1, 1)),
+    (("mesh.dcn.data=1", "mesh.dcn.fsdp=-1"), 32, 4, (1, 8, 1, 1), (1, 4, 1, 1)),
+    (("mesh.dcn.data=1",), 8, 2, (1, 8, 1, 1), (1, 1, 1, 1)),           # DCN all 1: ICI covers every device
+    (("mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=-1"), 8, 1, (2, 1, 1, 4), (1, 1, 1, 1)),
+    (("mesh.ici.expert=4", "mesh.ici.tensor=2"), 16, 1, (1, 2, 4, 2), (1, 1, 1, 1)),  # expert parallelism
 ])
 def test_resolve_mesh_shape(overrides, devices, granules, ici, dcn):
   got_ici, got_dcn = sharding.resolve_mesh_shape(_mesh_config(*overrides), devices, granules)
@@ -37,8 +38,8 @@ def test_resolve_mesh_shape(overrides, devices, granules, ici, dcn):
     (("mesh.ici.tensor=3",), 8, 1, r"mesh.ici \(over all 8 devices\): 8 cannot be split as .*'tensor': 3"),
     (("mesh.dcn.data=4",), 8, 2, r"mesh.dcn \(over 2 granules: slices or processes\)=\{'data': 4.*multiplies "
                                  r"to 4, but there are 2"),
-    (("mesh.ici.fsdp=2",), 8, 1, r"mesh.ici \(over all 8 devices\)=\{'data': 1, 'fsdp': 2, 'tensor': 1\} "
-                                 r"multiplies to 2"),
+    (("mesh.ici.fsdp=2",), 8, 1, r"mesh.ici \(over all 8 devices\)=\{'data': 1, 'fsdp': 2, 'expert': 1, "
+                                 r"'tensor': 1\} multiplies to 2"),
     ((), 8, 3, r"8 devices are not split evenly over 3 granules"),
 ])
 def test_mesh_shape_errors_name_the_keys(overrides, devices, granules, pattern):
@@ -48,12 +49,13 @@ def test_mesh_shape_errors_name_the_keys(overrides, devices, granules, pattern):
 
 def test_mesh_from_config_on_8_devices():
   mesh = sharding.mesh_from_config(_mesh_config("mesh.ici.data=2", "mesh.ici.tensor=2"))
-  assert mesh.axis_names == ("data", "fsdp", "tensor") and dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
   assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
   default = sharding.mesh_from_config(_mesh_config())
-  assert dict(default.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert dict(default.shape) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
   sub = sharding.mesh_from_config(_mesh_config("mesh.ici.tensor=2"), devices=jax.devices()[:4])
-  assert dict(sub.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+  assert dict(sub.shape) == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 2}
   # One process is one granule: a DCN size > 1 cannot be met (the 2-process test builds a hybrid mesh).
   with pytest.raises(ValueError, match=r"mesh.dcn \(over 1 granules.*'data': 2.*there are 1"):
     sharding.mesh_from_config(_mesh_config("mesh.dcn.data=2"))
@@ -67,7 +69,7 @@ def test_role_tables_and_tiny_cpu_mesh():
   with pytest.raises(ValueError, match=r"role 'critic': not one of \['rollout', 'learner', 'reference'\]"):
     sharding.rules_for("critic", cfg)
   tiny = config_lib.load("tiny_cpu").mesh
-  assert dict(sharding.mesh_from_config(tiny).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert dict(sharding.mesh_from_config(tiny).shape) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
 
 
 def _forward(model, tokens):

@@ -4,6 +4,7 @@ unrolled loop and give the same gradients when dense and sparse layers alternate
 name. Parity with transformers is in models_vs_reference_test.py, the KV cache in test_kv_cache.py."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -199,7 +200,7 @@ def test_experts_dispatched_per_batch_shard_on_8_devices_equal_one_device(model)
   expected_loss, expected_grads = grad(params, tokens)
 
   def dispatched(params, tokens):
-    with models.dispatch_experts_over(mesh, ("fsdp",)):
+    with models.dispatch_experts_over(models.ExpertPlacement(mesh, ("fsdp",), sharding.FSDP_TP_RULES)):
       return jax.value_and_grad(loss)(params, tokens)
 
   program = jax.jit(dispatched).lower(sharded, rows).compile()
@@ -211,6 +212,54 @@ def test_experts_dispatched_per_batch_shard_on_8_devices_equal_one_device(model)
   print(f"temporaries per device: dispatched per shard {program.memory_analysis().temp_size_in_bytes:,} B, as one "
         f"{whole.memory_analysis().temp_size_in_bytes:,} B")
   assert program.memory_analysis().temp_size_in_bytes < whole.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("shape,rows,tokens_to_experts", [
+    ({"fsdp": 2, "expert": 2, "tensor": 2}, 8, True),  # tokens over the expert axis, gathered and scattered back
+    ({"data": 4, "expert": 2}, 8, True),
+    ({"fsdp": 2, "expert": 2, "tensor": 2}, 2, True),  # rows too few to split: the same tokens, outputs summed
+    ({"fsdp": 2, "expert": 2, "tensor": 2}, 8, False)])  # many tokens per expert: the experts come to the tokens
+def test_expert_parallel_on_8_devices_equals_one_device(model, shape, rows, tokens_to_experts, monkeypatch):
+  """Experts split over the `expert` mesh axis (3 of the 6 on each device), the dispatch split over the batch's
+  shards: the same logits and gradients as one device, each device holding only its experts' weights. With few
+  tokens per expert the compiled program moves tokens, not experts: no all-gather in it is as large as a layer's
+  experts; with many (the limit set to 0 here) it gathers each layer's experts instead."""
+  if not tokens_to_experts:
+    monkeypatch.setattr(models._transformer, "TOKENS_TO_EXPERTS_MAX_PER_EXPERT", 0)  # pylint: disable=protected-access
+  from jaxagent import multihost, sharding  # pylint: disable=g-import-not-at-top
+  mesh = sharding.make_mesh(shape)
+  rules = sharding.FSDP_TP_RULES
+  graphdef, params = nnx.split(model)
+  shardings = models.state_shardings(params, mesh, rules)
+  sharded = jax.device_put(params, shardings)
+  gate = sharded["layers"][0]["mlp"]["w_gate_edf"][...]
+  assert {s.data.shape[0] for s in gate.addressable_shards} == {CONFIG.num_experts // 2}
+  assert not set(sharded["layers"][0]["mlp"]["w_router_de"][...].sharding.spec) - {None, "fsdp"}  # router whole
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, CONFIG.vocab_size, (rows, 12)), jnp.int32)
+  placement = multihost.expert_placement(CONFIG.num_experts, mesh, rules)
+  assert placement is not None and "expert" in placement.batch_axes
+  tokens_sharding = multihost.batch_sharding(tokens.shape, mesh, rules)
+  assert (tokens_sharding.spec[0] is None) == (rows == 2)
+
+  def loss(params, tokens):
+    return jnp.mean(nnx.merge(graphdef, params)(tokens) ** 2)
+
+  expected_loss, expected_grads = jax.jit(jax.value_and_grad(loss))(params, tokens)
+
+  def dispatched(params, tokens):
+    with models.dispatch_experts_over(placement):
+      return jax.value_and_grad(loss)(params, tokens)
+
+  program = jax.jit(dispatched).lower(sharded, jax.device_put(tokens, tokens_sharding)).compile()
+  got_loss, got_grads = program(sharded, jax.device_put(tokens, tokens_sharding))
+  np.testing.assert_allclose(float(got_loss), float(expected_loss), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(expected_grads), jax.tree.leaves(got_grads)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
+  e, d, f = CONFIG.num_experts, CONFIG.hidden_size, CONFIG.moe_intermediate_size
+  whole = {(e, d, f), (e, f, d), (e, d, f // 2), (e, f // 2, d)}  # every expert, with or without the tensor split
+  gathered = {tuple(int(n) for n in dims.split(",")) for dims in re.findall(r"\[([\d,]+)\]\S*\s+all-gather",
+                                                                          program.as_text())}
+  assert bool(gathered & whole) != tokens_to_experts, f"all-gathers: {gathered}"
 
 
 def test_router_statistics_are_one_and_log_e_squared_for_a_uniform_router_and_ignore_padding(model):
@@ -237,3 +286,25 @@ def test_router_statistics_are_one_and_log_e_squared_for_a_uniform_router_and_ig
   # Under remat (the layers scanned) the statistics are the same.
   scanned = model.features(tokens, remat="full", router_stats=True)[-1]
   np.testing.assert_allclose(float(scanned["load_balance"]), float(want["load_balance"]), rtol=1e-5)
+
+
+def test_expert_parallel_decoding_equals_one_device(model):
+  """The sampler on an expert-parallel rollout layout (experts over `expert`, their width over `tensor`, no FSDP:
+  the rollout rules): prefill and sampled decode give the same tokens and log-probs as one device, and every
+  program's dispatch runs under the sampler's expert placement."""
+  from jaxagent import multihost, sharding  # pylint: disable=g-import-not-at-top
+  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
+  mesh = sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2})
+  rules = sharding.TENSOR_PARALLEL_RULES
+  cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)
+  prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3, 1, 4, 1, 5]]
+  params = nnx.split(model)[1]
+  single = Sampler(model, cache_size=32, config=cfg, pad_id=0)
+  _, expected = single.generate(params, single.prefill(params, prompts, jax.random.key(9)))
+  sharded = jax.device_put(params, models.state_shardings(params, mesh, rules))
+  s = Sampler(model, cache_size=32, config=cfg, pad_id=0, mesh=mesh, rules=rules)
+  assert s.expert_placement == multihost.expert_placement(CONFIG.num_experts, mesh, rules)
+  assert s.expert_placement.batch_axes == ("data", "expert")
+  _, got = s.generate(sharded, s.prefill(sharded, prompts, jax.random.key(9)))
+  assert np.array_equal(np.asarray(got.tokens), np.asarray(expected.tokens))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(expected.logprobs), atol=1e-5)

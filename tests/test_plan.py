@@ -82,7 +82,8 @@ def test_the_plan_lays_parameters_out_as_build_run_does_on_a_cpu_mesh_of_the_sam
   io = run_lib.build_interface(cfg)
   tpu = run_lib.build_policy(cfg, io, devices=plan.topology("v5p:2x2x1").devices, abstract=True)
   cpu = run_lib.build_policy(cfg, io, devices=jax.devices("cpu")[:4])
-  assert dict(tpu.layout.mesh.shape) == dict(cpu.layout.mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+  assert dict(tpu.layout.mesh.shape) == dict(cpu.layout.mesh.shape) == {"data": 1, "fsdp": 2, "expert": 1,
+                                                                          "tensor": 2}
   specs = lambda p: [s.spec for s in jax.tree.leaves(p.layout.state_shardings)]
   assert specs(tpu) == specs(cpu)
   assert any(spec != jax.sharding.PartitionSpec() for spec in specs(tpu))  # something is sharded at all

@@ -52,12 +52,14 @@ def _fragile(params, seed=0):
   return jax.device_put(changed, jax.tree.map(lambda a: a.sharding, params))
 
 
-def _first_update(tmp_path: Path, replay: bool):
+def _first_update(tmp_path: Path, replay: bool, *extra: str, check_run=None):
   cfg = config_lib.load("tiny_cpu", TINY + MOE + [f"run.root={tmp_path}", "train.bc_steps=0", "train.eval_episodes=0",
-                                                   f"model.moe.router_replay={str(replay).lower()}"])
+                                                   f"model.moe.router_replay={str(replay).lower()}", *extra])
   run = build_run(cfg, tmp_path / "run")
   try:
     state = run.init_state()
+    if check_run:
+      check_run(run, state)
     progress = loop.LoopState(state=state.replace(params=_fragile(state.params)))
     with trajectory_store.TrajectoryWriter(tmp_path / "stored") as writer:
       _, m = loop.rl_iteration(run, progress, writer, 0.0)
@@ -82,6 +84,34 @@ def test_router_replay_makes_the_first_update_on_policy_where_fragile_routing_br
     assert t.schema == tr.SCHEMA_VERSION and t.expert_routes.shape == (len(t), 2, 2)
     assert (t.expert_routes[t.loss_mask] >= 0).all() and (t.expert_routes[:5] >= 0).all()
     assert (t.expert_routes < 6).all()
+
+
+@pytest.mark.slow
+def test_router_replay_holds_on_an_expert_parallel_mesh(tmp_path):
+  """The same fragile run on 8 devices with the experts split over `mesh.ici.expert=2` (data 4 x expert 2: the
+  sampler and the update both dispatch across devices, each holding 3 of the 6 experts): replayed routes keep
+  the first update on policy."""
+  assert jax.device_count() == 8, "tests/conftest.py must give 8 CPU devices"
+
+  def experts_split(run, state):
+    assert dict(run.layout.mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
+    gate = state.params["policy"]["layers"][0]["mlp"]["w_gate_edf"][...]
+    assert {shard.data.shape[0] for shard in gate.addressable_shards} == {3}
+
+  m, _ = _first_update(tmp_path, True, "mesh.ici.expert=2", check_run=experts_split)
+  print(f"first update's ratio with replay, expert-parallel: [{m['ratio_min']:.7f}, {m['ratio_max']:.7f}]")
+  assert m["loss_tokens"] > 0
+  assert max(abs(m["ratio_min"] - 1), abs(m["ratio_max"] - 1)) < ON_POLICY_TOL
+
+
+@pytest.mark.parametrize("extra, message", [
+    (MOE + ["mesh.ici.expert=4"], r"expert axis of 4 devices .* does not divide the policy's 6 experts; use one of "
+                                  r"\[2, 3, 6\]"),
+    (["mesh.ici.expert=2"], r"expert axis of 2 devices .* the policy \(llama\) has no mixture-of-experts layer")])
+def test_an_expert_axis_that_cannot_split_the_experts_is_refused_by_name(tmp_path, extra, message):
+  cfg = config_lib.load("tiny_cpu", TINY + extra + [f"run.root={tmp_path}"])
+  with pytest.raises(config_lib.ConfigError, match=message):
+    build_run(cfg, tmp_path / "run")
 
 
 def test_the_sampler_records_the_routes_of_the_full_forward_and_forks_copy_them():

@@ -713,23 +713,36 @@ class Sampler:
                fork=jnp.full((rows,), -1), start=none)
       return feed(merge(params), state, f, pad_id=pad_id, attention=attention, **shard)
 
-    self._init = jax.jit(new_state, static_argnums=0)
-    self._prefill = jax.jit(prefill_fn)
-    self._generate = jax.jit(generate_fn, donate_argnums=1)
-    self._extend = jax.jit(extend_fn, donate_argnums=1)
-    self._feed = jax.jit(lambda p, st, f: feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard),
-                         donate_argnums=1)
-    self._decode = jax.jit(lambda p, st, steps, until: decode(merge(p), st, config, steps, until_finished=until,
-                                                              **shard), donate_argnums=1)
+    # A mixture of experts dispatches each batch shard's tokens on its own devices, to the experts they hold.
+    self.expert_placement = multihost.expert_placement(model.config.num_experts, mesh, rules)
+    jit = self._jit
+    self._init = jit(new_state, static_argnums=0)
+    self._prefill = jit(prefill_fn)
+    self._generate = jit(generate_fn, donate_argnums=1)
+    self._extend = jit(extend_fn, donate_argnums=1)
+    self._feed = jit(lambda p, st, f: feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard),
+                     donate_argnums=1)
+    self._decode = jit(lambda p, st, steps, until: decode(merge(p), st, config, steps, until_finished=until,
+                                                          **shard), donate_argnums=1)
 
     def step_fn(p, st, f, steps, until):
       st, ok = feed(merge(p), st, f, pad_id=pad_id, attention=attention, **shard)
       return decode(merge(p), st, config, steps, until_finished=until, **shard), ok
 
-    self._step = jax.jit(step_fn, donate_argnums=1)
-    self._refill = jax.jit(lambda p, st, tokens, lengths, prompts: refill(
+    self._step = jit(step_fn, donate_argnums=1)
+    self._refill = jit(lambda p, st, tokens, lengths, prompts: refill(
         merge(p), st, tokens, lengths, prompts, attention=attention, **shard), donate_argnums=1)
-    self._repeat = jax.jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
+    self._repeat = jit(lambda st, times: _constrain_state(repeat(st, times), mesh, rules), static_argnums=1)
+
+  def _jit(self, fn: Callable, **kwargs) -> Any:
+    """`jax.jit(fn)`, traced with this sampler's expert placement (`models.dispatch_experts_over`)."""
+    placement = self.expert_placement
+
+    def traced(*args):
+      with models.dispatch_experts_over(placement):
+        return fn(*args)
+
+    return jax.jit(traced, **kwargs)
 
   def batch_shards(self, rows: int) -> tuple[tuple[str, ...], int]:
     """The mesh axes a batch of `rows` (global) is sharded over, and into how many row blocks (1: one block)."""
@@ -779,7 +792,7 @@ class Sampler:
         state, _, stop, _ = jax.lax.while_loop(lambda c: ~c[2] & (c[3] < max_exchanges), body, init)
         return state, stop
 
-      self._programs[key] = jax.jit(program, donate_argnums=1)
+      self._programs[key] = self._jit(program, donate_argnums=1)
     self._exchange = exchange
     try:
       state, stop = self._programs[key](params, state)

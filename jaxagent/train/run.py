@@ -369,6 +369,19 @@ class _Policy:
   init_state: Callable[[], TrainState]
 
 
+def _check_expert_axis(split: int, model_config: models.ModelConfig) -> None:
+  """An expert-parallel mesh axis of `split` devices needs experts to split: as many on each of its devices."""
+  if not model_config.num_experts:
+    raise config_lib.ConfigError(
+        f"mesh expert axis of {split} devices (mesh.ici.expert x mesh.dcn.expert), but the policy "
+        f"({model_config.model_type}) has no mixture-of-experts layer: split the batch with `data` instead")
+  if model_config.num_experts % split:
+    divisors = [n for n in range(2, model_config.num_experts + 1) if model_config.num_experts % n == 0]
+    raise config_lib.ConfigError(
+        f"mesh expert axis of {split} devices (mesh.ici.expert x mesh.dcn.expert) does not divide the policy's "
+        f"{model_config.num_experts} experts; use one of {divisors}")
+
+
 def build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | None = None,
                   abstract: bool = False) -> _Policy:
   """The policy on the meshes of `mesh` over `devices` (default: every device). `abstract`: shapes only, even
@@ -385,6 +398,9 @@ def build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | No
   # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
   # the same on every process of a multi-host run.
   make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
+  if mesh.shape.get("expert", 1) > 1:  # refused before any weight is read
+    _check_expert_axis(mesh.shape["expert"], models.config_from_hf(weights.read_model_config(io.model_dir))
+                       if cfg.model.path else cfg.model.init)
   if cfg.model.path and abstract:
     model_config = models.config_from_hf(weights.read_model_config(io.model_dir))
     model, loaded = nnx.eval_shape(lambda: models.Transformer(model_config, dtype=dtype, rngs=nnx.Rngs(0))), None
@@ -486,26 +502,18 @@ class _Steps:
   logprob_fn: Callable | None
 
 
-def _expert_dispatch(policy) -> tuple[jax.sharding.Mesh, tuple[str, ...]] | None:
-  """A mixture-of-experts policy's (learner mesh, the axes its batches are split over), for the update to dispatch
-  each shard's tokens on its own devices; None for a dense policy or an unsplit batch."""
-  if not policy.model.config.num_experts:
-    return None
-  mesh = policy.layout.mesh
-  axes, shards = multihost.batch_shards(mesh.devices.size, mesh, policy.layout.learner_rules)
-  return (mesh, axes) if shards > 1 else None
-
-
 def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
   """The jitted steps (none for evaluation): rl, bc (masked NLL), one offline iw_pg step per truncation
   setting, and PPO's value function at collection time."""
   rl_step = bc_step = None
   offline_steps: dict[tuple[float, float], Callable] = {}
+  experts = multihost.expert_placement(policy.model.config.num_experts, policy.layout.mesh,
+                                       policy.layout.learner_rules)
   if purpose == "train":
     shared = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat,
                   state_shardings=policy.layout.state_shardings, compute_dtype=policy.mixed,
                   attention=cfg.model.attention, frozen=policy.frozen, lora_scale=policy.lora_scale,
-                  expert_dispatch=_expert_dispatch(policy))
+                  expert_dispatch=experts)
     rl_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=cfg.train.micro_batches,
                               mode="rl", temperature=cfg.rollout.temperature, **shared)
     bc_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="bc", **shared)
@@ -516,13 +524,13 @@ def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
             policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="offline",
             temperature=cfg.rollout.temperature, max_ratio=stage.max_ratio,
             min_negative_ratio=stage.min_negative_ratio, **shared)
-  value_fn = (make_value_fn(policy.graphdefs, policy.mixed, policy.lora_scale)
+  value_fn = (make_value_fn(policy.graphdefs, policy.mixed, policy.lora_scale, experts)
               if cfg.algo.name == "ppo" and purpose == "train" else None)
   logprob_fn = None
   if cfg.algo.loss == "decoupled_ppo" and purpose == "train":
     logprob_fn = make_logprob_fn(policy.graphdefs, StepOptions(
         algo=cfg.algo, temperature=cfg.rollout.temperature, logits_chunk=cfg.train.logits_chunk,
-        compute_dtype=policy.mixed, attention=cfg.model.attention, lora_scale=policy.lora_scale))
+        compute_dtype=policy.mixed, attention=cfg.model.attention, lora_scale=policy.lora_scale), experts)
   return _Steps(rl=rl_step, bc=bc_step, offline=offline_steps, value_fn=value_fn, logprob_fn=logprob_fn)
 
 

@@ -10,7 +10,6 @@ so the gradient is the same whether the batch is processed whole or in micro-bat
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any, Literal
@@ -237,11 +236,12 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
                     temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
                     compute_dtype=None, attention: str = "einsum", frozen: tuple[str, ...] = (),
                     lora_scale: float = 0.0, max_ratio: float = 1.0, min_negative_ratio: float = 0.0,
-                    expert_dispatch: tuple[Any, tuple[str, ...]] | None = None):
+                    expert_dispatch: models.ExpertPlacement | None = None):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
-  `expert_dispatch`: a mixture-of-experts policy's (mesh, batch axes): each batch shard's tokens are dispatched
-  to the experts on its own devices (`models.dispatch_experts_over`); None: a micro-batch dispatches as one.
+  `expert_dispatch`: a mixture-of-experts policy's placement on the learner mesh: each batch shard's tokens are
+  dispatched on its own devices, to experts split over the expert axis (`models.dispatch_experts_over`); None: a
+  micro-batch dispatches as one.
 
   `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
   each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
@@ -277,7 +277,7 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
 
   def step(state: TrainState, batch: Batch, normalizer: jax.Array, value_targets: ValueTargets | None = None,
            value_normalizer: jax.Array | float = 0.0) -> tuple[TrainState, dict[str, Any]]:
-    with (models.dispatch_experts_over(*expert_dispatch) if expert_dispatch else contextlib.nullcontext()):
+    with models.dispatch_experts_over(expert_dispatch):
       return _step(state, batch, normalizer, value_targets, value_normalizer)
 
   def _step(state, batch, normalizer, value_targets, value_normalizer):
@@ -313,11 +313,16 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
   return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
 
-def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_scale: float = 0.0):
+def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_scale: float = 0.0,
+                  expert_dispatch: models.ExpertPlacement | None = None):
   """Jitted `values(params, batch) -> float32[B, T]` (value estimates at collection time, for GAE), in the
-  same `compute_dtype` as the loss."""
+  same `compute_dtype` as the loss; `expert_dispatch` as the train step's."""
 
   def values(params, batch: Batch):
+    with models.dispatch_experts_over(expert_dispatch):
+      return _values(params, batch)
+
+  def _values(params, batch: Batch):
     params = policy_params(params, lora_scale)
     if compute_dtype is not None:
       params = cast_floating(params, compute_dtype)
@@ -329,12 +334,18 @@ def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_s
   return jax.jit(values)
 
 
-def make_logprob_fn(graphdefs: dict[str, nnx.GraphDef], options: StepOptions):
+def make_logprob_fn(graphdefs: dict[str, nnx.GraphDef], options: StepOptions,
+                    expert_dispatch: models.ExpertPlacement | None = None):
   """Jitted `logprobs(params, batch) -> float32[B, T]`: log π of each token exactly as the rl loss scores it
   (rollout temperature, recorded truncation, mixed precision, LoRA merged); 0 off the loss mask. Decoupled PPO's
-  proximal log-probs, read with the parameters at the start of an update."""
+  proximal log-probs, read with the parameters at the start of an update; `expert_dispatch` as the train
+  step's."""
 
   def logprobs(params, batch: Batch):
+    with models.dispatch_experts_over(expert_dispatch):
+      return _logprobs(params, batch)
+
+  def _logprobs(params, batch: Batch):
     params = policy_params(params, options.lora_scale)
     if options.compute_dtype is not None:
       params = cast_floating(params, options.compute_dtype)
