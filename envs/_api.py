@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import time
@@ -273,6 +274,28 @@ class EnvSpec:
       if fn is None and attr in ("describe", "probes", "timeouts"):
         continue
       _check_callable(self.name, attr, fn, args, kwargs, expected)
+
+  def check_options(self, attr: str, options: Mapping[str, Any] | None) -> None:
+    """Raises ValueError unless `attr` ("tasks" or "demo") takes every key of `options` as a keyword: the
+    message names the option, this env's function and the options it does take."""
+    if not options:
+      return
+    fn = getattr(self, attr)
+    args = next(a for name, a, _, _ in _CALLS if name == attr)
+    try:
+      params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+      return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+      return
+    takes = [p.name for p in params[len(args):] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in options if k not in takes]
+    if unknown:
+      where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', attr)}"
+      close = difflib.get_close_matches(unknown[0], takes, n=1)
+      raise ValueError(f"{unknown[0]!r} is not an option of the {self.name} env's {attr} ({where})"
+                       + (f" (did you mean {close[0]!r}?)" if close else "")
+                       + f"; it takes {', '.join(map(repr, takes)) if takes else 'none'}")
 
   @property
   def version(self) -> str:

@@ -733,10 +733,25 @@ def check_combinations(config: Config, num_processes: int) -> None:
   if config.tasks.sampler == "frontier" and config.tasks.active < train.tasks_per_iteration:
     raise ConfigError(f"tasks.active={config.tasks.active}: the frontier draws train.tasks_per_iteration="
                       f"{train.tasks_per_iteration} distinct tasks from its active set; use at least that many")
+  _check_env_options(config)
   rows = train.tasks_per_iteration * train.group_size // num_processes
   if rows % train.micro_batches:
     raise ConfigError(f"train.micro_batches={train.micro_batches}: must divide the {rows} trajectories each "
                       f"process trains on per update (train.tasks_per_iteration x train.group_size / {where})")
+
+
+def _check_env_options(config: Config) -> None:
+  """env.options and each stage's env_options are keywords of the env's task generator, env.demo_options of its
+  scripted demonstrations: checked here, before anything is built, against the chosen env's functions."""
+  spec = envs.get(config.env.name)
+  checks = [("env.options", "tasks", config.env.options), ("env.demo_options", "demo", config.env.demo_options)]
+  checks += [(f"curriculum.stages[{i}].env_options", "tasks", s.env_options)
+             for i, s in enumerate(config.curriculum.stages or ())]
+  for key, attr, options in checks:
+    try:
+      spec.check_options(attr, options)
+    except ValueError as e:
+      raise ConfigError(f"{key}={dict(options)}: {e} (drop it, or --set {key}=null)") from None
 
 
 # ----------------------------------------------------------------------------------------------

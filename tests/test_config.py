@@ -1,5 +1,7 @@
 """Typed config: shipped YAMLs load; bad keys, types and ranges fail at load time with the key path."""
 
+import dataclasses
+
 import pytest
 import yaml
 
@@ -110,6 +112,27 @@ def test_cli_reports_config_errors(capsys):
   assert "did you mean 'generate.temperature'" in capsys.readouterr().err
   assert cli.main(["config", "tiny_cpu", "--set", "generate.max_new_tokens=5"]) == 0
   assert "max_new_tokens: 5" in capsys.readouterr().out
+
+
+def test_env_options_are_checked_against_the_chosen_env_when_the_config_loads():
+  """tiny_cpu's calculator demo options under another env, a misspelt task option and a stage's options are
+  refused at load, naming the key, the option, the env's function and what it takes; a user env that takes
+  **options is not second-guessed."""
+  with pytest.raises(ConfigError, match=r"env.demo_options=\{'style': 'direct'\}: 'style' is not an option of the "
+                                        r"sokoban env's demo \(envs.builtin.sokoban.demo\); it takes none"):
+    config_lib.load("tiny_cpu", ["env.name=sokoban"])
+  config_lib.load("tiny_cpu", ["env.name=sokoban", "env.demo_options=null"])
+  with pytest.raises(ConfigError, match=r"'max_operandd' is not an option of the calculator env's tasks .*did you "
+                                        r"mean 'max_operand'\?\); it takes 'max_operand'"):
+    config_lib.load("tiny_cpu", ["env.options.max_operandd=3"])
+  with pytest.raises(ConfigError, match=r"curriculum.stages\[0\].env_options=\{'sizes': 3\}: 'sizes' is not an "
+                                        r"option of the calculator env's tasks"):
+    config_lib.load("tiny_cpu", ["train.bc_steps=0", "train.iterations=2",
+                                 "curriculum.stages=[{name: a, paradigm: rl, steps: 2, env_options: {sizes: 3}}]"])
+  import envs  # pylint: disable=g-import-not-at-top
+  spec = envs.get("calculator")
+  anything = dataclasses.replace(spec, tasks=lambda split, n, seed=0, **options: spec.tasks(split, n, seed))
+  anything.check_options("tasks", {"whatever": 1})
 
 
 def test_rollout_settings_that_span_processes():
