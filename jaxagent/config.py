@@ -725,14 +725,14 @@ def check_combinations(config: Config, num_processes: int) -> None:
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
       raise ConfigError(f"curriculum.stages names {names}: must be distinct")
-  for s in stages or ():
-    if (s.sampler or config.tasks.sampler) == "frontier" and config.tasks.active < train.tasks_per_iteration:
-      raise ConfigError(f"tasks.active={config.tasks.active}: stage {s.name!r} samples with the frontier, which "
-                        f"draws train.tasks_per_iteration={train.tasks_per_iteration} distinct tasks from its active "
-                        "set; use at least that many")
-  if config.tasks.sampler == "frontier" and config.tasks.active < train.tasks_per_iteration:
-    raise ConfigError(f"tasks.active={config.tasks.active}: the frontier draws train.tasks_per_iteration="
-                      f"{train.tasks_per_iteration} distinct tasks from its active set; use at least that many")
+  # The frontier sampler (tasks.sampler, or a stage's own) draws a batch of distinct tasks from its active set.
+  frontier = [f"stage {s.name!r}" for s in stages or () if (s.sampler or config.tasks.sampler) == "frontier"]
+  if config.tasks.sampler == "frontier":
+    frontier.append("tasks.sampler")
+  if frontier and config.tasks.active < train.tasks_per_iteration:
+    raise ConfigError(f"tasks.active={config.tasks.active}: {frontier[0]} samples with the frontier, which draws "
+                      f"train.tasks_per_iteration={train.tasks_per_iteration} distinct tasks from its active set; "
+                      "use at least that many")
   _check_env_options(config)
   rows = train.tasks_per_iteration * train.group_size // num_processes
   if rows % train.micro_batches:

@@ -22,9 +22,11 @@ from jaxagent import algos
 from jaxagent import config as config_lib
 from jaxagent import trajectory_store
 from jaxagent.chat import ControlTokenChat
+from jaxagent.evals import compare
 from jaxagent.rollout.engine import RolloutEngine, RolloutStream, SampledActions
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import freshness, loop
+from jaxagent.train import metrics as metrics_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = envs.get("faults")
@@ -153,6 +155,11 @@ def test_training_keeps_the_staleness_bound_and_trains_no_group_twice(tmp_path, 
   rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
           if "freshness/lag_mean" in r]
   assert len(rows) == 4
+  # Each iteration's wall time (waiting for the batch, the update) is logged as sync runs log it, so `jaxagent
+  # compare` counts the RL time of async runs too.
+  assert all(r[metrics_lib.ITERATION_SECONDS] >= r["time/update_s"] > 0 for r in rows)
+  assert compare.summary(tmp_path / "run")["stage_s"]["iterations"] == pytest.approx(
+      sum(r[metrics_lib.ITERATION_SECONDS] for r in rows))
   lagged = [r for r in rows if r["freshness/lag_mean"] > 0]
   assert lagged, "no batch was trained off-policy"
   # The ratio is taken to the recorded behavior (and proximal) log-probs, never to recomputed ones: off-policy,

@@ -12,7 +12,7 @@ from jaxagent import algos
 from jaxagent.assembly import Batch
 from jaxagent.config import AlgoConfig, OptimConfig
 from jaxagent.train.state import TrainState, make_optimizer
-from jaxagent.train.step import make_train_step
+from jaxagent.train.step import make_train_step, make_value_fn
 from jaxagent.train.value import ValueHead, ValueTargets
 
 CONFIG = models.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -208,6 +208,19 @@ def test_chunked_logits_and_remat_leave_the_train_step_unchanged(monkeypatch):
         np.testing.assert_allclose(c, a, **TOL)
   with pytest.raises(ValueError, match="remat='some': not one of"):
     model.features(jnp.zeros((1, 4), jnp.int32), remat="some")
+
+
+def test_the_value_function_runs_the_configured_attention_kernel_with_the_same_values(monkeypatch):
+  """PPO's values at collection time take the loss's attention kernel: chunked gives einsum's values, and its
+  program is the chunked one (a loop over query blocks), not [T, T] logits per layer."""
+  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)  # pylint: disable=protected-access
+  model, graphdefs, _, state = _setup(AlgoConfig(name="ppo", advantage="gae"), value=True, reference=False)
+  batch, params = _batch(model, seed=3), state().params
+  programs = {a: make_value_fn(graphdefs, attention=a) for a in ("einsum", "chunked")}
+  np.testing.assert_allclose(np.asarray(programs["chunked"](params, batch)),
+                             np.asarray(programs["einsum"](params, batch)), **TOL)
+  text = {a: p.lower(params, batch).as_text() for a, p in programs.items()}
+  assert "while" in text["chunked"] and "while" not in text["einsum"]
 
 
 def test_mixed_precision_keeps_float32_master_weights_and_moments_and_tracks_float32_training():

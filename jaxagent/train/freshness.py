@@ -210,6 +210,7 @@ class Freshness:
       writer.flush()
     out = self._metrics(progress, state, trajs, prepared, m, stats, version, dropped, start_wall, learn_s)
     out.update({"time/rollout_wait_s": wait_s, "time/update_s": learn_s, "time/weight_transfer_s": transfer_s,
+                metrics_lib.ITERATION_SECONDS: time.perf_counter() - t0,  # waiting for the batch included
                 **curriculum,
                 **{f"rollout/{k}": v for k, v in refill.items()}})
     return dataclasses.replace(progress, state=state, iteration=it + 1, counters=out.pop("_counters")), out

@@ -159,16 +159,17 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     value_normalizer = float(vmask.sum())
   normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
                                      norm_length=cfg.algo.norm_length, allow_empty=True)
-  sums = multihost.host_sum(np.asarray([float(normalizer), value_normalizer, float((~infrastructure_ok).sum()),
-                                        float((infrastructure_ok & ~kept).sum())]))
+  sums = multihost.host_sums({"normalizer": float(normalizer), "value_normalizer": value_normalizer,
+                              "excluded": int((~infrastructure_ok).sum()),
+                              "variance_filtered": int((infrastructure_ok & ~kept).sum())})
   batch = run.layout.to_global(batch)
   if run.logprob_fn is not None:  # decoupled PPO: π_prox, the parameters this update starts from
     batch = batch.replace(proximal_logprobs=run.logprob_fn(state.params, batch))
-  return Prepared(batch=batch, normalizer=float(sums[0]),
+  return Prepared(batch=batch, normalizer=float(sums["normalizer"]),
                   value_targets=None if value_targets is None else run.layout.to_global(value_targets),
-                  value_normalizer=float(sums[1]),
-                  stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums[2]), **_step_stats(adv),
-                         **({"variance_filter/dropped_trajectories": int(sums[3])}
+                  value_normalizer=float(sums["value_normalizer"]),
+                  stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums["excluded"]), **_step_stats(adv),
+                         **({"variance_filter/dropped_trajectories": int(sums["variance_filtered"])}
                             if cfg.tasks.variance_filter < 1.0 else {})},
                   estimate=adv,
                   excluded=tuple(None if used else ("variance_filter" if ok else t.termination.value)

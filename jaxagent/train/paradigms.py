@@ -215,9 +215,9 @@ def supervised_iteration(run: Run, progress: LoopState, data: StageData) -> tupl
     out["offline/truncated_fraction"] = m["clip_fraction"]  # truncated at max_ratio, or cut below the floor
     versions = multihost.host_gather(np.asarray([data.behavior_versions[p] for p in positions], np.float64))
     out["offline/behavior_version_mean"] = float(versions.mean())
-    sums = multihost.host_sum(np.asarray([float(np.abs(np.concatenate(advantages)).sum()) if advantages else 0.0,
-                                          float(sum(len(a) for a in advantages))]))
-    out["offline/advantage_abs_mean"] = float(sums[0] / max(sums[1], 1.0))  # per turn, all processes
+    sums = multihost.host_sums({"abs_sum": float(np.abs(np.concatenate(advantages)).sum()) if advantages else 0.0,
+                                "turns": float(sum(len(a) for a in advantages))})
+    out["offline/advantage_abs_mean"] = float(sums["abs_sum"] / max(sums["turns"], 1.0))  # per turn, all processes
   else:
     out[f"{prefix}/nll"] = m["nll"]
   return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1, counters=counters), out

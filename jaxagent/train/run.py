@@ -524,7 +524,7 @@ def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
             policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="offline",
             temperature=cfg.rollout.temperature, max_ratio=stage.max_ratio,
             min_negative_ratio=stage.min_negative_ratio, **shared)
-  value_fn = (make_value_fn(policy.graphdefs, policy.mixed, policy.lora_scale, experts)
+  value_fn = (make_value_fn(policy.graphdefs, policy.mixed, policy.lora_scale, cfg.model.attention, experts)
               if cfg.algo.name == "ppo" and purpose == "train" else None)
   logprob_fn = None
   if cfg.algo.loss == "decoupled_ppo" and purpose == "train":

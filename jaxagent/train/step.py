@@ -314,9 +314,9 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
 
 
 def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_scale: float = 0.0,
-                  expert_dispatch: models.ExpertPlacement | None = None):
+                  attention: str = "einsum", expert_dispatch: models.ExpertPlacement | None = None):
   """Jitted `values(params, batch) -> float32[B, T]` (value estimates at collection time, for GAE), in the
-  same `compute_dtype` as the loss; `expert_dispatch` as the train step's."""
+  same `compute_dtype` and `attention` kernel as the loss; `expert_dispatch` as the train step's."""
 
   def values(params, batch: Batch):
     with models.dispatch_experts_over(expert_dispatch):
@@ -328,7 +328,7 @@ def make_value_fn(graphdefs: dict[str, nnx.GraphDef], compute_dtype=None, lora_s
       params = cast_floating(params, compute_dtype)
     model = nnx.merge(graphdefs["policy"], params["policy"])
     x_btd, _ = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                              routes=batch.expert_routes)  # the features the loss's value head reads
+                              attention=attention, routes=batch.expert_routes)  # what the loss's value head reads
     return nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
 
   return jax.jit(values)
