@@ -6,7 +6,7 @@ CONFIG ?= tiny_cpu
 # pytest-xdist workers for `make test`: auto = one per core; TEST_WORKERS=0 runs in this process (for -s, --pdb).
 TEST_WORKERS ?= auto
 
-.PHONY: run test install install-test clean
+.PHONY: run test lint install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

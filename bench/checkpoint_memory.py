@@ -45,7 +45,7 @@ def _peak_bytes() -> int:
 
 
 def _config(gib: float):
-  import models  # pylint: disable=g-import-not-at-top
+  import models
   hidden, inter, vocab = 1024, 2816, 32000
   per_layer = (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) * 4
   fixed = 2 * vocab * hidden * 4
@@ -56,10 +56,10 @@ def _config(gib: float):
 
 def _phase(phase: str, directory: str, gib: float, shard_gib: float) -> None:
   """Runs in a child process: prints one JSON line."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from flax import nnx
+  import models
   jax.devices()
   if phase == "export":
     model = models.Transformer(_config(gib), rngs=nnx.Rngs(0))

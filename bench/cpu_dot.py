@@ -43,8 +43,8 @@ def main() -> None:
   p.add_argument("--bandwidth-gbs", type=float, default=25.6)
   p.add_argument("--peak-gflops", type=float, default=188.0)
   args = p.parse_args()
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
   print(f"jax {jax.__version__} ({jax.devices()[0].platform}), numpy {np.__version__}, "
         f"{os.cpu_count()} cores; rooflines {args.bandwidth_gbs} GB/s, {args.peak_gflops} GFLOP/s")
   rng = np.random.default_rng(0)

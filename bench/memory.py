@@ -43,16 +43,16 @@ class Footprint:
 
 def measure(model_kwargs: dict, batch: int, length: int, memory: dict) -> Footprint:
   """Compiles one GRPO train step for abstract inputs and reads XLA's memory analysis."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
 
-  import models  # pylint: disable=g-import-not-at-top
-  from jaxagent.assembly import Batch  # pylint: disable=g-import-not-at-top
-  from jaxagent.config import AlgoConfig, OptimConfig  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.state import TrainState, make_optimizer  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.step import make_train_step  # pylint: disable=g-import-not-at-top
+  import models
+  from jaxagent.assembly import Batch
+  from jaxagent.config import AlgoConfig, OptimConfig
+  from jaxagent.train.state import TrainState, make_optimizer
+  from jaxagent.train.step import make_train_step
 
   config = models.ModelConfig(**model_kwargs)
   model = nnx.eval_shape(lambda: models.Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))

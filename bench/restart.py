@@ -49,7 +49,7 @@ def measure(kind: str, spares: int, repeats: int) -> list[float]:
     p.step_many([0, 1], ["ok", "echo warm"])
     for _ in range(repeats):
       deadline = time.monotonic() + 60
-      while len(p._spares) < spares:  # pylint: disable=protected-access  (a ready spare, as in steady state)
+      while len(p._spares) < spares:  # a ready spare, as in steady state
         if time.monotonic() > deadline:
           raise RuntimeError("no warm spare within 60 s")
         time.sleep(0.01)

@@ -112,7 +112,7 @@ class Latencies:
 
 
 def memory(pool: pool_lib.Pool) -> dict[str, float]:
-  import os  # pylint: disable=g-import-not-at-top
+  import os
   workers = [rss_mb(p) for p in pool.worker_pids()]
   return {"driver_mb": rss_mb(os.getpid()), "workers_mb": float(sum(workers))}
 
@@ -233,7 +233,7 @@ def soak(*, slots: int, workers: int, seconds: float, seed: int = 0, drain_secon
 
 
 def main(argv=None) -> int:
-  import logging  # pylint: disable=g-import-not-at-top
+  import logging
   logging.getLogger("envs.pool").setLevel(logging.ERROR)  # every injected crash logs a restart: counted instead
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--slots", type=int, default=1000, help="concurrent episodes")

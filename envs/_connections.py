@@ -169,7 +169,7 @@ class InProcessConnection:
   """
 
   def __init__(self, env: str, max_inflight: int, episode_sandbox: str = "auto"):
-    from envs.server import Host  # pylint: disable=g-import-not-at-top
+    from envs.server import Host
     self.host = Host(env, episode_sandbox=episode_sandbox)
     self.max_inflight = max_inflight
     self.closed = False
@@ -194,7 +194,7 @@ class InProcessConnection:
     return out
 
   def _serve(self) -> None:
-    from envs.server import RequestError  # pylint: disable=g-import-not-at-top
+    from envs.server import RequestError
     while True:
       with self._lock:
         self._waiting += 1
@@ -210,7 +210,7 @@ class InProcessConnection:
         out.set_result(P.msgpack.unpackb(P.msgpack.packb(self.host.handle(op, args), use_bin_type=True)))
       except RequestError as e:
         out.set_exception(RemoteError(e.kind, str(e)))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         out.set_exception(RemoteError("env_error", f"{type(e).__name__}: {e}"))
 
   def close(self, error: Exception | None = None) -> None:

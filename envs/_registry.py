@@ -56,7 +56,7 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     try:
       eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    except Exception as e:  # pylint: disable=broad-except  (broken metadata must not stop the built-ins)
+    except Exception as e:  # broken metadata must not stop the built-ins
       warnings.warn(f"envs: cannot read the {ENTRY_POINT_GROUP!r} entry points: {type(e).__name__}: {e}",
                     RuntimeWarning, stacklevel=3)
       return
@@ -69,7 +69,7 @@ def _load_entry_points() -> None:
         if _REGISTRY.get(spec.name) is spec:
           continue  # already registered (a built-in, or the same spec under two entry points)
         register(spec)
-      except Exception as e:  # pylint: disable=broad-except  (user code: report it, keep the other envs)
+      except Exception as e:  # user code: report it, keep the other envs
         warnings.warn(f"envs: {where} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
         continue
       _SOURCES[spec.name] = f"{ep.module}:{ep.attr}"
@@ -93,7 +93,7 @@ def _import_spec(name: str) -> EnvSpec:
     mod = importlib.import_module(module)
   except EnvAPIError as e:  # an EnvSpec in it written for another API: say which function and what changed
     raise UnknownEnvError(f"environment {name!r}: {e}") from e
-  except Exception as e:  # pylint: disable=broad-except  (ImportError or whatever the user module raised)
+  except Exception as e:  # ImportError or whatever the user module raised
     raise UnknownEnvError(f"environment {name!r}: cannot import module {module!r} ({type(e).__name__}: {e}); "
                           f"{_valid()}") from e
   try:

@@ -267,7 +267,7 @@ def rmtree(path: Path) -> None:
 
   try:
     shutil.rmtree(path, onerror=fix)
-  except Exception:  # pylint: disable=broad-except  (cleanup: never the reason an episode fails)
+  except Exception:  # cleanup: never the reason an episode fails
     pass
 
 

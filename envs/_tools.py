@@ -264,7 +264,7 @@ class ActionParser:
 
   def _checked(self, tool: Tool, arguments: dict[str, Any]) -> Call:
     """The call of `tool` with `arguments` validated against its schema."""
-    import jsonschema  # pylint: disable=g-import-not-at-top  # only JSON-syntax runs need it
+    import jsonschema  # only JSON-syntax runs need it
     errors = sorted(jsonschema.Draft202012Validator(_plain(tool.parameters)).iter_errors(arguments),
                     key=lambda e: list(map(str, e.absolute_path)))
     if errors:

@@ -77,7 +77,7 @@ def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tup
   sandbox='none'). `data_dirs` ({VARIABLE: directory}, `EnvSpec.data_dirs`) are bound read-only at the same path,
   each VARIABLE set to its directory.
   """
-  import msgpack  # pylint: disable=g-import-not-at-top
+  import msgpack
   python = os.path.realpath(sys.executable)
   cmd = [*_sandbox.bwrap_base(nests=True), *_sandbox.system_binds()]  # it nests each episode's sandbox
   cmd += ["--ro-bind", str(ENVS_DIR), "/opt/jaxagent/envs",
@@ -173,7 +173,7 @@ class LocalWorker(Worker):
     self.roots = import_roots(_registry.module_of(cfg.env))
     try:
       spec = _registry.get(cfg.env)
-    except Exception:  # pylint: disable=broad-except  (the worker reports an unknown env when it starts)
+    except Exception:  # the worker reports an unknown env when it starts
       spec = None
     self.data_dirs = {k: str(v) for k, v in (spec.data_dirs() if spec and spec.data_dirs else {}).items()}
     self.proc: subprocess.Popen | None = None
@@ -262,7 +262,7 @@ class DockerWorker(Worker):
     self.container = None
     try:  # only a container whose env runs programs nests sandboxes (and needs seccomp opened for them)
       self.needs_boxes = _registry.get(cfg.env).needs_sandbox
-    except Exception:  # pylint: disable=broad-except  (an env known only inside the image)
+    except Exception:  # an env known only inside the image
       self.needs_boxes = True
     self.dir = tempfile.mkdtemp(prefix=f"envd{index}-")
     os.chmod(self.dir, 0o777)  # the container runs as uid 1000 and creates its socket here.
@@ -296,7 +296,7 @@ class DockerWorker(Worker):
       return False
     try:
       self.container.reload()
-    except Exception:  # pylint: disable=broad-except  (gone)
+    except Exception:  # gone
       return False
     return self.container.status == "running"
 

@@ -82,7 +82,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-  from envs import server  # pylint: disable=g-import-not-at-top
+  from envs import server
   if (error := _bad_env(args.env)) is not None:
     print(error, file=sys.stderr)
     return 2
@@ -106,11 +106,11 @@ def register(subparsers) -> None:
   q.set_defaults(func=_cmd_check)
   q = sub.add_parser("swe-corpus", help="the swe env's corpus: fetch the PyPI packages, run their tests, mine "
                      "mutants (cached), print the scale report")
-  from envs.builtin import swe_corpus  # pylint: disable=g-import-not-at-top
+  from envs.builtin import swe_corpus
   swe_corpus.add_args(q)
   q.set_defaults(func=swe_corpus.cmd_report)
   q = sub.add_parser("serve", help="host env instances behind the wire protocol (unix socket or loopback TCP)")
-  from envs.server import add_serve_args  # pylint: disable=g-import-not-at-top
+  from envs.server import add_serve_args
   add_serve_args(q)
   q.set_defaults(func=_cmd_serve)
 

@@ -149,7 +149,7 @@ class PerturbedEnv(Env):
                           False, None, dict(perturbation="transient"))
     else:
       self.inner.turn = self.turn
-      result = self.inner._step(call)  # pylint: disable=protected-access  # the hook Env.step would call
+      result = self.inner._step(call)  # the hook Env.step would call
       result = self._distort(result)
     self._wait(time.perf_counter() - start)
     return result

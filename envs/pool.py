@@ -88,7 +88,7 @@ def with_env_timeouts(cfg: PoolConfig) -> PoolConfig:
   keeps `cfg`."""
   try:
     spec = _registry.get(cfg.env)
-  except Exception:  # pylint: disable=broad-except  (a remote pool's env may exist only on its servers)
+  except Exception:  # a remote pool's env may exist only on its servers
     return cfg
   if spec.timeouts is None:
     return cfg
@@ -145,7 +145,7 @@ class Pool:
         w.hello = hello
       try:
         expected = _registry.get(cfg.env).name
-      except Exception:  # pylint: disable=broad-except  (a remote pool's env may exist only on its servers)
+      except Exception:  # a remote pool's env may exist only on its servers
         expected = None
       check_handshake(expected, hellos)
       unconfined = [where for where, h in hellos if h.get("episode_sandbox") == "none"]
@@ -163,7 +163,7 @@ class Pool:
 
   def _unsandboxed(self, why: str) -> None:
     """An env whose actions run real programs never runs outside a sandbox unless sandbox='none' says so."""
-    from envs._registry import get  # pylint: disable=g-import-not-at-top
+    from envs._registry import get
     if get(self.cfg.env).needs_sandbox and self.cfg.sandbox != "none":
       raise RuntimeError(f"env {self.cfg.env!r} runs real programs and needs a sandbox, but {why}; use the local "
                          "pool with bubblewrap or the docker pool (sandbox='none', env.pool.sandbox in a jaxagent "
@@ -182,7 +182,7 @@ class Pool:
       return RemoteWorker(cfg, i)
     if cfg.kind == "docker":
       if i == 0:
-        import docker  # pylint: disable=g-import-not-at-top
+        import docker
         self._docker = docker.DockerClient(base_url=cfg.docker_host or docker_host())
         self.sandboxed = True
       return DockerWorker(cfg, i, self._docker)
@@ -258,7 +258,7 @@ class Pool:
     try:
       w.start()
       self._greet(w, "warm spare")
-    except Exception as e:  # pylint: disable=broad-except  (a restart without a spare still works)
+    except Exception as e:  # a restart without a spare still works
       log.error("warm spare worker did not start: %s", e)
       self._discard(w)
       return
@@ -272,7 +272,7 @@ class Pool:
   def _discard(w: Worker) -> None:
     try:
       w.kill()
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       log.debug("kill worker: %s", e)
     d = getattr(w, "dir", None)
     if d:

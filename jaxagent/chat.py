@@ -219,7 +219,7 @@ class TemplateChat(ChatFormat):
                                    {"role": "tool", "content": _OBSERVATION}]
       try:
         rendered = self._render(conversation, self.tools, True)
-      except Exception:  # pylint: disable=broad-except  (jinja's raise_exception, or any template error)
+      except Exception:  # jinja's raise_exception, or any template error
         self.observation_role = "user"
         conversation[-1] = {"role": "user", "content": _OBSERVATION}
         rendered = self._render(conversation, self.tools, True)

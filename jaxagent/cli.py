@@ -72,8 +72,8 @@ def _cmd_generate(args) -> int:
   tokenizer = models.load_tokenizer(args.tokenizer or _default_tokenizer(model_dir))
   stops = tuple((i,) for i in sorted({tokenizer.eos_id, *model.config.eos_token_ids}))
   if args.chat:  # each prompt as a user turn of the tokenizer's chat template, with an env's tools if named
-    import envs  # pylint: disable=g-import-not-at-top
-    from jaxagent.chat import TemplateChat, TemplateError  # pylint: disable=g-import-not-at-top
+    import envs
+    from jaxagent.chat import TemplateChat, TemplateError
     tools = ()
     if args.env:
       env = envs.get(args.env).make()
@@ -127,7 +127,7 @@ def _default_tokenizer(model: Path) -> str:
     return str(model)
   run_config = model.parent / "config.yaml"
   if model.name == "checkpoints" and run_config.is_file():
-    from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+    from jaxagent import config as config_lib
     return config_lib.load(run_config).model.tokenizer
   return "byte"
 
@@ -188,9 +188,9 @@ def _paradigm_stage(args) -> dict:
 def _cmd_paradigm(args) -> int:
   """`jaxagent sft | rft | offline`: a run whose curriculum is the config's cold start (unless --init) and one
   stage of the paradigm; resumed like `train`."""
-  import json  # pylint: disable=g-import-not-at-top
+  import json
 
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
   if args.resume or (args.run_dir and _has_checkpoint(Path(args.run_dir))):
     return _cmd_train(args)  # the run directory's config.yaml already holds the stage
   if args.command != "rft" and not args.data:
@@ -214,7 +214,7 @@ def _cmd_paradigm(args) -> int:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-  from jaxagent import weights  # pylint: disable=g-import-not-at-top
+  from jaxagent import weights
   return weights.latest_step(run_dir / "checkpoints") is not None
 
 
@@ -245,8 +245,8 @@ def _cmd_eval(args) -> int:
 
 def _eval_suite(args, run_dir: Path) -> int:
   """`jaxagent eval --suite`: the suite's report (and `<out>/<suite>.json`); with --gate, exit 1 on a failed gate."""
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent.evals import runner, suite as suite_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
+  from jaxagent.evals import runner, suite as suite_lib
 
   suite = suite_lib.load(args.suite)
   if args.episodes is not None:
@@ -277,7 +277,7 @@ def _eval_suite(args, run_dir: Path) -> int:
 
 
 def _cmd_compare(args) -> int:
-  from jaxagent.evals import compare  # pylint: disable=g-import-not-at-top
+  from jaxagent.evals import compare
   rows = compare.compare(args.runs, args.out, args.metric or compare.DEFAULT_METRICS)
   print(compare.table(rows))
   gain = compare.gain_table(rows)

@@ -899,7 +899,7 @@ def from_dict(data: Mapping[str, Any], cls: type[T] = Config) -> T:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
   """Applies `a.b.c=value` strings (values parsed as YAML) to a nested dict, returning a new dict."""
-  import copy  # pylint: disable=g-import-not-at-top
+  import copy
 
   data = copy.deepcopy(data)
   for item in overrides:

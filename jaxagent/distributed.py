@@ -337,12 +337,12 @@ def selfcheck(mesh_config=None) -> dict[str, Any]:
   Returns:
     A dict with the mesh shape, the two sums and the value they must equal.
   """
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent import multihost, sharding  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
+  from jaxagent import multihost, sharding
 
   mesh = sharding.mesh_from_config(mesh_config or config_lib.MeshConfig())
   axes = tuple(mesh.axis_names)
@@ -368,10 +368,10 @@ def selfcheck(mesh_config=None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
   """`python -m jaxagent.distributed [--coordinator-address H:P --num-processes N --process-id I] ...`."""
-  import argparse  # pylint: disable=g-import-not-at-top
-  import json  # pylint: disable=g-import-not-at-top
+  import argparse
+  import json
 
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
 
   parser = argparse.ArgumentParser(prog="python -m jaxagent.distributed", description=main.__doc__)
   parser.add_argument("--coordinator-address")

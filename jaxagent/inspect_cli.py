@@ -64,11 +64,11 @@ def keep(t: Trajectory, args) -> bool:
 
 
 def _cmd_inspect(args) -> int:
-  from jaxagent import trajectory_store  # pylint: disable=g-import-not-at-top
+  from jaxagent import trajectory_store
 
   tokenizer = None
   if args.tokenizer:
-    import models  # pylint: disable=g-import-not-at-top
+    import models
     tokenizer = models.load_tokenizer(args.tokenizer)
   out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
   errors: list[trajectory_store.TrajectoryReadError] = []
@@ -90,7 +90,7 @@ def _cmd_inspect(args) -> int:
     print(f"jaxagent inspect: error: {e}", file=sys.stderr)
     return 2
   except BrokenPipeError:   # `jaxagent inspect … | head`
-    sys.stdout = open("/dev/null", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    sys.stdout = open("/dev/null", "w", encoding="utf-8")
     return 0
   finally:
     if out is not sys.stdout:

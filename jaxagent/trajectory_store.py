@@ -64,7 +64,7 @@ class TrajectoryWriter:
 
   def __init__(self, directory: str | os.PathLike, *, records_per_shard: int = 1024,
                prefix: str = "trajectories"):
-    from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+    from array_record.python.array_record_module import ArrayRecordWriter
 
     if records_per_shard < 1:
       raise ValueError(f"records_per_shard={records_per_shard}: must be >= 1")
@@ -171,7 +171,7 @@ def list_files(path: str | os.PathLike) -> list[Path]:
 
 
 def _reader(path: Path):
-  from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
+  from array_record.python.array_record_module import ArrayRecordReader
   try:
     reader = ArrayRecordReader(str(path), "readahead_buffer_size:0")
     if not reader.ok():
@@ -233,5 +233,5 @@ def read(path: str | os.PathLike, errors: list[TrajectoryReadError] | None = Non
 
 def data_source(path: str | os.PathLike):
   """A `grain.sources.ArrayRecordDataSource` over the finished shards; map `decode` over its records."""
-  import grain  # pylint: disable=g-import-not-at-top
+  import grain
   return grain.sources.ArrayRecordDataSource([str(p) for p in list_files(path)])

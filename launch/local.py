@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _free_port() -> int:
   try:
-    import portpicker  # pylint: disable=g-import-not-at-top
+    import portpicker
     return portpicker.pick_unused_port()
   except ImportError:
     with socket.socket() as s:

@@ -64,7 +64,7 @@ _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.wei
 
 
 def _reader(path: Path):
-  import gguf  # pylint: disable=g-import-not-at-top
+  import gguf
   if not path.is_file():
     raise CheckpointError(f"{path}: no such GGUF file")
   try:
@@ -138,7 +138,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], *, source: str) ->
 
 def gguf_tensors(reader, hf_config: dict[str, Any], *, source: str) -> dict[str, np.ndarray]:
   """Every tensor of the file, dequantised to float32, under its HF name and in HF's layout."""
-  from gguf import quants  # pylint: disable=g-import-not-at-top
+  from gguf import quants
   arch = hf_config["model_type"]
   out = {}
   for t in reader.tensors:
@@ -165,8 +165,8 @@ def gguf_tensors(reader, hf_config: dict[str, Any], *, source: str) -> dict[str,
 
 def gguf_tokenizer(meta: dict[str, Any], *, source: str):
   """A `transformers.PreTrainedTokenizerFast` built from the file's tokenizer metadata (byte-level BPE)."""
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
-  from transformers import PreTrainedTokenizerFast  # pylint: disable=g-import-not-at-top
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
 
   kind = meta.get("tokenizer.ggml.model")
   if kind != "gpt2":
@@ -204,7 +204,7 @@ def gguf_tokenizer(meta: dict[str, Any], *, source: str):
 def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
   """Writes the HF directory (config.json, model.safetensors in float32, tokenizer files, generation_config.json)
   of GGUF file `path` to `out_dir`, whole or not at all (built next to it, then renamed). Returns `out_dir`."""
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file
   path, out_dir = Path(path), Path(out_dir)
   source = str(path)
   reader = _reader(path)

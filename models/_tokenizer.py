@@ -85,7 +85,7 @@ class HFTokenizer:
   """A local HF tokenizer directory (tokenizer.json, tokenizer_config.json, chat template)."""
 
   def __init__(self, path: str | os.PathLike):
-    from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
+    from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():

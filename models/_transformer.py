@@ -192,7 +192,6 @@ def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_sl
     segment_ids_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
     query_slot_bt = jnp.pad(query_slot_bt, ((0, 0), (0, pad)))
   blocks = (t + pad) // chunk
-  s = keys_bkhs.shape[3]
   operand = _scores_operand(q_btkgh.dtype)
   keys, values = keys_bkhs.astype(operand), values_bksh.astype(dtype)
 
@@ -289,7 +288,7 @@ class Attention(nnx.Module):
     to its own keys, under the window; then its last W real tokens are written (padding never is: a ring slot
     has no room for it)."""
     k_cache, v_cache, key_seg_bs, start_b, _ = kv
-    w, t = k_cache.shape[-1], q_btnh.shape[1]
+    w = k_cache.shape[-1]
     ring_k, ring_v = (k_cache, v_cache) if take is None else (k_cache[take], v_cache[take])
     seg_bs = key_seg_bs if take is None else key_seg_bs[take]
     last_b1 = start_b[:, None] - 1

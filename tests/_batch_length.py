@@ -14,10 +14,10 @@ from jaxagent import distributed
 
 distributed.initialize_from_env()  # before any JAX computation
 
-from jaxagent import buckets  # noqa: E402  pylint: disable=g-import-not-at-top
-from jaxagent import config as config_lib  # noqa: E402  pylint: disable=g-import-not-at-top
-from jaxagent.train import learner  # noqa: E402  pylint: disable=g-import-not-at-top
-from tests import _trajectories  # noqa: E402  pylint: disable=g-import-not-at-top
+from jaxagent import buckets  # noqa: E402
+from jaxagent import config as config_lib  # noqa: E402
+from jaxagent.train import learner  # noqa: E402
+from tests import _trajectories  # noqa: E402
 
 me = int(os.environ["JAXAGENT_PROCESS_ID"])
 trajs = [_trajectories.make(seed=0) if me == 0 else _trajectories.make(seed=9, turns=(("x" * 60, "y" * 60),))]

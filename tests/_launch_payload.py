@@ -11,7 +11,7 @@ def main(argv):
     if me == int(argv[1]):
       sys.exit(3)
     print(f"waiting for process {argv[1]}", flush=True)
-    from jaxagent import distributed  # pylint: disable=g-import-not-at-top
+    from jaxagent import distributed
     distributed.initialize_from_env()  # blocks: the failed process never joins
   elif argv[:1] == ["sleep"]:
     print("sleeping", flush=True)

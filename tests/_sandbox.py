@@ -6,8 +6,8 @@ import os
 def require_bwrap() -> None:
   """Bubblewrap sandbox tests: fail without it when JAXAGENT_REQUIRE_SANDBOX=1 (.ci/run), else skip with the
   reason printed."""
-  import pytest  # pylint: disable=g-import-not-at-top
-  from envs import pool  # pylint: disable=g-import-not-at-top
+  import pytest
+  from envs import pool
   if pool.bwrap_available():
     return
   reason = "bubblewrap not installed or no user namespaces (apt-get install -y bubblewrap)"

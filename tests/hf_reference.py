@@ -52,8 +52,8 @@ VOCAB = 101
 
 def make_hf_model(family: str, seed: int = 0, **overrides: Any):
   """A float32 transformers model with random weights large enough that errors would show."""
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
+  import torch
+  import transformers
 
   classes = {
       "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -90,7 +90,7 @@ def save_hf_model(model, path: Path) -> Path:
 
 def reference_logits(model, tokens: np.ndarray, mask: np.ndarray | None = None,
                      positions: np.ndarray | None = None) -> np.ndarray:
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
 
   kwargs = {"input_ids": torch.tensor(tokens, dtype=torch.long)}
   if mask is not None:

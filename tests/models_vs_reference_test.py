@@ -63,10 +63,10 @@ def test_round_trip_through_save_pretrained(checkpoint, tmp_path):
 def test_greedy_generation_equals_transformers_generate(spec):
   """The new families through the sampler (prefill, then one-token decode steps on the KV cache): a 12-token
   prompt and 10 new tokens (Gemma 3: under a window of 5), the same greedy tokens as transformers' generate."""
-  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jaxagent.rollout.sampler import Sampler, SamplingConfig
+  import jax
+  import torch
+  from flax import nnx
 
   family, overrides = ref.SPECS[spec]
   torch_model = ref.make_hf_model(family, seed=3, **overrides)
@@ -74,7 +74,7 @@ def test_greedy_generation_equals_transformers_generate(spec):
   with torch.no_grad():
     want = torch_model.generate(torch.tensor(prompts), max_new_tokens=10, do_sample=False, min_new_tokens=10,
                                 attention_mask=torch.ones(prompts.shape, dtype=torch.long)).numpy()[:, 12:]
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import tempfile
   with tempfile.TemporaryDirectory() as tmp:
     model = models.from_pretrained(ref.save_hf_model(torch_model, __import__("pathlib").Path(tmp)))
   sampler = Sampler(model, cache_size=32, config=SamplingConfig(temperature=0.0, max_new_tokens=10), pad_id=0,

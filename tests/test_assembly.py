@@ -107,7 +107,7 @@ def test_text_and_control_doors():
 
 
 def test_batch_lengths_pad_at_most_a_third_and_end_at_the_context():
-  from jaxagent import buckets  # pylint: disable=g-import-not-at-top
+  from jaxagent import buckets
   assert buckets.batch_lengths(128) == (32, 48, 64, 96, 128)
   assert buckets.batch_lengths(100) == (32, 48, 64, 96, 100)
   assert buckets.batch_lengths(16) == (16,)   # a context below the shortest bucket is the only length
@@ -122,8 +122,8 @@ def test_batch_lengths_pad_at_most_a_third_and_end_at_the_context():
 
 
 def test_update_batch_length_is_the_bucket_of_the_longest_and_refuses_a_too_long_trajectory_by_name():
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent.train import learner  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
+  from jaxagent.train import learner
   trajs = [_trajectories.make(seed=s) for s in range(2)]      # 81 tokens each
   cfg = lambda length, context: config_lib.load("tiny_cpu", [f"train.batch_length={length}",
                                                             f"rollout.max_context={context}"])

@@ -157,8 +157,8 @@ def test_engine_records_template_tokens_reasoning_and_tool_replies_by_role(tok, 
 
 
 def test_the_trainer_refuses_framings_that_cannot_work(tok, qwen3_tokenizer_dir):
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
+  from jaxagent.train import run as run_lib
   byte = config_lib.load("tiny_cpu", ["model.chat_format=template"])
   with pytest.raises(config_lib.ConfigError, match="model.chat_format='template': model.tokenizer='byte' has no chat"):
     run_lib._make_chat(byte, models.ByteTokenizer(), TOOLS)

@@ -21,7 +21,7 @@ from jaxagent.train.state import TrainState
 from tests import _processes
 
 ROOT = Path(__file__).resolve().parent.parent
-saveable = checkpointing._to_saveable  # pylint: disable=protected-access  (the tree that is saved and digested)
+saveable = checkpointing._to_saveable  # the tree that is saved and digested
 
 CONFIG = models.ModelConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
@@ -296,8 +296,8 @@ def test_checkpoint_without_digests_restores_with_a_warning(tmp_path):
 
 @pytest.mark.slow
 def test_cli_resume_after_corruption_says_which_step_it_used(tmp_path, capsys):
-  from jaxagent import cli  # pylint: disable=g-import-not-at-top
-  from tests.test_train import TINY  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli
+  from tests.test_train import TINY
   sets = [x for o in TINY + ["train.bc_steps=0", "train.eval_episodes=0", "train.plots=false"]
           for x in ("--set", o)]
   run = tmp_path / "job"
@@ -322,7 +322,7 @@ def test_cli_resume_after_corruption_says_which_step_it_used(tmp_path, capsys):
 def _two_process_worker(port: int, process_id: int, out: Path) -> None:
   """One of 2 processes x 2 CPU devices: params sharded over all 4; save, damage, restore, save again."""
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils
   mesh = Mesh(np.array(jax.devices()), ("fsdp",))
 
   def global_state(seed):  # every process builds the same values, then they are laid out over both processes
@@ -361,7 +361,7 @@ def _two_process_worker(port: int, process_id: int, out: Path) -> None:
 @pytest.mark.slow
 def test_two_processes_agree_on_the_damaged_step(tmp_path):
   """Digests of arrays sharded across 2 processes are the same on both; both skip the same step and go on."""
-  import portpicker  # pylint: disable=g-import-not-at-top
+  import portpicker
   port = portpicker.pick_unused_port()
   _processes.run_all([[sys.executable, "-m", "tests.test_checkpoint_integrity", str(port), str(i), str(tmp_path)]
                       for i in range(2)], timeout=300, cwd=ROOT, env=_processes.cpu_env(2))

@@ -67,7 +67,7 @@ def test_bad_values_name_the_key_and_what_is_valid(override, pattern):
 
 
 def test_model_architecture_initializes_the_named_shapes_and_refuses_a_checkpoint_beside_it():
-  import models  # pylint: disable=g-import-not-at-top
+  import models
   config = config_lib.load("qwen3_0p6b_gpu", ["model.path=null", "model.architecture=qwen3-0.6b"])
   assert config.model.init == models.architecture("qwen3-0.6b") and config.model.init.num_hidden_layers == 28
   assert config_lib.from_dict(yaml.safe_load(config_lib.dump(config))) == config  # round-trips
@@ -129,7 +129,7 @@ def test_env_options_are_checked_against_the_chosen_env_when_the_config_loads():
                                         r"option of the calculator env's tasks"):
     config_lib.load("tiny_cpu", ["train.bc_steps=0", "train.iterations=2",
                                  "curriculum.stages=[{name: a, paradigm: rl, steps: 2, env_options: {sizes: 3}}]"])
-  import envs  # pylint: disable=g-import-not-at-top
+  import envs
   spec = envs.get("calculator")
   anything = dataclasses.replace(spec, tasks=lambda split, n, seed=0, **options: spec.tasks(split, n, seed))
   anything.check_options("tasks", {"whatever": 1})

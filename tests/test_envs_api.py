@@ -157,7 +157,7 @@ def test_guess_budget_is_not_completion():
 
 
 def test_snapshot_is_an_optional_capability_answered_over_the_wire():
-  from envs.server import Host, RequestError  # pylint: disable=g-import-not-at-top
+  from envs.server import Host, RequestError
   host = Host("faults")  # offers no snapshot
   host.handle("reset", {"instance": "a", "task": envs.get("faults").tasks("train", 1, 0)[0].to_wire(), "seed": 0,
                         "options": {}})
@@ -207,7 +207,7 @@ def test_step_result_outcome_is_derived_and_checked():
 
 
 def test_typed_fields_round_trip_the_wire_exactly():
-  from envs import _protocol as P  # pylint: disable=g-import-not-at-top
+  from envs import _protocol as P
   verdict = envs.Verdict(False, 0.25, {"got": "7", "steps": [1, 2], "nested": {"ok": None}}, "v3")
   results = [
       envs.StepResult(envs.Observation("t" * 20, True, 99), {"validity": -0.5}, False, None, {"rule": "penalty"},
@@ -221,7 +221,7 @@ def test_typed_fields_round_trip_the_wire_exactly():
     assert back == r
     assert type(back.termination) is type(r.termination) and type(back.outcome) is envs.Outcome
   # What a worker answers for a real step equals the step in this process, typed fields included.
-  from envs.server import Host  # pylint: disable=g-import-not-at-top
+  from envs.server import Host
   spec = envs.get("calculator")
   task = spec.tasks("train", 1, 0)[0]
   host, env = Host("calculator"), spec.make()
@@ -235,7 +235,7 @@ def test_typed_fields_round_trip_the_wire_exactly():
 
 def test_an_env_version_hashes_its_own_code_and_the_api_version_not_the_api_file(monkeypatch, tmp_path):
   """Editing envs/_api.py (a docstring) changes no env's version; bumping ENV_API_VERSION changes every one."""
-  import envs._api as api  # pylint: disable=g-import-not-at-top
+  import envs._api as api
   spec = envs.get("calculator")
   before = {n: envs.get(n).version for n in ("calculator", "guess", "gridworld")}
   real = api.inspect.getsourcefile

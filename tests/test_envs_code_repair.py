@@ -4,7 +4,6 @@ can neither escape the sandbox nor hang the env."""
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 

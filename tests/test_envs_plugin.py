@@ -164,7 +164,7 @@ def test_entry_point_envs_are_listed_checked_and_served(dist, tmp_path):
 
 
 def test_entry_points_register_once_and_broken_ones_warn(monkeypatch, user_src):
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import importlib.metadata
   monkeypatch.syspath_prepend(str(user_src))
   eps = importlib.metadata.EntryPoints([
       importlib.metadata.EntryPoint("counter", "userenvs_pkg.mod:SPEC", "jaxagent.envs"),

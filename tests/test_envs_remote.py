@@ -7,7 +7,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,7 +34,6 @@ def servers(tmp_path):
 
   def start(env="calculator", *flags, port=None):
     port = port or _free_port()
-    ready = tmp_path / f"ready-{port}"
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from envs import server; sys.exit(server.main())",
                              env, "--tcp", f"127.0.0.1:{port}", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -166,7 +164,7 @@ def test_a_remote_pool_of_two_loopback_servers_trains_from_yaml_alone(servers, t
   assert done.returncode == 0, done.stderr[-3000:]
   assert "after RL:" in done.stdout
   (run,) = (tmp_path / "runs").iterdir()
-  from jaxagent import trajectory_store  # pylint: disable=g-import-not-at-top
+  from jaxagent import trajectory_store
   stored = list(trajectory_store.read(run / "trajectories"))
   assert {t.metadata["env_worker"] for t in stored} == {0, 1}  # both servers hosted episodes
   assert len({t.metadata["env_worker_pid"] for t in stored}) == 2  # two server processes, by their hello
@@ -181,7 +179,7 @@ def test_a_remote_pool_of_two_loopback_servers_trains_from_yaml_alone(servers, t
 def test_soak_loses_and_mis_terminates_no_episode_under_injected_faults():
   """A short run of bench/soak.py (the full one: 1,000 concurrent episodes for minutes; figures in the README)."""
   sys.path.insert(0, str(ROOT / "bench"))
-  import soak  # pylint: disable=g-import-not-at-top
+  import soak
   report = soak.soak(slots=120, workers=3, seconds=12, drain_seconds=60, seed=1, echo=lambda *_: None,
                      rates={"crash": 0.01, "hang": 0.01, "raise": 0.02, "big": 0.05})
   assert report["lost"] == 0 and report["mis_terminated"] == 0, report["problems"]

@@ -116,7 +116,7 @@ def test_docker_workers_nesting_episode_sandboxes_refuse_what_neither_needs():
 def test_worker_and_episode_sandboxes_share_one_base_and_differ_only_where_a_worker_must_nest(tmp_path):
   """envs/_sandbox.py bwrap_base: the worker sandbox keeps capabilities and user namespaces because it creates
   the episodes' sandboxes inside itself; each episode drops both."""
-  from envs import _sandbox  # pylint: disable=g-import-not-at-top
+  from envs import _sandbox
   worker = pool_lib.bwrap_command(str(tmp_path), ["-c", "pass"])
   if _sandbox.bwrap_error() is None:  # the argv an episode's program really gets
     box = _sandbox.EpisodeSandbox("bwrap")

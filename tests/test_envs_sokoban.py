@@ -77,7 +77,7 @@ def test_the_generators_lower_bound_never_exceeds_a_shortest_solution():
   for _ in range(400):
     rows = rooms[rng.randrange(len(rooms))]
     boxes = rng.choice((1, 2))
-    cells = rng.sample(sorted(sokoban._floor(rows)), 2 * boxes + 1)  # pylint: disable=protected-access
+    cells = rng.sample(sorted(sokoban._floor(rows)), 2 * boxes + 1)
     player, box_cells, goals = cells[0], cells[1:1 + boxes], cells[1 + boxes:]
     bound = sokoban.lower_bound(player, box_cells, goals)
     path = sokoban.solve(rows, player, box_cells, goals, max_moves=12)

@@ -3,7 +3,6 @@ proportionally longer limit (two fake packages made here, no PyPI), and a run pa
 `env_timeout`, never as a failed fix. Limits are CPU seconds, so a run slowed by others sharing the cores keeps
 its verdict."""
 
-import dataclasses
 import json
 
 import pytest

@@ -8,7 +8,6 @@ import struct
 import time
 import typing
 
-import msgpack
 import pytest
 
 import envs

@@ -81,7 +81,7 @@ def test_shipped_gate_files_name_metrics_the_release_suite_produces():
       runner.COST_KEYS, 1.0), 1.0, (1, 1))
   report = {"conditions": {c.name: dataclasses.replace(clean, name=c.name, kind=c.kind).summary(
       None if c.name == "clean" else clean) for c in suite.conditions},
-            "pass_k": runner._pass_estimates(np.array([1, 2]), suite.pass_k),  # pylint: disable=protected-access
+            "pass_k": runner._pass_estimates(np.array([1, 2]), suite.pass_k),
             "probes": {"passed": 0, "by_probe": {}}}
   metrics = runner.flat_metrics(report)
   shipped = sorted(suite_lib.SUITE_DIR.glob("*gates*.yaml"))
@@ -92,7 +92,7 @@ def test_shipped_gate_files_name_metrics_the_release_suite_produces():
 
 def test_pass_at_k_and_pass_hat_k_are_the_unbiased_estimators():
   counts = np.array([0, 1, 2, 4])  # successes of 4 samples, per task
-  est = runner._pass_estimates(counts, 4)  # pylint: disable=protected-access
+  est = runner._pass_estimates(counts, 4)
   assert est["pass@1"] == pytest.approx(est["pass^1"]) == pytest.approx(np.mean(counts / 4))
   assert est["pass^4"] == pytest.approx(0.25)  # only the task that passed all 4
   assert est["pass@4"] == pytest.approx(0.75)  # every task with a success

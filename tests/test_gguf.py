@@ -92,7 +92,7 @@ def write_gguf(path, hf_model, arch: str, qtype: str, seed: int = 0):
 
 
 def _logits_ours(hf_dir, tokens):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
   return np.asarray(models.from_pretrained(hf_dir)(jnp.asarray(tokens)))
 
 
@@ -130,7 +130,7 @@ def test_converted_gguf_equals_transformers_reading_the_same_file(tmp_path, arch
 def test_float_weights_round_trip_exactly_through_llama_cpps_permutation(tmp_path):
   hf = hf_reference.make_hf_model("llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
   out = models.convert_gguf(write_gguf(tmp_path / "tiny.gguf", hf, "llama", "F32"), tmp_path / "hf")
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file
   got = load_file(str(out / "model.safetensors"))
   for name, param in hf.state_dict().items():
     if name == "lm_head.weight":
@@ -183,7 +183,7 @@ def test_unsupported_architecture_quantisation_and_bad_files_are_named(tmp_path)
 
 
 def test_cli_convert_writes_an_hf_directory_from_a_gguf_file(tmp_path, capsys):
-  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli
   path = _tiny_gguf(tmp_path / "tiny.gguf")
   assert cli.main(["convert", str(path), str(tmp_path / "hf")]) == 0
   assert "hf, llama" in capsys.readouterr().out

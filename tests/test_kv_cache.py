@@ -159,9 +159,9 @@ def test_attention_kernels_equal_the_einsum_path_for_forward_prefill_and_extend(
   """jax.nn.dot_product_attention and the chunked kernel (blocks of 4 queries here, so a 10-token row is three
   blocks, the last padded) on packed, padded rows and through the sampler's prefill and extend (KV cache): the
   same logits as the einsum path; decode is shared. "sliding": a Gemma 3 layout whose first layer sees 3 slots."""
-  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
+  from jaxagent.rollout.sampler import Sampler, SamplingConfig
 
-  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)  # pylint: disable=protected-access
+  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)
 
   cfg = models.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -169,11 +169,11 @@ def test_the_modules_that_closed_the_old_cycles_import_nothing_above_them(module
 
 def test_one_home_per_rule():
   """docs/design.md §3.3: each rule below is written once and the others derive from it."""
-  import typing  # pylint: disable=g-import-not-at-top
+  import typing
 
-  import envs  # pylint: disable=g-import-not-at-top
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent.tasks import pipeline  # pylint: disable=g-import-not-at-top
+  import envs
+  from jaxagent import config as config_lib
+  from jaxagent.tasks import pipeline
   # Seeds: only jaxagent/seeds.py derives one (a second derivation of the same stream silently diverges).
   derive = [str(p.relative_to(ROOT)) for p in (ROOT / "jaxagent").rglob("*.py")
             if "stable_seed(" in p.read_text() and p.name != "seeds.py"]
@@ -189,8 +189,8 @@ def test_one_home_per_rule():
            if '"bwrap", "--unshare-all"' in p.read_text()]
   assert bwrap == ["envs/_sandbox.py"], bwrap
   # Length buckets: the lists and the rule in jaxagent/buckets.py, which the sampler and the assembly use.
-  from jaxagent import assembly, buckets  # pylint: disable=g-import-not-at-top
-  from jaxagent.rollout import sampler  # pylint: disable=g-import-not-at-top
+  from jaxagent import assembly, buckets
+  from jaxagent.rollout import sampler
   assert sampler.DEFAULT_BUCKETS is buckets.PREFILL and assembly.DEFAULT_BUCKETS is buckets.BATCH
   assert buckets.up_to(128) == (16, 32, 64, 128) and buckets.up_to(8192)[-2:] == (2048, 8192)
   assert sampler.bucket(17, (32, 16)) == assembly.bucket_length(17, (32, 16)) == 32  # unsorted lists too

@@ -65,12 +65,12 @@ def test_a_lora_step_changes_the_adapters_only_and_the_optimizer_holds_only_them
 
 @pytest.mark.slow
 def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_model(tmp_path, capsys):
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
+  import torch
+  import transformers
 
-  from jaxagent import cli, weights  # pylint: disable=g-import-not-at-top
-  from jaxagent.train import loop  # pylint: disable=g-import-not-at-top
-  from tests.test_train import _config  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli, weights
+  from jaxagent.train import loop
+  from tests.test_train import _config
 
   lora = ["model.lora_rank=4", "model.lora_targets=[q,v,gate]", "train.eval_episodes=0"]
   config = _config(tmp_path, "train.iterations=2", *lora)
@@ -86,7 +86,7 @@ def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_mode
   assert "resumed from" in capsys.readouterr().out
 
   # Resuming with other LoRA settings is refused by name (not reported as a damaged checkpoint).
-  from jaxagent.train.checkpointing import IncompatibleCheckpointError  # pylint: disable=g-import-not-at-top
+  from jaxagent.train.checkpointing import IncompatibleCheckpointError
   with pytest.raises(IncompatibleCheckpointError, match="lora is .* in the checkpoint"):
     loop.train(_config(tmp_path, "train.iterations=4", "model.lora_rank=8", "model.lora_targets=[q,v,gate]",
                        "train.eval_episodes=0"), run_dir=tmp_path / "run", resume=True)

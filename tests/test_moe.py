@@ -183,7 +183,7 @@ def test_experts_dispatched_per_batch_shard_on_8_devices_equal_one_device(model)
   """The model sharded over a 4 (fsdp) x 2 (tensor) mesh of fake CPU devices, its experts' dispatch split over
   the batch's shards (`dispatch_experts_over`): the same logits and gradients as one device, and the compiled
   update holds no whole-batch copy of the assignments (its temporaries shrink)."""
-  from jaxagent import sharding  # pylint: disable=g-import-not-at-top
+  from jaxagent import sharding
   assert jax.device_count() == 8, "tests/conftest.py must give 8 CPU devices"
   mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   graphdef, params = nnx.split(model)
@@ -225,8 +225,8 @@ def test_expert_parallel_on_8_devices_equals_one_device(model, shape, rows, toke
   tokens per expert the compiled program moves tokens, not experts: no all-gather in it is as large as a layer's
   experts; with many (the limit set to 0 here) it gathers each layer's experts instead."""
   if not tokens_to_experts:
-    monkeypatch.setattr(models._transformer, "TOKENS_TO_EXPERTS_MAX_PER_EXPERT", 0)  # pylint: disable=protected-access
-  from jaxagent import multihost, sharding  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(models._transformer, "TOKENS_TO_EXPERTS_MAX_PER_EXPERT", 0)
+  from jaxagent import multihost, sharding
   mesh = sharding.make_mesh(shape)
   rules = sharding.FSDP_TP_RULES
   graphdef, params = nnx.split(model)
@@ -292,8 +292,8 @@ def test_expert_parallel_decoding_equals_one_device(model):
   """The sampler on an expert-parallel rollout layout (experts over `expert`, their width over `tensor`, no FSDP:
   the rollout rules): prefill and sampled decode give the same tokens and log-probs as one device, and every
   program's dispatch runs under the sampler's expert placement."""
-  from jaxagent import multihost, sharding  # pylint: disable=g-import-not-at-top
-  from jaxagent.rollout.sampler import Sampler, SamplingConfig  # pylint: disable=g-import-not-at-top
+  from jaxagent import multihost, sharding
+  from jaxagent.rollout.sampler import Sampler, SamplingConfig
   mesh = sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2})
   rules = sharding.TENSOR_PARALLEL_RULES
   cfg = SamplingConfig(temperature=1.0, max_new_tokens=6)

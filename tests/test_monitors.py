@@ -47,7 +47,7 @@ def test_monitors_restored_from_a_checkpoint_alert_as_the_uninterrupted_run(cut)
   """A run checkpointed after `cut` iterations and resumed (its state through JSON, as checkpoint metadata)
   watches the same windows: the same alerts at the same iterations, the same flags, and an alert already
   reported before the checkpoint is not reported again."""
-  import json  # pylint: disable=g-import-not-at-top
+  import json
   series = _healthy(9) + [{"reward_std_within_group": 0.05, "entropy": 0.2, "grad_norm": 8.0,
                            monitors.TASK_IDENTIFICATION: 0.6}] * 4
 

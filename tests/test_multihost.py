@@ -88,7 +88,7 @@ def test_two_processes_then_one_process_on_another_mesh_equals_uninterrupted(tmp
 def test_named_host_sums_read_back_by_name_with_the_values_dtype():
   """multihost.host_sums: one collective for several values (identity in one process; the two-process runs
   above sum through it every rl iteration)."""
-  from jaxagent import multihost  # pylint: disable=g-import-not-at-top
+  from jaxagent import multihost
   out = multihost.host_sums({"terminations": np.asarray([3, 0, 1]), "replays": 2, "tokens": np.int64(7)})
   assert list(out) == ["terminations", "replays", "tokens"]
   np.testing.assert_array_equal(out["terminations"], [3, 0, 1])

@@ -315,7 +315,7 @@ def test_sft_and_offline_stages_on_two_processes_equal_one_process(tmp_path):
   """Each process trains its slice of the global batch (normalizers and offline statistics summed): 2 processes x
   1 device end where 1 process x 2 devices does, with update batches in length buckets (that both processes pick
   the same length is checked directly in tests/test_multihost.py: these values would agree even if they did not)."""
-  from tests import _processes  # pylint: disable=g-import-not-at-top
+  from tests import _processes
   chats_file = _write_jsonl(tmp_path / "c.jsonl", CALC_CHATS)
   with trajectory_store.TrajectoryWriter(tmp_path / "store") as w:
     for i in range(12):
@@ -344,7 +344,7 @@ def test_sft_and_offline_stages_on_two_processes_equal_one_process(tmp_path):
 
 
 def test_verbs_refuse_bad_data_and_flags_with_one_line(tmp_path, capsys):
-  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli
   small = ["--set", f"run.root={tmp_path}", "--set", "env.pool.kind=inprocess"]
   assert cli.main(["offline", "tiny_cpu", "--data", str(tmp_path / "nothing"), *small]) == 2
   assert "no such file or directory" in capsys.readouterr().err
@@ -384,8 +384,8 @@ def test_filtered_bc_trains_on_the_verified_episodes_only(tmp_path):
 
 
 def test_a_resumed_stage_refuses_data_that_changed_since_it_began(tmp_path):
-  import types  # pylint: disable=g-import-not-at-top
-  from jaxagent.train import paradigms  # pylint: disable=g-import-not-at-top
+  import types
+  from jaxagent.train import paradigms
   run = types.SimpleNamespace(run_dir=tmp_path)
   stage = config_lib.StageConfig(name="s", paradigm="sft", data="x")
   at = lambda iteration: types.SimpleNamespace(iteration=iteration, stage_start=0)

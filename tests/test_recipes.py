@@ -97,12 +97,12 @@ def test_the_tiny_new_family_recipes_train_two_grpo_iterations_and_export_to_tra
   layers and a global one) as shipped, with their real tokenizers and templates and a short cold start: 2 GRPO
   iterations on the calculator env, then the checkpoint converted to an HF directory that transformers loads as
   the family's class and scores as we do."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+  import transformers
 
-  from jaxagent import weights  # pylint: disable=g-import-not-at-top
-  from tests import hf_reference  # pylint: disable=g-import-not-at-top
+  from jaxagent import weights
+  from tests import hf_reference
 
   overrides = [f"model.tokenizer={request.getfixturevalue(tokenizer)}", f"run.root={tmp_path}",
                "train.eval_episodes=0", "train.bc_steps=4", "train.bc_batch_size=2", "env.pool.kind=inprocess"]

@@ -177,9 +177,9 @@ def test_fault_env_latency_is_validated():
 
 
 def test_slots_must_shard_evenly_over_the_rollout_batch_axes(tmp_path):
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent.train.run import build_run  # pylint: disable=g-import-not-at-top
-  from tests.test_train import TINY  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
+  from jaxagent.train.run import build_run
+  from tests.test_train import TINY
   assert jax.device_count() == 8  # tests/conftest.py: the tiny_cpu mesh puts the batch over data=8
   config = config_lib.load("tiny_cpu", TINY + [f"run.root={tmp_path}", "rollout.slots=6"])
   with pytest.raises(config_lib.ConfigError, match=r"rollout.slots=6: must be divisible by the 8 devices"):
@@ -205,8 +205,8 @@ def test_a_row_left_waiting_for_a_prompt_copy_whose_source_ended_is_fed_in_the_s
   episode ends in the same collect that admitted B, so no row holds or feeds the prompt any more. The next feed
   must carry B's prompt; a plan that noticed it only after building the feed came back empty and the host loop
   stopped with "rollout stalled"."""
-  import types  # pylint: disable=g-import-not-at-top
-  from jaxagent.rollout import engine as engine_lib  # pylint: disable=g-import-not-at-top
+  import types
+  from jaxagent.rollout import engine as engine_lib
   fake_engine = types.SimpleNamespace(pool=types.SimpleNamespace(worker_pids=lambda: [None]),
                                       chat=types.SimpleNamespace(tokenizer=types.SimpleNamespace(pad_id=0)),
                                       schedule="continuous", slots=2)

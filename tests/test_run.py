@@ -130,9 +130,9 @@ def test_train_without_a_config_runs_the_embedded_default(monkeypatch, capsys):
 
 
 def test_generate_does_not_print_the_end_of_sequence_token(tmp_path, monkeypatch, capsys):
-  import models  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from jaxagent import weights  # pylint: disable=g-import-not-at-top
+  import models
+  from flax import nnx
+  from jaxagent import weights
   tok = models.ByteTokenizer()
   cfg = config_lib.load("tiny_cpu", TINY).model.init
   weights.save_model(models.Transformer(cfg, rngs=nnx.Rngs(0)), tmp_path / "ckpt")
@@ -169,7 +169,7 @@ def test_a_user_env_outside_the_repo_trains_under_the_sandboxed_local_pool(tmp_p
   assert r.returncode == 0, r.stderr[-3000:]
   assert "after RL:" in r.stdout
   (run_dir,) = (tmp_path / "runs").iterdir()
-  from jaxagent import trajectory_store  # pylint: disable=g-import-not-at-top
+  from jaxagent import trajectory_store
   stored = list(trajectory_store.read(run_dir / "trajectories"))
   assert stored and all(t.env.name == "counter" and t.task.id.startswith("counter-train-") for t in stored)
   if envs.pool.bwrap_available():

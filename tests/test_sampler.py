@@ -168,7 +168,7 @@ def test_inverse_cdf_takes_only_kept_tokens_at_the_extremes_of_the_uniform():
 def test_truncation_threshold_keeps_the_top_k_top_p_set_and_the_learner_rescores_it_exactly(temperature, top_k, top_p):
   """The recorded threshold reproduces the kept set (the k likeliest, then the smallest prefix of their
   renormalised mass reaching top_p), and the learner's truncated log-prob of each sampled token is the sampler's."""
-  from jaxagent import algos  # pylint: disable=g-import-not-at-top
+  from jaxagent import algos
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(32, 300)) * 3, jnp.float32)
   cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)

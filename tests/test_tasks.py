@@ -3,7 +3,6 @@ detection between splits, the generate → execute → filter pipeline and the t
 
 import dataclasses
 import json
-import warnings
 
 import grain
 import numpy as np
@@ -15,7 +14,7 @@ from envs.builtin import code_repair
 from jaxagent import config as config_lib
 from jaxagent.tasks import cli as tasks_cli
 from jaxagent.tasks import contamination, pipeline
-from jaxagent.tasks.supply import FrontierTasks, UniformTasks, stream
+from jaxagent.tasks.supply import FrontierTasks, UniformTasks
 from tests._sandbox import require_bwrap
 
 TASKS = calculator.tasks("train", 500, 0)
@@ -126,7 +125,7 @@ def test_frontier_state_resumes_the_same_task_sequence():
   with pytest.raises(config_lib.ConfigError, match="another train task list .500 tasks"):
     other.set_state(state)  # e.g. tasks.train_file rewritten between save and resume
   with pytest.raises(config_lib.ConfigError, match="the train task list has 3"):
-    from jaxagent.tasks.supply import make_supply  # pylint: disable=g-import-not-at-top
+    from jaxagent.tasks.supply import make_supply
     make_supply(TASKS[:3], _frontier().config, seed=0, batch=4, process=0, num_processes=1)
 
 
@@ -262,8 +261,8 @@ def test_generate_filter_cli_writes_the_solvable_tasks(tmp_path, capsys):
 
 
 def test_filter_with_a_policy_keeps_the_tasks_it_sometimes_solves(tmp_path, capsys):
-  from jaxagent.train import loop, rollouts  # pylint: disable=g-import-not-at-top
-  from tests.test_train import TINY  # pylint: disable=g-import-not-at-top
+  from jaxagent.train import loop, rollouts
+  from tests.test_train import TINY
   tiny = TINY + ["train.iterations=0", "train.eval_episodes=0", "train.plots=false", f"run.root={tmp_path}"]
   loop.train(config_lib.load("tiny_cpu", tiny), run_dir=tmp_path / "run")
   tasks = calculator.tasks("train", 6, 0)
@@ -340,6 +339,6 @@ def test_frontier_family_skips_are_bounded_and_inside_the_checked_horizon():
   assert 0 < supply.counters["skipped"] <= 12 * 16
   assert supply._source.get_state()["next_index"] <= len(supply.horizon(12, 1))
   with pytest.raises(config_lib.ConfigError, match="tasks.family='templat': not a payload key"):
-    from jaxagent.tasks.supply import make_supply  # pylint: disable=g-import-not-at-top
+    from jaxagent.tasks.supply import make_supply
     make_supply(TASKS, dataclasses.replace(_frontier().config, family="templat"), seed=0, batch=4, process=0,
                 num_processes=1)

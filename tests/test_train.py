@@ -51,7 +51,7 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
   assert progress.iteration == 2 and int(progress.state.policy_version) == 3 + 2  # 3 BC + 2 RL updates
 
   # `jaxagent eval` restores the latest checkpoint and reports, without writing into the run directory.
-  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli
   metrics_before = (run / "metrics.jsonl").read_bytes()
   assert cli.main(["eval", "--checkpoint", str(run / "checkpoints"), "--episodes", "8", "--split", "tune"]) == 0
   report = capsys.readouterr().out
@@ -112,7 +112,7 @@ def test_the_run_sets_its_matmul_precision_before_it_builds_any_program(tmp_path
 
 
 def test_no_recompilation_after_the_first_iteration(tmp_path):
-  import logging  # pylint: disable=g-import-not-at-top
+  import logging
   # Start from empty caches, so the first iteration compiles everything it needs whatever ran before (a
   # module-level jit cached by an earlier test hid a later compile once).
   jax.clear_caches()
@@ -142,8 +142,8 @@ def test_no_recompilation_after_the_first_iteration(tmp_path):
 def test_update_batches_take_the_smallest_bucket_and_equal_the_context_length_update(tmp_path):
   # train.batch_length=bucket (the library default) cuts the padding; the update is the context-length one up to float
   # rounding (the sums over tokens are blocked differently): same loss, gradient norm and parameters.
-  from jaxagent import buckets  # pylint: disable=g-import-not-at-top
-  from jaxagent.train import learner, rollouts  # pylint: disable=g-import-not-at-top
+  from jaxagent import buckets
+  from jaxagent.train import learner, rollouts
   run, progress = _run(tmp_path, "train.bc_steps=0", "train.eval_episodes=0", "train.dynamic_sampling=false",
                        "rollout.max_context=256", "train.batch_length=bucket")  # tiny_cpu.yaml pins max_context
   try:
@@ -293,7 +293,7 @@ def test_algo_config_combinations_are_checked_when_the_config_loads(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="needs a value function"):
     _config(tmp_path, "algo.advantage=gae")
   # `jaxagent config` refuses them too, with the same message.
-  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli
   assert cli.main(["config", "tiny_cpu", "--set", "algo.name=ppo"]) == 2
   # Topology: a config that names its process count is checked against it at load time.
   with pytest.raises(config_lib.ConfigError, match=r"train.tasks_per_iteration=2: must be divisible by the 4"):
@@ -376,8 +376,8 @@ def test_bc_draws_its_batches_from_train_bc_demos_distinct_demonstrations(tmp_pa
 def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path):
   """Selection logic on scripted rewards: flat slots take varied groups of later rounds in the same slot;
   rounds are bounded and counted."""
-  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
-  from jaxagent.rollout.engine import RolloutStats  # pylint: disable=g-import-not-at-top
+  from types import SimpleNamespace
+  from jaxagent.rollout.engine import RolloutStats
   run, progress = _run(tmp_path, "train.tasks_per_iteration=3", "train.group_size=2", "train.dynamic_sampling=true",
                        "train.dynamic_sampling_rounds=2", "train.eval_episodes=0")
   # Rewards per round (3 groups of 2): round 0 has one varied group, round 1 one more, round 2 none. None: a
@@ -394,7 +394,7 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
              for i, r in enumerate(rewards)]
     return state, trajs, RolloutStats(1.0, 1.0, 1.0, 1.0, 6, 10)
 
-  from jaxagent.train import rollouts  # pylint: disable=g-import-not-at-top  (rounds collect through it)
+  from jaxagent.train import rollouts  # rounds collect through it
   real_collect = rollouts.collect
   try:
     rollouts.collect = fake_collect
@@ -470,7 +470,7 @@ def test_rollouts_are_on_policy_for_the_learner(tmp_path, sampling):
 
 
 def test_run_dir_starts_then_continues_a_restarted_job(tmp_path, capsys):
-  from jaxagent import cli  # pylint: disable=g-import-not-at-top
+  from jaxagent import cli
   sets = [x for o in TINY + ["train.bc_steps=0", "train.eval_episodes=0", "train.plots=false"] for x in ("--set", o)]
   run = tmp_path / "job"
   assert cli.main(["train", "tiny_cpu", "--run-dir", str(run), *sets, "--set", "train.iterations=1"]) == 0
@@ -514,8 +514,8 @@ def test_frontier_run_records_outcomes_and_checkpoints_its_state(tmp_path):
 
 
 def test_training_refuses_eval_tasks_leaked_into_its_train_tasks(tmp_path):
-  from jaxagent.tasks import pipeline  # pylint: disable=g-import-not-at-top
-  from jaxagent.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from jaxagent.tasks import pipeline
+  from jaxagent.train import run as run_lib
   config = _config(tmp_path, "train.iterations=20", "train.eval_episodes=8")  # it can draw all 32 train tasks
   held = run_lib.held_out_tasks(config, run_lib.envs.get("calculator"))
   train = run_lib.envs.get("calculator").tasks("train", 30, 0)
@@ -568,13 +568,13 @@ def _staged(tmp_path, name, *extra):
 
 
 def test_curriculum_stages_run_in_order_on_their_own_tasks_and_resume_exactly(tmp_path):
-  import shutil  # pylint: disable=g-import-not-at-top
+  import shutil
   config, run_a = _staged(tmp_path, "a")
   rows = [r for r in map(json.loads, (run_a / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
   assert [r["curriculum/stage"] for r in rows] == [2, 2, 3, 3]
   assert "curriculum/drawn_signal" in rows[0] and "curriculum/drawn_signal" not in rows[2]  # frontier, then uniform
   stored = list(trajectory_store.read(run_a / "trajectories"))
-  from envs.builtin import calculator  # pylint: disable=g-import-not-at-top
+  from envs.builtin import calculator
   version = lambda **options: calculator.tasks("train", 1, 0, **options)[0].version  # the options are in it
   easy = {t.task.version for t in stored if t.policy_version in (3, 4)}   # 3 BC updates, then one per iteration
   hard = {t.task.version for t in stored if t.policy_version in (5, 6)}

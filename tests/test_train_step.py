@@ -187,7 +187,7 @@ def test_chunked_logprobs_and_entropy_equal_the_direct_path_with_gradients(chunk
 def test_chunked_logits_and_remat_leave_the_train_step_unchanged(monkeypatch):
   """The memory options (and the attention kernel) change what is stored, not the update: same params and
   metrics (RL with KL, and BC). The chunked kernel runs blocks of 4 queries here (several per row, one padded)."""
-  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)  # pylint: disable=protected-access
+  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)
   algo = AlgoConfig(name="grpo", advantage="grpo", kl_coef=0.1, entropy_coef=0.01)
   model, graphdefs, optimizer, state = _setup(algo, value=False, reference=True)
   batch = _batch(model, seed=3)
@@ -213,7 +213,7 @@ def test_chunked_logits_and_remat_leave_the_train_step_unchanged(monkeypatch):
 def test_the_value_function_runs_the_configured_attention_kernel_with_the_same_values(monkeypatch):
   """PPO's values at collection time take the loss's attention kernel: chunked gives einsum's values, and its
   program is the chunked one (a loop over query blocks), not [T, T] logits per layer."""
-  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)  # pylint: disable=protected-access
+  monkeypatch.setattr(models._transformer, "ATTENTION_CHUNK", 4)
   model, graphdefs, _, state = _setup(AlgoConfig(name="ppo", advantage="gae"), value=True, reference=False)
   batch, params = _batch(model, seed=3), state().params
   programs = {a: make_value_fn(graphdefs, attention=a) for a in ("einsum", "chunked")}

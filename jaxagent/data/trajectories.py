@@ -119,7 +119,7 @@ class Examples:
   examples at positions [step * size, (step + 1) * size) of that endless order, a pure function of (seed, step)."""
 
   def __init__(self, fetch: Callable[[int], Any], n: int, seed: int):
-    import grain  # pylint: disable=g-import-not-at-top
+    import grain
     if n < 1:
       raise ValueError("no example to train on")
     self.n = n

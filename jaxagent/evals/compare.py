@@ -91,8 +91,8 @@ def compare(run_dirs: Sequence[Path | str], out: Path | str, metrics: Sequence[s
       raise ConfigError(f"{r}: not a run directory (no {metrics_lib.METRICS_FILE})")
   names = labels(runs)
   records = {label: metrics_lib.read_metrics(r / metrics_lib.METRICS_FILE) for label, r in zip(names, runs)}
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
   fig = Figure(figsize=(16, 3.2 * len(metrics)), layout="constrained")
   FigureCanvasAgg(fig)
   grid = fig.subplots(len(metrics), len(metrics_lib.X_AXES), squeeze=False)

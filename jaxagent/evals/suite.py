@@ -102,7 +102,7 @@ class Condition:
 
   def overrides(self, config, tools: tuple[str, ...]) -> list[str]:
     """`--set` overrides that run this condition on top of a run's config."""
-    import json  # pylint: disable=g-import-not-at-top
+    import json
     out = []
     if self.perturb:
       perturb = dict(self.perturb)

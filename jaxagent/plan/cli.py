@@ -8,13 +8,13 @@ import sys
 
 
 def _cmd_plan(args) -> int:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   # Nothing runs on a device: the programs are compiled for the topology's devices. Staying on the CPU keeps a
   # TPU or GPU host's accelerators free and start-up fast.
   jax.config.update("jax_platforms", "cpu")
-  from jaxagent import config as config_lib  # pylint: disable=g-import-not-at-top
-  from jaxagent import plan  # pylint: disable=g-import-not-at-top
+  from jaxagent import config as config_lib
+  from jaxagent import plan
 
   if not 0.0 <= args.headroom < 1.0:
     raise config_lib.ConfigError(f"--headroom {args.headroom}: a fraction of HBM in [0, 1)")
@@ -36,7 +36,7 @@ def _cmd_plan(args) -> int:
   return 0 if report.fits else 1
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
+def register(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("plan", help="compile every program of a run's RL iteration for a TPU topology on this host "
                      "(libtpu, no TPU): per-device HBM, FLOPs, collectives, roofline time; exit 1 if it does not "
                      "fit")

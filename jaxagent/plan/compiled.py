@@ -118,7 +118,7 @@ def compile_program(name: str, what: str, jitted: Any, args: Sequence[Any], *, r
       # reading a TPU entry back fails ("PjRtCompiler must be constructed with a Client") and JAX recompiles.
       warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
       compiled = lowered.compile()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     refused = _refused_bytes(str(e))
     if refused is None:
       raise

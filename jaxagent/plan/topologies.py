@@ -150,7 +150,7 @@ def _quiet_stderr() -> Iterator[list[str]]:
 
 
 def libtpu_available() -> bool:
-  import importlib.util  # pylint: disable=g-import-not-at-top
+  import importlib.util
   return importlib.util.find_spec("libtpu") is not None
 
 
@@ -159,7 +159,7 @@ def topology(name: str) -> Topology:
   chip, grid = parse(name)
   if not libtpu_available():
     raise TopologyError("compiling for a TPU topology needs libtpu (no TPU needed): pip install -e '.[tpu]'")
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies
   canonical = f"{chip.generation}:{'x'.join(map(str, grid))}"
   # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) so that two processes never drive one TPU; a plan
   # drives none, and two plans (or test workers) at once must not refuse each other.
@@ -168,7 +168,7 @@ def topology(name: str) -> Topology:
     try:
       desc = topologies.get_topology_desc(platform="tpu", topology_name=canonical)
       error = None
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       error = e
   if error is not None:
     raise TopologyError(f"libtpu could not describe {canonical}: {error}\n{''.join(text).strip()}") from None
@@ -181,7 +181,7 @@ def topology(name: str) -> Topology:
 
 def per_device_bytes(tree: Any) -> int:
   """Bytes one device holds of a tree of arrays or `ShapeDtypeStruct`s with shardings (the largest shard)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   total = 0
   for leaf in jax.tree.leaves(tree):
     if not hasattr(leaf, "shape"):

@@ -775,7 +775,7 @@ class _Scheduler:
     `StepResult` when a replayed step ended it (the env did not do what it did for the parent)."""
     try:
       obs = self.pool.reset(slot, task, seed)
-    except Exception as e:  # pylint: disable=broad-except  (as reset_async: the fault ends the episode)
+    except Exception as e:  # as reset_async: the fault ends the episode
       return e
     for turn in branch.parent.turns[:branch.turn]:
       result = self.pool.step(slot, turn.action.text)

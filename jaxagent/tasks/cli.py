@@ -88,7 +88,7 @@ def _cmd_filter(args) -> int:
             "infrastructure": [{"id": r.task.id, "reason": r.reason, "detail": r.detail} for r in unknown]}
   if args.policy:
     t0 = time.perf_counter()
-    from jaxagent.train import rollouts  # pylint: disable=g-import-not-at-top  (JAX and the trainer: only here)
+    from jaxagent.train import rollouts  # JAX and the trainer: only here
     wins = rollouts.policy_outcomes(args.policy, kept, args.samples, seed=args.seed)
     seconds = time.perf_counter() - t0
     always, never = int((wins == args.samples).sum()), int((wins == 0).sum())

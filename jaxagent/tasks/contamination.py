@@ -82,7 +82,7 @@ def check(train: Sequence[envs.Task], held_out: Sequence[envs.Task], *, threshol
   `describe`: the env's text of a task (`EnvSpec.describe`); None: `task_text`.
   """
   text_of = describe or task_text
-  from datasketch import MinHash, MinHashLSH  # pylint: disable=g-import-not-at-top  (only when checking)
+  from datasketch import MinHash, MinHashLSH  # only when checking
   if not 0 < threshold <= 1:
     raise ValueError(f"threshold={threshold}: must be in (0, 1]")
   digest = lambda text: hashlib.blake2b(text.encode(), digest_size=16).digest()

@@ -122,7 +122,7 @@ def execute(env: str, tasks: Sequence[envs.Task], *, kind: str = "local", worker
   for k, t in enumerate(tasks):
     try:
       scripts.append(list(spec.demo(t, seed + k, **dict(demo_options or {}))))
-    except Exception as e:  # pylint: disable=broad-except  (a stale or malformed task: report it, go on)
+    except Exception as e:  # a stale or malformed task: report it, go on
       scripts.append([])
       out[k] = Executed(t, "demo_error", 0.0, f"{type(e).__name__}: {e}"[:500])
   todo = [k for k in range(len(tasks)) if out[k] is None]
@@ -133,7 +133,7 @@ def execute(env: str, tasks: Sequence[envs.Task], *, kind: str = "local", worker
   started: dict[int, float] = {}
   bar = None
   if progress:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import tqdm
     bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc=f"execute {env}", unit="task")
   retried: set[int] = set()
 

@@ -55,7 +55,7 @@ class CheckpointIntegrityError(models.CheckpointError):
 
 
 def versions() -> dict[str, str]:
-  import optax  # pylint: disable=g-import-not-at-top
+  import optax
   return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
           "orbax": ocp.__version__ if hasattr(ocp, "__version__") else "?"}
 
@@ -314,7 +314,7 @@ class TrainCheckpointer:
         stored = self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore(), model_config=ocp.args.JsonRestore()))
         error = None
-      except Exception as e:  # pylint: disable=broad-except  (orbax raises many types for a torn step)
+      except Exception as e:  # orbax raises many types for a torn step
         error = _error(e)
       if not _all_agree(error is None):
         skip(step, f"is unreadable ({error or 'failed on another process'})")
@@ -337,7 +337,7 @@ class TrainCheckpointer:
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         error = None
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         error = _error(e)
       if not _all_agree(error is None):
         skip(step, f"is damaged: its state is unreadable ({error or 'failed on another process'})")

@@ -464,7 +464,7 @@ def train(config: Config, *, run_dir: Path | None = None, resume: bool = False) 
   `jax.distributed` is initialized first (a no-op for a single process), so the same command runs on one
   machine or on every host of a cluster.
   """
-  from jaxagent import distributed  # pylint: disable=g-import-not-at-top
+  from jaxagent import distributed
   distributed.initialize(config.distributed)
   if resume and run_dir is None:
     raise ValueError("--resume needs the run directory")

@@ -81,7 +81,7 @@ def device_memory(devices=None) -> dict[str, float]:
 
 
 def _local_devices():
-  import jax  # pylint: disable=g-import-not-at-top  (this module stays importable without initializing jax)
+  import jax  # this module stays importable without initializing jax
   return jax.local_devices()
 
 
@@ -183,7 +183,7 @@ class MetricsLogger:
       _prepare_for_append(self.path, resume_step)
     self._file = self.path.open("a", encoding="utf-8")
     if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      from tensorboardX import SummaryWriter
 
       # purge_step makes TensorBoard hide events at or after it that an earlier (crashed) run wrote.
       purge_step = None if resume_step is None else resume_step + 1
@@ -321,8 +321,8 @@ def plot_metric(metric: str, series: Mapping[str, list[tuple[dict[str, float], f
   """Writes one figure (a subplot per x-axis, a line per series; a legend when they are named) atomically to
   `path`."""
   # The object-oriented API with an explicit Agg canvas: no pyplot global state, no display needed.
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
 
   fig = Figure(figsize=(16, 3.6), layout="constrained")
   FigureCanvasAgg(fig)
@@ -388,7 +388,7 @@ class Progress:
       enabled: False prints nothing (non-zero processes, quiet runs).
       file: the stream to draw on; stderr by default.
     """
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import tqdm
 
     stream = sys.stderr if file is None else file
     is_tty = hasattr(stream, "isatty") and stream.isatty()
