@@ -44,7 +44,8 @@ SMALL = ["train.iterations=1", "train.tasks_per_iteration=2", "train.group_size=
 def test_accelerator_recipe_runs_one_iteration_as_its_tiny_cpu_twin(recipe, family, fixture, tmp_path, request):
   tokenizer = request.getfixturevalue(fixture)
   overrides = SMALL + [f"model.init.{k}={v}" for k, v in TINY_MODEL[family].items()] + [
-      f"model.tokenizer={tokenizer}", f"run.root={tmp_path}", "mesh.ici.tensor=1"]  # one device: no TP axis
+      f"model.tokenizer={tokenizer}", f"run.root={tmp_path}", "mesh.ici.tensor=1",
+      "mesh.ici.expert=1"]  # one device: no TP or expert axis
   config = config_lib.load(recipe, overrides)  # the recipe loads and its combinations check
   assert config.model.compute_dtype == "bfloat16" and config.train.remat == "full"
   run = tmp_path / "run"
