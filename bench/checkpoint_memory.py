@@ -1,7 +1,8 @@
 """Host memory of writing and loading a sharded HF checkpoint, against the checkpoint's size.
 
 A random Llama-shaped model of about `--gib` GiB (float32) is exported with `models.save_pretrained` in shards of
-`--shard-gib`, then loaded with `models.from_pretrained`, each in a fresh process. Per phase: the process's peak
+`--shard-gib`, then loaded with `models.from_pretrained`, whole (one device) and onto a mesh of 8 fake CPU devices
+(FSDP over all 8: each device's slice read on its own), each in a fresh process. Per phase: the process's peak
 resident memory (ru_maxrss) above what it held before the phase began, less the model's own bytes (on a CPU the
 model's arrays live in host memory), i.e. what the phase needed besides the model, as a fraction of the
 checkpoint's size and as a multiple of its largest tensor.
@@ -72,9 +73,13 @@ def _phase(phase: str, directory: str, gib: float, shard_gib: float) -> None:
     models.save_pretrained(model, directory, max_shard_bytes=int(shard_gib * GIB))
     extra = _peak_bytes() - before
   else:
+    mesh = rules = None
+    if phase == "load_mesh":
+      from jaxagent import sharding
+      mesh, rules = sharding.make_mesh({"data": 1, "fsdp": 8}), sharding.FSDP_TP_RULES
     before = _rss_bytes()
     _reset_peak()
-    model = models.from_pretrained(directory)
+    model = models.from_pretrained(directory, mesh=mesh, rules=rules)
     arrays = [v[...] for _, v in nnx.to_flat_state(nnx.state(model))]
     model_bytes = sum(a.nbytes for a in arrays)
     largest = max(a.nbytes for a in arrays)
@@ -90,7 +95,7 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gib", type=float, default=2.0, help="model size in GiB (float32)")
   parser.add_argument("--shard-gib", type=float, default=0.5, help="largest safetensors shard in GiB")
-  parser.add_argument("--phase", choices=("export", "load"), help=argparse.SUPPRESS)
+  parser.add_argument("--phase", choices=("export", "load", "load_mesh"), help=argparse.SUPPRESS)
   parser.add_argument("--dir", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.phase:
@@ -99,14 +104,16 @@ def main(argv=None) -> list[dict]:
   rows = []
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   with tempfile.TemporaryDirectory(prefix="ckpt-memory-") as tmp:
-    for phase in ("export", "load"):
+    for phase in ("export", "load", "load_mesh"):
+      flags = "--xla_force_host_platform_device_count=8" if phase == "load_mesh" else ""
       out = subprocess.run([sys.executable, __file__, "--phase", phase, "--dir", tmp, "--gib", str(args.gib),
-                            "--shard-gib", str(args.shard_gib)], env=env, capture_output=True, text=True, check=False)
+                            "--shard-gib", str(args.shard_gib)], env=dict(env, XLA_FLAGS=flags), capture_output=True,
+                           text=True, check=False)
       if out.returncode:
         raise SystemExit(f"{phase} failed:\n{out.stderr[-3000:]}")
       rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
   for r in rows:
-    print(f"{r['phase']:>6}: checkpoint {r['checkpoint_bytes'] / GIB:.2f} GiB in {r['shards']} shards; peak host "
+    print(f"{r['phase']:>9}: checkpoint {r['checkpoint_bytes'] / GIB:.2f} GiB in {r['shards']} shards; peak host "
           f"memory besides the model {r['extra_bytes'] / GIB:.3f} GiB = {r['extra_bytes'] / r['checkpoint_bytes']:.2f}x "
           f"the checkpoint, {r['extra_bytes'] / r['largest_tensor_bytes']:.1f}x its largest tensor "
           f"({r['largest_tensor_bytes'] / 2**20:.0f} MiB)")

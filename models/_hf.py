@@ -1,17 +1,20 @@
 """Hugging Face checkpoints: `config.json` + `*.safetensors` (single or sharded with an index) <-> NNX model.
 
-No torch: tensors are read with `safetensors` (numpy, bf16 through ml_dtypes). With a mesh, each tensor is
-placed straight onto its sharding (`jax.make_array_from_callback`: every device receives only its slice).
+No torch: tensors are read with `safetensors` (numpy, bf16 through ml_dtypes). With a mesh, each parameter is
+created straight onto its sharding (`jax.make_array_from_callback`), and each device's slice is read from the
+checkpoint on its own: since every HF tensor becomes ours by a reshape and a transpose (`_Relayout`), a slice of
+ours is a region of the HF tensor, read through `safe_open(...).get_slice`. A host reads what its devices hold
+(of a mixture's stacked experts, only its experts' tensors), never a whole tensor it does not hold.
 
-Both directions stream one tensor at a time, so a host never holds the model: loading maps a file only while
-it reads one tensor from it (a mapping kept open would keep every page read through it resident), and export
-writes each shard as soon as it is full. Peak host memory is a few times the largest tensor (a layer's stacked
-experts for a mixture), measured in bench/checkpoint_memory.py.
-"""
+Both directions stream, so a host never holds the model: loading maps a file only while it reads one region from
+it (a mapping kept open would keep every page read through it resident), and export writes each shard as soon as
+it is full. Peak host memory is measured in bench/checkpoint_memory.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import re
 import tempfile
@@ -43,34 +46,81 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------------------------
 # Parameter names: our path -> (HF tensor name, HF->ours, ours->HF).
 
-Transform = Callable[[np.ndarray], np.ndarray]
-_ID: Transform = lambda x: x
+@dataclasses.dataclass(frozen=True)
+class _Relayout:
+  """How an HF tensor becomes ours and back: `ours = hf.reshape(cut).transpose(perm)`, where the cut splits HF
+  dimension i into `splits[i]` (sizes, outermost first; None: it stays whole). Being a reshape and a transpose
+  only, a slice of ours comes from a region of the HF tensor (`read`), so a host reads what its devices hold."""
+  splits: tuple[tuple[int, ...] | None, ...] | None = None  # None: every HF dimension stays whole
+  perm: tuple[int, ...] | None = None  # None: the identity
+
+  def _cut(self, hf_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    splits = self.splits or (None,) * len(hf_shape)
+    return [(n,) if split is None else tuple(split) for n, split in zip(hf_shape, splits)]
+
+  def to_ours(self, x: np.ndarray) -> np.ndarray:
+    x = x.reshape([n for c in self._cut(x.shape) for n in c])
+    return x if self.perm is None else x.transpose(self.perm)
+
+  def to_hf(self, x: np.ndarray) -> np.ndarray:
+    x = x if self.perm is None else x.transpose(np.argsort(self.perm))
+    widths = [1 if split is None else len(split) for split in (self.splits or (None,) * x.ndim)]
+    bounds = np.cumsum([0] + widths)
+    return x.reshape([math.prod(x.shape[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
+
+  def hf_shape(self, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return jax.eval_shape(self.to_hf, jax.ShapeDtypeStruct(our_shape, jnp.float32)).shape
+
+  def read(self, tensor: Any, hf_shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """Our slice `index` of the tensor, reading only the HF region that holds it from `tensor` (anything indexed
+    by a tuple of slices: a safetensors slice, an array). An HF dimension cut in several of ours is read as one
+    range when the slice keeps its inner parts whole (heads are split, a head's width is not), else whole."""
+    cut = self._cut(hf_shape)
+    perm = self.perm or tuple(range(sum(map(len, cut))))
+    cut_index = [slice(None)] * len(perm)
+    for ours, sl in zip(perm, index):
+      cut_index[ours] = sl
+    region, region_cut, rest, j = [], [], [], 0
+    for c in cut:
+      parts = [cut_index[j + q].indices(n) for q, n in enumerate(c)]
+      j += len(c)
+      (start, stop, step), inner = parts[0], math.prod(c[1:])
+      if step == 1 and all(p == (0, n, 1) for p, n in zip(parts[1:], c[1:])):
+        region.append(slice(start * inner, stop * inner))
+        region_cut.append((stop - start,) + c[1:])
+        rest += [slice(None)] * len(c)
+      else:
+        region.append(slice(None))
+        region_cut.append(c)
+        rest += [slice(*p) for p in parts]
+    x = np.asarray(tensor[tuple(region)]).reshape([n for c in region_cut for n in c])[tuple(rest)]
+    return x if self.perm is None else x.transpose(perm)
 
 
+_SAME = _Relayout()
+_TRANSPOSED = _Relayout(perm=(1, 0))
 _EXPERTS = {"w_gate_edf": "gate_proj", "w_up_edf": "up_proj", "w_down_efd": "down_proj"}
 
 
-def _hf_names(path: tuple[Any, ...], config: ModelConfig) -> tuple[tuple[str, ...], Transform, Transform]:
-  """The HF tensors of one parameter: one name, or E names for an expert weight (HF stores one tensor per
-  expert; ours stacks them on a leading axis, which `to_ours` / `to_hf` take and give)."""
+def _hf_names(path: tuple[Any, ...], config: ModelConfig) -> tuple[tuple[str, ...], _Relayout]:
+  """The HF tensors of one parameter and how each becomes ours: one name, or E names for an expert weight (HF
+  stores one tensor per expert; ours stacks them on a leading axis, each relaid as the relayout says)."""
   if len(path) == 4 and path[0] == "layers" and path[2] == "mlp" and path[3] in _EXPERTS:
     proj = _EXPERTS[path[3]]
     names = tuple(f"model.layers.{path[1]}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts))
-    swap = lambda x: np.swapaxes(x, 1, 2)
-    return names, swap, swap
-  name, to_ours, to_hf = _hf_mapping(path, config)
-  return (name,), to_ours, to_hf
+    return names, _TRANSPOSED
+  name, relayout = _hf_mapping(path, config)
+  return (name,), relayout
 
 
-def _hf_mapping(path: tuple[Any, ...], config: ModelConfig) -> tuple[str, Transform, Transform]:
-  n, k, h, d = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                config.hidden_size)
+def _hf_mapping(path: tuple[Any, ...], config: ModelConfig) -> tuple[str, _Relayout]:
+  n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
   if path == ("embed_vd",):
-    return "model.embed_tokens.weight", _ID, _ID
+    return "model.embed_tokens.weight", _SAME
   if path == ("final_norm", "scale"):
-    return "model.norm.weight", _ID, _ID
+    return "model.norm.weight", _SAME
   if path == ("w_unembed_dv",):
-    return "lm_head.weight", np.transpose, np.transpose
+    return "lm_head.weight", _TRANSPOSED
   if path[0] != "layers":
     raise KeyError(path)
   prefix = f"model.layers.{path[1]}."
@@ -80,39 +130,34 @@ def _hf_mapping(path: tuple[Any, ...], config: ModelConfig) -> tuple[str, Transf
   # pre_feedforward_layernorm is what Llama calls post_attention_layernorm.
   sandwich = config.sandwich_norms
   simple = {
-      ("attn_norm", "scale"): ("input_layernorm.weight", _ID, _ID),
+      ("attn_norm", "scale"): ("input_layernorm.weight", _SAME),
       ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight",
-                              _ID, _ID),
-      ("attn_out_norm", "scale"): ("post_attention_layernorm.weight", _ID, _ID),
-      ("mlp_out_norm", "scale"): ("post_feedforward_layernorm.weight", _ID, _ID),
-      ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", _ID, _ID),
-      ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", _ID, _ID),
-      ("attn", "b_o_d"): ("self_attn.o_proj.bias", _ID, _ID),
-      ("attn", "w_o_nhd"): ("self_attn.o_proj.weight",
-                            lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
-                            lambda x: x.transpose(2, 0, 1).reshape(d, n * h)),
-      ("mlp", "w_gate_df"): ("mlp.gate_proj.weight", np.transpose, np.transpose),
-      ("mlp", "w_up_df"): ("mlp.up_proj.weight", np.transpose, np.transpose),
-      ("mlp", "w_down_fd"): ("mlp.down_proj.weight", np.transpose, np.transpose),
-      ("mlp", "b_gate_f"): ("mlp.gate_proj.bias", _ID, _ID),
-      ("mlp", "b_up_f"): ("mlp.up_proj.bias", _ID, _ID),
-      ("mlp", "b_down_d"): ("mlp.down_proj.bias", _ID, _ID),
-      ("mlp", "w_router_de"): ("mlp.gate.weight", np.transpose, np.transpose),
+                              _SAME),
+      ("attn_out_norm", "scale"): ("post_attention_layernorm.weight", _SAME),
+      ("mlp_out_norm", "scale"): ("post_feedforward_layernorm.weight", _SAME),
+      ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", _SAME),
+      ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", _SAME),
+      ("attn", "b_o_d"): ("self_attn.o_proj.bias", _SAME),
+      ("attn", "w_o_nhd"): ("self_attn.o_proj.weight", _Relayout(splits=(None, (n, h)), perm=(1, 2, 0))),
+      ("mlp", "w_gate_df"): ("mlp.gate_proj.weight", _TRANSPOSED),
+      ("mlp", "w_up_df"): ("mlp.up_proj.weight", _TRANSPOSED),
+      ("mlp", "w_down_fd"): ("mlp.down_proj.weight", _TRANSPOSED),
+      ("mlp", "b_gate_f"): ("mlp.gate_proj.bias", _SAME),
+      ("mlp", "b_up_f"): ("mlp.up_proj.bias", _SAME),
+      ("mlp", "b_down_d"): ("mlp.down_proj.bias", _SAME),
+      ("mlp", "w_router_de"): ("mlp.gate.weight", _TRANSPOSED),
   }
   if rest in simple:
-    name, to_ours, to_hf = simple[rest]
-    return prefix + name, to_ours, to_hf
+    name, relayout = simple[rest]
+    return prefix + name, relayout
   if rest[0] == "attn" and len(rest) == 2:
     match = re.fullmatch(r"([wb])_([qkv])_\w+", rest[1])
     if match:
       kind, which = match.groups()
-      heads_ = heads[which]
-      if kind == "w":
-        return (prefix + f"self_attn.{which}_proj.weight",
-                lambda x, m=heads_: x.reshape(m, h, d).transpose(2, 0, 1),
-                lambda x, m=heads_: x.transpose(1, 2, 0).reshape(m * h, d))
-      return (prefix + f"self_attn.{which}_proj.bias",
-              lambda x, m=heads_: x.reshape(m, h), lambda x, m=heads_: x.reshape(m * h))
+      if kind == "w":  # HF [m*h, d] -> ours [d, m, h]
+        return prefix + f"self_attn.{which}_proj.weight", _Relayout(splits=((heads[which], h), None),
+                                                                   perm=(2, 0, 1))
+      return prefix + f"self_attn.{which}_proj.bias", _Relayout(splits=((heads[which], h),))
   raise KeyError(path)
 
 
@@ -163,16 +208,51 @@ class _TensorIndex:
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(f"{file}: cannot read safetensors file (truncated or corrupt?): {e}") from None
 
-  def get(self, name: str) -> np.ndarray:
+  def _file(self, name: str) -> Path:
     if name not in self.files:
       raise CheckpointError(f"tensor {name!r} is missing from the checkpoint "
                             f"(files: {sorted({f.name for f in self.files.values()})})")
-    file = self.files[name]
+    return self.files[name]
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    """The tensor's shape, from its file's header."""
+    file = self._file(name)
     try:
       with self._open(file) as handle:
-        return handle.get_tensor(name)  # a copy: the mapping closes here
+        return tuple(handle.get_slice(name).get_shape())
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(f"{file}: cannot read tensor {name!r} (truncated or corrupt?): {e}") from None
+
+  def read(self, name: str, relayout: _Relayout, index: tuple[slice, ...]) -> np.ndarray:
+    """Our slice `index` of the tensor, reading only its HF region (`_Relayout.read`): a copy, the mapping
+    closes here."""
+    file = self._file(name)
+    try:
+      with self._open(file) as handle:
+        tensor = handle.get_slice(name)
+        return relayout.read(tensor, tuple(tensor.get_shape()), index)
+    except (SafetensorError, OSError, ValueError) as e:
+      raise CheckpointError(f"{file}: cannot read tensor {name!r} (truncated or corrupt?): {e}") from None
+
+
+class _ParameterReader:
+  """`read(index)`: one parameter's slice `index` (our layout, cast to `dtype`) from its HF tensors; an expert
+  weight reads only the experts the slice holds. Slices asked for again (replicas on other devices) are read
+  once."""
+
+  def __init__(self, tensors: _TensorIndex, names: tuple[str, ...], relayout: _Relayout, dtype: Any):
+    self.tensors, self.names, self.relayout, self.dtype = tensors, names, relayout, dtype
+    self._read: dict[tuple, np.ndarray] = {}
+
+  def read(self, index: tuple[slice, ...]) -> np.ndarray:
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key not in self._read:
+      if len(self.names) == 1:
+        part = self.tensors.read(self.names[0], self.relayout, index)
+      else:  # stacked experts: the slice's experts, each read through its own relayout
+        part = np.stack([self.tensors.read(name, self.relayout, index[1:]) for name in self.names[index[0]]])
+      self._read[key] = part.astype(self.dtype, copy=False)
+    return self._read[key]
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
@@ -182,7 +262,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: 
   Args:
     path: directory with `config.json` and `*.safetensors` (optionally sharded with an index file).
     dtype: parameter and compute dtype.
-    mesh: when given, each parameter is created directly with its sharding from `rules`.
+    mesh: when given, each parameter is created directly with its sharding from `rules`, every device's slice
+      read from the checkpoint on its own: a host reads what its devices hold, not the whole tensor.
     rules: logical-axis rules table.
 
   Returns:
@@ -198,28 +279,21 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: 
   values = {}
   for key, variable in nnx.to_flat_state(state):
     try:
-      names, to_ours, to_hf = _hf_names(key, config)
+      names, relayout = _hf_names(key, config)
     except KeyError:
       raise CheckpointError(f"no HF name for parameter {'.'.join(map(str, key))}") from None
-    expected = jax.eval_shape(lambda x, f=to_hf: f(x), jax.ShapeDtypeStruct(variable.shape, jnp.float32)).shape
-    expected = expected if len(names) == 1 else expected[1:]
-    parts = []
+    expected = relayout.hf_shape(variable.shape if len(names) == 1 else variable.shape[1:])
     for name in names:
-      raw = tensors.get(name)
       used.add(name)
-      if tuple(raw.shape) != tuple(expected):
-        raise CheckpointError(
-            f"{tensors.files[name]}: tensor {name!r} has shape {tuple(raw.shape)}; "
-            f"{path / 'config.json'} implies {tuple(expected)}")
-      parts.append(raw)
-    array = np.asarray(to_ours(parts[0] if len(names) == 1 else np.stack(parts)))
-    del parts
-    array = array.astype(dtype, copy=False)
+      if tensors.shape(name) != tuple(expected):
+        raise CheckpointError(f"{tensors.files[name]}: tensor {name!r} has shape {tensors.shape(name)}; "
+                              f"{path / 'config.json'} implies {tuple(expected)}")
+    reader = _ParameterReader(tensors, names, relayout, dtype)
     if mesh is None:
-      values[key] = jnp.asarray(array)
+      values[key] = jnp.asarray(reader.read(tuple(slice(None) for _ in variable.shape)))
     else:
       sharding = variable_sharding(variable, mesh, rules)
-      values[key] = jax.make_array_from_callback(array.shape, sharding, lambda idx, a=array: a[idx])
+      values[key] = jax.make_array_from_callback(variable.shape, sharding, reader.read)
   unexpected = sorted(n for n in tensors.files if n not in used and not _IGNORED.match(n)
                       and not (config.tie_word_embeddings and n == "lm_head.weight"))
   if unexpected:
@@ -244,13 +318,15 @@ def _hf_parameters(model: Transformer):
   """Per parameter: its HF names, and a function giving their host arrays (read only when called)."""
   _, state = nnx.split(model)
   for key, variable in nnx.to_flat_state(state):
-    names, _, to_hf = _hf_names(key, model.config)
+    names, relayout = _hf_names(key, model.config)
 
-    def arrays(variable=variable, names=names, to_hf=to_hf) -> dict[str, np.ndarray]:
-      array = to_hf(_host_array(variable[...]))
-      return {name: np.ascontiguousarray(array if len(names) == 1 else array[i]) for i, name in enumerate(names)}
+    def arrays(variable=variable, names=names, relayout=relayout) -> dict[str, np.ndarray]:
+      array = _host_array(variable[...])
+      if len(names) == 1:
+        return {names[0]: np.ascontiguousarray(relayout.to_hf(array))}
+      return {name: np.ascontiguousarray(relayout.to_hf(array[i])) for i, name in enumerate(names)}
 
-    yield key, variable, names, to_hf, arrays
+    yield key, variable, names, arrays
 
 
 def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
@@ -272,9 +348,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   # Plan the shards from shapes alone (the file names say how many there are).
   sizes: list[int] = []
   plan: list[list[int]] = [[]]  # parameter indices per shard
-  for i, (key, variable, names, to_hf, _) in enumerate(params):
-    shape = jax.eval_shape(lambda x, f=to_hf: f(x), jax.ShapeDtypeStruct(variable.shape, variable[...].dtype))
-    nbytes = shape.size * shape.dtype.itemsize
+  for i, (_, variable, _, _) in enumerate(params):
+    nbytes = variable.size * variable[...].dtype.itemsize  # relaid out, the same elements
     if plan[-1] and sum(sizes[j] for j in plan[-1]) + nbytes > max_shard_bytes:
       plan.append([])
     plan[-1].append(i)
