@@ -288,7 +288,8 @@ class EnvSpec:
       return
     if any(p.kind is p.VAR_KEYWORD for p in params):
       return
-    takes = [p.name for p in params[len(args):] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    filled = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in filled]
     unknown = [k for k in options if k not in takes]
     if unknown:
       where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', attr)}"

@@ -182,6 +182,7 @@ class _TensorIndex:
   file in every error."""
 
   def __init__(self, path: Path):
+    self._shapes: dict[str, tuple[int, ...]] = {}
     index = path / INDEX_FILE
     if index.is_file():
       try:
@@ -215,13 +216,15 @@ class _TensorIndex:
     return self.files[name]
 
   def shape(self, name: str) -> tuple[int, ...]:
-    """The tensor's shape, from its file's header."""
+    """The tensor's shape, from its file's header (each file's header read once)."""
     file = self._file(name)
-    try:
-      with self._open(file) as handle:
-        return tuple(handle.get_slice(name).get_shape())
-    except (SafetensorError, OSError, ValueError) as e:
-      raise CheckpointError(f"{file}: cannot read tensor {name!r} (truncated or corrupt?): {e}") from None
+    if name not in self._shapes:
+      try:
+        with self._open(file) as handle:
+          self._shapes.update({n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()})
+      except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot read tensor {name!r} (truncated or corrupt?): {e}") from None
+    return self._shapes[name]
 
   def read(self, name: str, relayout: _Relayout, index: tuple[slice, ...]) -> np.ndarray:
     """Our slice `index` of the tensor, reading only its HF region (`_Relayout.read`): a copy, the mapping

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any, Iterator
 
 import flax.struct
@@ -447,7 +448,8 @@ class MoE(nnx.Module):
     """(output [B, T, D], the expert ids each token used int32[B, T, k])."""
     experts_btk, weights_btk = self.route(x_btd, replay_btk)
     weights = (self.w_gate_edf[...], self.w_up_edf[...], self.w_down_efd[...])
-    placement = _DISPATCH[-1] if _DISPATCH else None
+    stack = _dispatch_stack()
+    placement = stack[-1] if stack else None
     if placement is not None:
       layout = placement.layout(x_btd.shape, self.top_k, weights)
       if layout is not None:
@@ -474,7 +476,8 @@ def _dispatch(x_btd, experts_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd)
   gate_af = jax.lax.ragged_dot(x_ad, w_gate_edf, group_sizes_e)
   up_af = jax.lax.ragged_dot(x_ad, w_up_edf, group_sizes_e)
   out_ad = jax.lax.ragged_dot(jax.nn.silu(gate_af) * up_af, w_down_efd, group_sizes_e)
-  out_ad = out_ad * jnp.where(held_a, weights_btk.reshape(-1), 0.0)[order_a][:, None].astype(out_ad.dtype)
+  held_sorted_a = held_a[order_a][:, None]  # rows past every group are zero; held to it whatever the kernel does
+  out_ad = jnp.where(held_sorted_a, out_ad * weights_btk.reshape(-1)[order_a][:, None].astype(out_ad.dtype), 0)
   return jnp.zeros((b * t, d), out_ad.dtype).at[token_a].add(out_ad).reshape(b, t, d)
 
 
@@ -585,7 +588,14 @@ class ExpertPlacement:
                          (gate_up_spec, gate_up_spec, down_spec))
 
 
-_DISPATCH: list[ExpertPlacement] = []  # `dispatch_experts_over`'s placements, innermost last
+_DISPATCH = threading.local()  # `.stack`: `dispatch_experts_over`'s placements, innermost last, per thread (the
+# learner thread of an async run traces its update while the main thread traces the sampler's programs)
+
+
+def _dispatch_stack() -> list[ExpertPlacement]:
+  if not hasattr(_DISPATCH, "stack"):
+    _DISPATCH.stack = []
+  return _DISPATCH.stack
 
 
 @contextlib.contextmanager
@@ -601,11 +611,12 @@ def dispatch_experts_over(placement: ExpertPlacement | None) -> Iterator[None]:
   if placement is None:
     yield
     return
-  _DISPATCH.append(placement)
+  stack = _dispatch_stack()
+  stack.append(placement)
   try:
     yield
   finally:
-    _DISPATCH.pop()
+    stack.pop()
 
 
 class Block(nnx.Module):

@@ -133,6 +133,10 @@ def test_env_options_are_checked_against_the_chosen_env_when_the_config_loads():
   spec = envs.get("calculator")
   anything = dataclasses.replace(spec, tasks=lambda split, n, seed=0, **options: spec.tasks(split, n, seed))
   anything.check_options("tasks", {"whatever": 1})
+  star = dataclasses.replace(spec, tasks=lambda split, *rest, max_operand=9: spec.tasks(split, *rest))
+  star.check_options("tasks", {"max_operand": 3})
+  with pytest.raises(ValueError, match="it takes 'max_operand'"):
+    star.check_options("tasks", {"seed": 3})
 
 
 def test_rollout_settings_that_span_processes():

@@ -83,7 +83,7 @@ def main() -> None:
       getattr(mod, name)()
       signal.setitimer(signal.ITIMER_REAL, 0)
       report["results"][name] = "pass"
-    except _TestTimeout:
+    except _TestTimeout as e:
       report["results"][name] = "timeout"
       report["details"][name] = f"  timeout: the test ran longer than {per_test:g}s"
     except BaseException as e:  # SystemExit, KeyboardInterrupt from the code under test count as failures.
