@@ -216,7 +216,6 @@ def test_experts_dispatched_per_batch_shard_on_8_devices_equal_one_device(model)
 
 @pytest.mark.parametrize("shape,rows,tokens_to_experts", [
     ({"fsdp": 2, "expert": 2, "tensor": 2}, 8, True),  # tokens over the expert axis, gathered and scattered back
-    ({"data": 4, "expert": 2}, 8, True),
     ({"fsdp": 2, "expert": 2, "tensor": 2}, 2, True),  # rows too few to split: the same tokens, outputs summed
     ({"fsdp": 2, "expert": 2, "tensor": 2}, 8, False)])  # many tokens per expert: the experts come to the tokens
 def test_expert_parallel_on_8_devices_equals_one_device(model, shape, rows, tokens_to_experts, monkeypatch):
