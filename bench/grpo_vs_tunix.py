@@ -59,7 +59,8 @@ def run_ours(args) -> dict:
   from jaxagent.train.run import build_run
 
   overrides = [f"model.init.{k}={v}" for k, v in MODEL.items()] + [
-      "train.bc_steps=0", "train.eval_episodes=0", "train.dynamic_sampling=false", f"env.name={ENV}", f"env.max_turns={MAX_TURNS}",
+      "train.bc_steps=0", "train.eval_episodes=0", "train.dynamic_sampling=false", f"env.name={ENV}",
+      "env.demo_options=null", f"env.max_turns={MAX_TURNS}",
       "env.pool.kind=inprocess", "env.invalid_action=error_observation", "train.save_trajectories=false",
       "train.plots=false", f"train.tasks_per_iteration={args.tasks}", f"train.group_size={args.group}",
       f"train.iterations={args.warmup + args.iters}", "train.updates_per_iteration=1", "train.micro_batches=1",

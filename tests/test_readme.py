@@ -41,6 +41,7 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?
                     re.DOTALL | re.MULTILINE)
 _INLINE = re.compile(r"`([^`\n]+)`")
 _SET = re.compile(r"--set[ =]('[^']*'|\"[^\"]*\"|\S+)")
+_COMMAND_CONFIG = re.compile(r"(?:jaxagent\s+(?:train|config|eval|plan|generate)|--recipe)\s+([A-Za-z_]\w*)")
 # A dotted key in inline code: one that starts with a config section, or any dotted name given a value
 # (`pool.sandbox: none`, `x.y=1`): both must name a config field.
 _KEY = re.compile(r"^(?P<key>(?:%s)(?:\.[A-Za-z_]\w*)+)" % "|".join(SECTIONS))
@@ -130,16 +131,32 @@ def key_resolves(key: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Shown:
-  """What a README text shows of the config: each item is checked on its own."""
+  """What a README text shows of the config: each command's overrides are checked together, on the config the
+  command names (else `BASE`); every other item on its own."""
   overrides: list[str]                    # `--set key=value`, expected to load
+  commands: list[tuple[str, tuple[str, ...]]]  # (config, the overrides of one command line), expected to load
   rejected: list[tuple[str, str]]         # (`--set key=value`, the error text shown for it): must fail so
   snippets: list[tuple[dict[str, Any], str]]  # YAML config snippets: (data, text)
   not_config: list[str]                   # YAML blocks that are not config snippets
   keys: list[str]                         # dotted keys in inline code
 
 
+def _commands(text: str) -> list[tuple[str, tuple[str, ...]]]:
+  """(config, overrides) of each command line of `text` that sets any (continuation lines joined): the config is
+  the shipped one the command names (`jaxagent train NAME`, `--recipe NAME`), else `BASE`."""
+  out = []
+  for line in text.replace("\\\n", " ").splitlines():
+    found = set_overrides(line)
+    if found:
+      named = _COMMAND_CONFIG.search(line)
+      config = named.group(1) if named and (config_lib.CONFIG_DIR / f"{named.group(1)}.yaml").is_file() else BASE
+      out.append((config, tuple(found)))
+  return out
+
+
 def shown(text: str) -> Shown:
   overrides, rejected, snippets, not_config = [], [], [], []
+  commands = []
   for b in blocks(text):
     if b.lang == "yaml":
       data = yaml.safe_load(b.body)
@@ -154,24 +171,26 @@ def shown(text: str) -> Shown:
       rejected += [(o, error.group(1)) for o in found]
     else:
       overrides += found
+      commands += _commands(b.body)
   keys = []
   for span in inline_spans(text):
     overrides += set_overrides(span)
+    commands += _commands(span)
     m = _KEY.match(span.strip()) or _KEY_WITH_VALUE.match(span.strip())
     if m and span.strip() not in NOT_KEYS:
       keys.append(m.group("key").rstrip("."))
-  return Shown(overrides, rejected, snippets, not_config, keys)
+  return Shown(overrides, commands, rejected, snippets, not_config, keys)
 
 
 def problems(text: str) -> list[str]:
   """Every config key or value the text shows that the loader rejects, one line each."""
   s = shown(text)
   out = []
-  for item in s.overrides:
+  for config, items in s.commands:
     try:
-      config_lib.load(BASE, [item])
+      config_lib.load(config, list(items))
     except config_lib.ConfigError as e:
-      out.append(f"--set {item}: {e}")
+      out.append(f"{config} --set {' --set '.join(items)}: {e}")
   for item, message in s.rejected:
     try:
       config_lib.load(BASE, [item])
@@ -181,8 +200,11 @@ def problems(text: str) -> list[str]:
       if lead not in str(e):
         out.append(f"--set {item}: shown failing with {message!r}, but the error is {e}")
   for data, _ in s.snippets:
+    base = _base_dict()
+    if "name" in data.get("env", {}):  # a snippet of another env's config: the base env's own options stay behind
+      base["env"] = {k: v for k, v in base["env"].items() if k not in ("options", "demo_options")}
     try:
-      config_lib.from_dict(_merge(_base_dict(), data))
+      config_lib.from_dict(_merge(base, data))
     except config_lib.ConfigError as e:
       out.append(f"yaml {data}: {e}")
   for body in s.not_config:

@@ -35,7 +35,8 @@ def _scripted(run, scripts, *, group_size):
 def test_infrastructure_failures_are_recorded_but_never_trained_or_grouped(tmp_path):
   """A mid-episode tool fault (env_error) used to be trained as a task failure with reward 0, inside its GRPO
   group (which then looked varied). Now: stored with its step outcome, loss mask and advantage 0, in no group."""
-  run = run_lib.build_run(_config(tmp_path, "env.name=faults", "env.max_turns=3", "train.eval_episodes=0",
+  run = run_lib.build_run(_config(tmp_path, "env.name=faults", "env.demo_options=null", "env.max_turns=3",
+                                  "train.eval_episodes=0",
                                   "train.bc_steps=0"), tmp_path / "run")
   try:
     state = run.init_state()
