@@ -7,7 +7,7 @@ Nothing is run or allocated: each variant of the jitted step (`make_train_step`,
 compiled for abstract inputs and XLA's memory analysis reports its buffers (this works on CPU). Printed per
 variant: temp (activations and workspace), arguments (state + batch), and peak = arguments + outputs - aliased
 (the donated state) + temp, with each peak's ratio to the direct path's measured in the same run.
-Target (issue 14): chunked + remat peak <= 1/4 of the direct path at V = 151,936. "+ LoRA" adds rank-16 adapters
+Target: chunked + remat peak <= 1/4 of the direct path at V = 151,936. "+ LoRA" adds rank-16 adapters
 on q, k, v, o trained alone (no Adam moments for the base weights).
 """
 

@@ -5,7 +5,7 @@
 Prints the time of one switch (`sharding.reshard`, as the trainer uses it: jitted identities with the other
 layout's out_shardings, in groups of at most 1/8 of the bytes, each group's sources freed as it lands) against a plain on-device copy of the same bytes in the same layout, measured in this run, and
 the compiled switch's peak memory per device against the larger of the two layouts' per-device footprints.
-Targets (issue 5): time <= 2x the copy; peak <= 1.25x the larger footprint (no full replica).
+Targets: time <= 2x the copy; peak <= 1.25x the larger footprint (no full replica).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from jaxagent.trajectory_render import render_html, render_text
 
 
 def summary(t: Trajectory) -> dict[str, Any]:
-  """The `--format jsonl` object: exactly the keys of issue 4 (use `--full` for the whole record)."""
+  """The `--format jsonl` object: the summary keys below, no more (use `--full` for the whole record)."""
   return {
       "schema": t.schema,
       "task": {"id": t.task.id, "split": t.task.split, "version": t.task.version, "prompt": t.task.prompt},
