@@ -29,7 +29,7 @@ DISAGGREGATED = ["mesh.placement=disaggregated", "train.eval_episodes=0", "train
 def test_placement_meshes_pair_each_learner_device_with_another_device():
   cfg = config_lib.load("tiny_cpu", ["mesh.placement=disaggregated"]).mesh
   learner, rollout = sharding.placement_meshes(cfg)
-  assert learner.devices.shape == rollout.devices.shape == (4, 1, 1)
+  assert learner.devices.shape == rollout.devices.shape == (4, 1, 1, 1)  # data, fsdp, expert, tensor
   assert not set(learner.devices.flat) & set(rollout.devices.flat)
   colocated = sharding.placement_meshes(config_lib.load("tiny_cpu").mesh)
   assert colocated[0] is colocated[1] and colocated[0].devices.size == 8
