@@ -27,6 +27,7 @@ FSDP_TP_RULES: models.Rules = (
     ("head_dim", None),
     ("norm", None),
     ("length", None),
+    (models.LAYERS_AXIS, None),  # a layer stack's leading axis: each device holds every layer's share
 )
 
 # Decode: weights split over `tensor` only (no all-gather per generated token), the batch over the rest.

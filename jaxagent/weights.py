@@ -23,6 +23,27 @@ import models
 
 PARAMS = "params"
 MODEL_CONFIG = "model_config"
+# How our checkpoints lay out the parameters, written into each one's model config: each run of layers of one
+# structure as one stack (`models.layer_runs`). A checkpoint without it holds one tree per layer (jaxagent before
+# layer stacks) and cannot be restored into this layout.
+PARAM_LAYOUT_KEY, PARAM_LAYOUT = "jaxagent_param_layout", "layer_stacks"
+
+
+def checkpoint_model_config(config: models.ModelConfig, dtype: Any = None) -> dict[str, Any]:
+  """The model config stored with a checkpoint: HF-style (`models.config_to_hf`) plus the parameter layout."""
+  hf = models.config_to_hf(config) if dtype is None else models.config_to_hf(config, dtype=dtype)
+  return {**hf, PARAM_LAYOUT_KEY: PARAM_LAYOUT}
+
+
+def param_layout_problem(stored_model_config: dict[str, Any]) -> str | None:
+  """Why a checkpoint with this stored model config cannot be restored into today's parameters, or None."""
+  layout = stored_model_config.get(PARAM_LAYOUT_KEY)
+  if layout == PARAM_LAYOUT:
+    return None
+  what = ("one parameter tree per layer (written before layers were stored as stacks)" if layout is None else
+          f"parameter layout {layout!r} (this version reads {PARAM_LAYOUT!r})")
+  return (f"it holds {what}; convert it to an HF directory with the jaxagent version that wrote it "
+          "(`jaxagent convert CHECKPOINT_DIR HF_DIR`) and start from that (model.path)")
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -44,7 +65,7 @@ def save_model(model: models.Transformer, directory: str | Path, step: int = 0) 
   """Writes `model` as step `step` of an Orbax checkpoint directory (blocking)."""
   directory = Path(directory).resolve()
   _, state = nnx.split(model)
-  hf_config = models.config_to_hf(model.config, dtype=jnp.dtype(model.dtype).name)
+  hf_config = checkpoint_model_config(model.config, dtype=jnp.dtype(model.dtype).name)
   with ocp.CheckpointManager(directory) as mngr:
     mngr.save(step, args=ocp.args.Composite(**{
         PARAMS: ocp.args.StandardSave(nnx.to_pure_dict(state)),
@@ -81,6 +102,9 @@ def load_model(path: str | Path, *, dtype: Any = jnp.float32, mesh: Mesh | None 
     except Exception as e:  # orbax raises several types for a missing item
       raise models.CheckpointError(f"{directory}/{step}: no readable {MODEL_CONFIG!r} item ({e})") from None
     config = models.config_from_hf(hf_config, source=f"{directory}/{step}/{MODEL_CONFIG}")
+    problem = param_layout_problem(hf_config)
+    if problem:
+      raise models.CheckpointError(f"{directory}/{step}: {problem}")
     abstract = nnx.eval_shape(lambda: models.Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 from models._config import ModelConfig
 from models._families import config_from_hf, config_to_hf
 from models._sharding import Rules, variable_sharding
-from models._transformer import Transformer
+from models._transformer import Transformer, layer_runs
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -102,15 +102,20 @@ _TRANSPOSED = _Relayout(perm=(1, 0))
 _EXPERTS = {"w_gate_edf": "gate_proj", "w_up_edf": "up_proj", "w_down_efd": "down_proj"}
 
 
-def _hf_names(path: tuple[Any, ...], config: ModelConfig) -> tuple[tuple[str, ...], _Relayout]:
-  """The HF tensors of one parameter and how each becomes ours: one name, or E names for an expert weight (HF
-  stores one tensor per expert; ours stacks them on a leading axis, each relaid as the relayout says)."""
-  if len(path) == 4 and path[0] == "layers" and path[2] == "mlp" and path[3] in _EXPERTS:
-    proj = _EXPERTS[path[3]]
-    names = tuple(f"model.layers.{path[1]}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts))
-    return names, _TRANSPOSED
-  name, relayout = _hf_mapping(path, config)
-  return (name,), relayout
+def _hf_names(path: tuple[Any, ...], config: ModelConfig) -> tuple[np.ndarray, _Relayout]:
+  """The HF tensors of one parameter and how each becomes ours: an array of names, one per index of the
+  parameter's leading stacked axes (none for a top-level weight; [L] for a layer stack's weight, one tensor per
+  layer; [L, E] for a stack's expert weight, HF storing one tensor per expert), each relaid as the relayout says."""
+  if path[0] != "layer_stacks":
+    name, relayout = _hf_mapping(path, config)
+    return np.array(name, dtype=object), relayout
+  layers, rest = layer_runs(config)[path[1]], path[2:]
+  if len(rest) == 2 and rest[0] == "mlp" and rest[1] in _EXPERTS:
+    names = [[f"model.layers.{i}.mlp.experts.{e}.{_EXPERTS[rest[1]]}.weight" for e in range(config.num_experts)]
+             for i in layers]
+    return np.array(names, dtype=object), _TRANSPOSED
+  mapped = [_hf_mapping(("layers", i) + rest, config) for i in layers]
+  return np.array([name for name, _ in mapped], dtype=object), mapped[0][1]
 
 
 def _hf_mapping(path: tuple[Any, ...], config: ModelConfig) -> tuple[str, _Relayout]:
@@ -239,21 +244,22 @@ class _TensorIndex:
 
 
 class _ParameterReader:
-  """`read(index)`: one parameter's slice `index` (our layout, cast to `dtype`) from its HF tensors; an expert
-  weight reads only the experts the slice holds. Slices asked for again (replicas on other devices) are read
-  once."""
+  """`read(index)`: one parameter's slice `index` (our layout, cast to `dtype`) from its HF tensors (`names`, one
+  per index of its leading stacked axes: `_hf_names`); a stacked weight reads only the layers and experts the
+  slice holds. Slices asked for again (replicas on other devices) are read once."""
 
-  def __init__(self, tensors: _TensorIndex, names: tuple[str, ...], relayout: _Relayout, dtype: Any):
+  def __init__(self, tensors: _TensorIndex, names: np.ndarray, relayout: _Relayout, dtype: Any):
     self.tensors, self.names, self.relayout, self.dtype = tensors, names, relayout, dtype
     self._read: dict[tuple, np.ndarray] = {}
 
   def read(self, index: tuple[slice, ...]) -> np.ndarray:
     key = tuple((s.start, s.stop, s.step) for s in index)
     if key not in self._read:
-      if len(self.names) == 1:
-        part = self.tensors.read(self.names[0], self.relayout, index)
-      else:  # stacked experts: the slice's experts, each read through its own relayout
-        part = np.stack([self.tensors.read(name, self.relayout, index[1:]) for name in self.names[index[0]]])
+      lead = self.names.ndim
+      # The slice's layers (and experts), each read through its own relayout.
+      held = np.asarray(self.names[index[:lead]], dtype=object)
+      parts = [self.tensors.read(name, self.relayout, index[lead:]) for name in held.flat]
+      part = np.stack(parts).reshape(held.shape + parts[0].shape)
       self._read[key] = part.astype(self.dtype, copy=False)
     return self._read[key]
 
@@ -285,8 +291,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: 
       names, relayout = _hf_names(key, config)
     except KeyError:
       raise CheckpointError(f"no HF name for parameter {'.'.join(map(str, key))}") from None
-    expected = relayout.hf_shape(variable.shape if len(names) == 1 else variable.shape[1:])
-    for name in names:
+    expected = relayout.hf_shape(variable.shape[names.ndim:])
+    for name in names.flat:
       used.add(name)
       if tensors.shape(name) != tuple(expected):
         raise CheckpointError(f"{tensors.files[name]}: tensor {name!r} has shape {tensors.shape(name)}; "
@@ -325,9 +331,7 @@ def _hf_parameters(model: Transformer):
 
     def arrays(variable=variable, names=names, relayout=relayout) -> dict[str, np.ndarray]:
       array = _host_array(variable[...])
-      if len(names) == 1:
-        return {names[0]: np.ascontiguousarray(relayout.to_hf(array))}
-      return {name: np.ascontiguousarray(relayout.to_hf(array[i])) for i, name in enumerate(names)}
+      return {names[i]: np.ascontiguousarray(relayout.to_hf(array[i])) for i in np.ndindex(names.shape)}
 
     yield key, variable, names, arrays
 

@@ -1,8 +1,9 @@
 """LoRA adapters (arXiv:2106.09685) over a `Transformer`'s parameters, kept apart from them.
 
 Adapters are a nested dict that mirrors the policy's parameter paths down to each target weight, holding
-`{"a": [d_in, r], "b": [r, d_out]}`; the effective weight is `W + (alpha / r) · reshape(a @ b, W.shape)`, where
-d_in is the weight's input dimensions (D for q/k/v/gate/up, N·H for o, F for down). `b` starts at zero, so the
+`{"a": [L, d_in, r], "b": [L, r, d_out]}`, one adapter per layer of the weight's layer stack (L leading, as the
+stacked weight); the effective weight is `W + (alpha / r) · reshape(a @ b, W.shape)`, where d_in is the weight's
+input dimensions (D for q/k/v/gate/up, N·H for o, F for down). `b` starts at zero, so the
 adapted model starts as the base model. `merge` is pure: the trainer merges inside the jitted step (the base
 weights are an input, never differentiated) and for rollouts and HF export.
 
@@ -47,13 +48,14 @@ def lora_init(policy: Any, *, rank: int, targets: Sequence[str], key: jax.Array,
   keys = jax.random.split(key, max(len(leaves), 1))
   for k, (path, leaf) in zip(keys, leaves):
     names = _names(path)
+    layers, shape = leaf.shape[0], leaf.shape[1:]  # every target weight is in a layer stack
     n_in = wanted[names[-1]]
-    d_in, d_out = math.prod(leaf.shape[:n_in]), math.prod(leaf.shape[n_in:])
+    d_in, d_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
     node = adapters
     for name in names[:-1]:
       node = node.setdefault(name, {})
-    node[names[-1]] = {"a": jax.random.normal(k, (d_in, rank), dtype) * d_in ** -0.5,
-                       "b": jnp.zeros((rank, d_out), dtype)}
+    node[names[-1]] = {"a": jax.random.normal(k, (layers, d_in, rank), dtype) * d_in ** -0.5,
+                       "b": jnp.zeros((layers, rank, d_out), dtype)}
   if not leaves:
     raise ValueError(f"LoRA targets {list(targets)}: no such weight in the model")
   return adapters
@@ -68,7 +70,7 @@ def lora_merge(policy: Any, adapters: dict[str, Any], scale: float) -> Any:
       if not isinstance(node, dict) or name not in node:
         return w
       node = node[name]
-    delta = jnp.dot(node["a"], node["b"], preferred_element_type=jnp.float32) * scale
+    delta = jnp.einsum("lir,lro->lio", node["a"], node["b"], preferred_element_type=jnp.float32) * scale
     return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
 
   return jax.tree_util.tree_map_with_path(merge, policy)

@@ -40,6 +40,9 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 
+# The logical axis of a layer stack's leading dimension (parameters and caches); the rules never split it.
+LAYERS_AXIS = "layers"
+
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
            init=_INIT) -> nnx.Param:
@@ -59,8 +62,9 @@ class KVCache:
   """Key/value cache; every row has its own write position (rows fill, stop and restart independently).
 
   Attributes:
-    k: per layer, [B, K, H, S] keys (RoPE already applied), slots last.
-    v: per layer, [B, K, S, H] values.
+    k: per layer stack (`layer_runs`: consecutive layers of one structure, stored and run as one), [B, L, K, H, S]
+      keys (RoPE already applied), slots last; L the stack's layers.
+    v: per layer stack, [B, L, K, S, H] values.
     segment_ids: int32[B, S]; 0 = empty or padding slot.
     index: int32[B], each row's next slot to write. T new tokens of row b go to slots index[b] .. index[b]+T-1;
       slots past S are dropped (callers decide per row whether a chunk fits: the sampler does). The index is
@@ -69,16 +73,17 @@ class KVCache:
       cached token used in the M sparse layers (-1: nothing written there); written with the keys and values,
       so every copy of a row's slots carries its routes (router replay). None otherwise.
 
-  A sliding-window layer whose window W is shorter than S keeps a ring of W slots instead (its k is [B, K, H, W]):
-  the token of slot p is in ring slot p % W, and a chunk attends to the ring as it was before the chunk plus the
-  chunk's own keys (`Attention`), then writes its last W real tokens. Slots, segment ids and the index stay those
-  of the whole row.
+  A stack of sliding-window layers whose window W is shorter than S keeps rings of W slots instead (its k is
+  [B, L, K, H, W]): the token of slot p is in ring slot p % W, and a chunk attends to the ring as it was before
+  the chunk plus the chunk's own keys (`Attention`), then writes its last W real tokens. Slots, segment ids and the
+  index stay those of the whole row.
 
-  Both layouts let a decode step read each cache in place, reducing over an axis that is not the last one
-  (keys over H, values over S), which XLA's CPU backend fuses into one pass over the cache. Measured with
-  `jax.profiler` on the tiny config's decode (B=64, S=128, CPU): keys as [B, K, S, H] (reduce over the last
-  axis) took 2.5x as long; a [B, S, K, H] cache was transposed (copied whole) on every step; dot_generals were
-  slower still.
+  Rows lead, so copying a row (forks, refills) moves its every layer at once. The layers' scan writes each
+  layer's new slots into the stack in place and reads the layer's slice. Both layouts let a decode step read
+  each cache in place, reducing over an axis that is not the last one (keys over H, values over S), which XLA's
+  CPU backend fuses into one pass over the cache. Measured with `jax.profiler` on the tiny config's decode (B=64,
+  S=128, CPU): keys as [B, K, S, H] (reduce over the last axis) took 2.5x as long; a [B, S, K, H] cache was
+  transposed (copied whole) on every step; dot_generals were slower still.
   """
 
   k: tuple[jax.Array, ...]
@@ -87,8 +92,8 @@ class KVCache:
   index: jax.Array
   routes: jax.Array | None = None
 
-  K_AXES = ("batch", "kv_heads", "head_dim", "length")  # logical axes of each k array
-  V_AXES = ("batch", "kv_heads", "length", "head_dim")  # logical axes of each v array
+  K_AXES = ("batch", LAYERS_AXIS, "kv_heads", "head_dim", "length")  # logical axes of each k array
+  V_AXES = ("batch", LAYERS_AXIS, "kv_heads", "length", "head_dim")  # logical axes of each v array
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, size: int, dtype: Any = jnp.float32, *, routes: bool = False
@@ -96,9 +101,9 @@ class KVCache:
     """An empty cache; `routes=True` also records each cached token's experts (a model with sparse layers)."""
     k, h, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     sparse = sum(config.is_moe_layer(i) for i in range(layers))
-    slots = [ring_size(config, i, size) or size for i in range(layers)]
-    return cls(k=tuple(jnp.zeros((batch, k, h, n), dtype) for n in slots),
-               v=tuple(jnp.zeros((batch, k, n, h), dtype) for n in slots),
+    stacks = [(len(run), ring_size(config, run[0], size) or size) for run in layer_runs(config)]
+    return cls(k=tuple(jnp.zeros((batch, n, k, h, slots), dtype) for n, slots in stacks),
+               v=tuple(jnp.zeros((batch, n, k, slots, h), dtype) for n, slots in stacks),
                segment_ids=jnp.zeros((batch, size), jnp.int32),
                index=jnp.zeros((batch,), jnp.int32),
                routes=(jnp.full((batch, size, sparse, config.num_experts_per_tok), -1, ROUTE_DTYPE)
@@ -107,6 +112,20 @@ class KVCache:
   @property
   def size(self) -> int:
     return self.segment_ids.shape[1]
+
+
+def layer_runs(config: ModelConfig) -> tuple[tuple[int, ...], ...]:
+  """The layers grouped into runs of consecutive layers of one structure (dense or sparse MLP, global or sliding
+  attention): each run is stored as one stack of parameters ([L, ...] on `LAYERS_AXIS`) and runs as one scan.
+  A uniform model is one run; Gemma 3's five sliding layers to one global layer make runs of 5 and 1."""
+  kind = lambda i: (config.is_moe_layer(i), config.is_sliding_layer(i))
+  runs: list[list[int]] = []
+  for i in range(config.num_hidden_layers):
+    if runs and kind(runs[-1][-1]) == kind(i):
+      runs[-1].append(i)
+    else:
+      runs.append([i])
+  return tuple(tuple(run) for run in runs)
 
 
 def ring_size(config: ModelConfig, layer: int, size: int) -> int | None:
@@ -210,6 +229,11 @@ def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_sl
   return out.swapaxes(0, 1).reshape((b, t + pad, k, g, h))[:, :t]
 
 
+def _layer_rows(stack, layer, rows=None):
+  """Layer `layer` of a cache stack [B, L, ...] (all rows, or rows `rows`): [B, ...]."""
+  return jax.lax.dynamic_index_in_dim(stack, layer, axis=1, keepdims=False) if rows is None else stack[rows, layer]
+
+
 class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs, layer: int = 0):
@@ -236,7 +260,10 @@ class Attention(nnx.Module):
     self.scale = float(config.query_pre_attn_scalar or h) ** -0.5
 
   def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None, attention: str = "einsum"):
-    """Returns (output [B, T, D], (k_cache, v_cache, cache_segment_ids) or None).
+    """Returns (output [B, T, D], the cache stack's updated (keys, values) or None).
+
+    `kv`: None (no cache), or (keys, values: this layer's stack of the `KVCache`, `layer`: this layer's index in
+    the stack, the cache's segment ids after this call's writes, each row's first new slot [B], cache_rows or None).
 
     `inv_freq`: the model's RoPE tables by layer type (`rope_tables`). `attention` (see
     `ATTENTION_IMPLEMENTATIONS`) picks the kernel for T > 1 (prefill, training); one-token decode always takes
@@ -262,23 +289,24 @@ class Attention(nnx.Module):
       key_seg_bs, query_slot_bt = segment_ids_bt, jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape)
       new_kv = None
     else:
-      # Row b's T tokens go to its own slots start[b] .. start[b]+T-1 (a scatter; slots past S are dropped).
-      # Indexing [rows, :, :, slots] puts the broadcast [B, T] index dims first: the update is [B, T, K, H].
-      # With `cache_rows`, the B inputs are rows cache_rows[b] of a larger cache (index past its end: none):
-      # only their new slots are written, and their attention reads those rows.
-      k_cache, v_cache, key_seg_bs, start_b, cache_rows = kv
+      # Row b's T tokens go to its own slots start[b] .. start[b]+T-1 of this layer (`layer`) of the stack (a
+      # scatter, in place; slots past S are dropped). Indexing [rows, layer, :, :, slots] puts the broadcast
+      # [B, T] index dims first: the update is [B, T, K, H]. With `cache_rows`, the B inputs are rows
+      # cache_rows[b] of a larger cache (index past its end: none): only their new slots are written, and their
+      # attention reads those rows.
+      k_stack, v_stack, layer, key_seg_bs, start_b, cache_rows = kv
       query_slot_bt = start_b[:, None] + jnp.arange(t)[None, :]
       rows_b1 = (jnp.arange(x_btd.shape[0]) if cache_rows is None else cache_rows)[:, None]
-      take = None if cache_rows is None else jnp.minimum(cache_rows, k_cache.shape[0] - 1)
-      if k_cache.shape[-1] < key_seg_bs.shape[-1]:  # a ring: see `KVCache`
+      take = None if cache_rows is None else jnp.minimum(cache_rows, k_stack.shape[0] - 1)
+      if k_stack.shape[-1] < key_seg_bs.shape[-1]:  # a ring: see `KVCache`
         return self._ring(q_btnh, k_btkh, v_btkh, segment_ids_bt, query_slot_bt, kv, rows_b1, take, attention,
                           x_btd.dtype)
-      k_cache = k_cache.at[rows_b1, :, :, query_slot_bt].set(k_btkh.astype(k_cache.dtype), mode="drop")
-      v_cache = v_cache.at[rows_b1, :, query_slot_bt, :].set(v_btkh.astype(v_cache.dtype), mode="drop")
-      new_kv = (k_cache, v_cache)
-      keys_bkhs, values_bksh = k_cache, v_cache
+      k_stack = k_stack.at[rows_b1, layer, :, :, query_slot_bt].set(k_btkh.astype(k_stack.dtype), mode="drop")
+      v_stack = v_stack.at[rows_b1, layer, :, query_slot_bt, :].set(v_btkh.astype(v_stack.dtype), mode="drop")
+      new_kv = (k_stack, v_stack)
+      keys_bkhs, values_bksh = _layer_rows(k_stack, layer, take), _layer_rows(v_stack, layer, take)
       if cache_rows is not None:
-        keys_bkhs, values_bksh, key_seg_bs = k_cache[take], v_cache[take], key_seg_bs[take]
+        key_seg_bs = key_seg_bs[take]
     visible_bts = _visible(key_seg_bs, segment_ids_bt, query_slot_bt, self.window)
     return self._attend(q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, query_slot_bt, key_seg_bs,
                         attention, x_btd.dtype), new_kv
@@ -288,9 +316,9 @@ class Attention(nnx.Module):
     latest slot p < start with p % W == r; its segment id says whether it is this row's stream and visible) and
     to its own keys, under the window; then its last W real tokens are written (padding never is: a ring slot
     has no room for it)."""
-    k_cache, v_cache, key_seg_bs, start_b, _ = kv
-    w = k_cache.shape[-1]
-    ring_k, ring_v = (k_cache, v_cache) if take is None else (k_cache[take], v_cache[take])
+    k_stack, v_stack, layer, key_seg_bs, start_b, _ = kv
+    w = k_stack.shape[-1]
+    ring_k, ring_v = _layer_rows(k_stack, layer, take), _layer_rows(v_stack, layer, take)
     seg_bs = key_seg_bs if take is None else key_seg_bs[take]
     last_b1 = start_b[:, None] - 1
     held_bw = last_b1 - jnp.mod(last_b1 - jnp.arange(w)[None, :], w)  # the slot each ring slot holds (< 0: none)
@@ -306,9 +334,9 @@ class Attention(nnx.Module):
     last_real_b1 = jnp.max(jnp.where(real_bt, query_slot_bt, -1), axis=1, keepdims=True)
     write = real_bt & (query_slot_bt > last_real_b1 - w)  # distinct ring slots: the last W real tokens
     ring_slot_bt = jnp.where(write, jnp.mod(query_slot_bt, w), w)  # w: dropped
-    k_cache = k_cache.at[rows_b1, :, :, ring_slot_bt].set(k_btkh.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows_b1, :, ring_slot_bt, :].set(v_btkh.astype(v_cache.dtype), mode="drop")
-    return out, (k_cache, v_cache)
+    k_stack = k_stack.at[rows_b1, layer, :, :, ring_slot_bt].set(k_btkh.astype(k_stack.dtype), mode="drop")
+    v_stack = v_stack.at[rows_b1, layer, :, ring_slot_bt, :].set(v_btkh.astype(v_stack.dtype), mode="drop")
+    return out, (k_stack, v_stack)
 
   def _attend(self, q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, query_slot_bt, key_seg_bs,
               attention, dtype, key_slot_bs=None):
@@ -648,6 +676,15 @@ class Block(nnx.Module):
     return x_btd + (self.mlp_out_norm(mlp_btd) if sandwich else mlp_btd), new_kv, experts_btk, stats
 
 
+def _stacked(blocks: list[Block]) -> Block:
+  """One `Block` holding `blocks` (of one structure) stacked: each parameter [L, ...], its logical axes led by
+  `LAYERS_AXIS`."""
+  state = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(block) for block in blocks])
+  state = jax.tree.map(lambda v: v.replace(v[...], out_sharding=(LAYERS_AXIS,) + tuple(v.get_metadata()["out_sharding"])),
+                       state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(nnx.graphdef(blocks[0]), state)
+
+
 class Transformer(nnx.Module):
   """A causal language model. `model(tokens)` -> float32 logits [B, T, V].
 
@@ -669,8 +706,11 @@ class Transformer(nnx.Module):
     self.config = config
     self.dtype = dtype
     self.embed_vd = _param(rngs, (v, d), ("vocab", "embed"), dtype)
-    self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, layer=i)
-                            for i in range(config.num_hidden_layers)])
+    # Each layer is made on its own (the initial weights do not depend on how layers are stored), then each run of
+    # layers of one structure is stacked: `layer_stacks[r]` is one `Block` whose parameters have a leading
+    # [L] axis (`LAYERS_AXIS`), run as one scan.
+    blocks = [Block(config, dtype=dtype, rngs=rngs, layer=i) for i in range(config.num_hidden_layers)]
+    self.layer_stacks = nnx.List([_stacked([blocks[i] for i in run]) for run in layer_runs(config)])
     self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
     if not config.tie_word_embeddings:
       self.w_unembed_dv = _param(rngs, (d, v), ("embed", "vocab"), dtype)
@@ -680,9 +720,13 @@ class Transformer(nnx.Module):
                return_routes: bool = False, router_stats: bool = False):
     """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them.
 
-    `remat` (training, no cache): the layers run as one scan and each layer's activations are recomputed in the
-    backward pass instead of stored, keeping what the policy saves (`REMAT_POLICIES`: "full" saves nothing
-    inside a layer, "dots" its matmul outputs without batch dimensions); "none" stores everything.
+    The layers run as one `lax.scan` per layer stack (`layer_runs`): one compiled layer body whatever the depth.
+    A cache's stack is carried through the scan and written in place. `remat` (training, no cache): each layer's
+    activations are recomputed in the backward pass instead of stored, keeping what the policy saves
+    (`REMAT_POLICIES`: "full" saves nothing inside a layer, "dots" its matmul outputs without batch dimensions);
+    "none" stores everything. (Under a scan the backward pass keeps only what the policy saves per layer,
+    measured with XLA's memory analysis; an unrolled loop of checkpointed layers saved nothing on XLA:CPU, whose
+    scheduler recomputes early.)
 
     Mixture of experts: `routes` int32[B, T, M, k] replays expert ids in the M sparse layers (in layer order;
     a token whose ids are -1 routes itself: `MoE.route`); `return_routes` appends the ids every token used,
@@ -702,6 +746,7 @@ class Transformer(nnx.Module):
     if segment_ids_bt is None:
       segment_ids_bt = jnp.ones((b, t), jnp.int32)
     segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+    cache_seg_bs = None
     if cache is not None:
       slots_bt = start_b[:, None] + jnp.arange(t)[None, :]
       rows_b1 = (jnp.arange(b) if cache_rows is None else cache_rows)[:, None]
@@ -711,24 +756,45 @@ class Transformer(nnx.Module):
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0)
     if self.config.embed_scale != 1.0:
       x_btd = x_btd * jnp.asarray(self.config.embed_scale, x_btd.dtype)
-    sparse = [i for i in range(len(self.layers)) if self.config.is_moe_layer(i)]
+    sparse = [i for i in range(self.config.num_hidden_layers) if self.config.is_moe_layer(i)]
     if routes is not None and (not sparse or routes.shape[:3] != (b, t, len(sparse))):
       raise ValueError(f"routes of shape {tuple(routes.shape)}: this model takes [B={b}, T={t}, "
                        f"{len(sparse)} sparse layers, k={self.config.num_experts_per_tok}]"
                        + ("" if sparse else " (it has no sparse layer: no routes)"))
-    replay = {i: None if routes is None else routes[:, :, m] for m, i in enumerate(sparse)}
+    runs = layer_runs(self.config)
+    if cache is not None and [k.shape[1] for k in cache.k] != [len(run) for run in runs]:
+      raise ValueError(f"a cache of layer stacks {[k.shape[1] for k in cache.k]} for a model whose stacks hold "
+                       f"{[len(run) for run in runs]} layers: make it with KVCache.init(model.config, ...)")
+    checkpointed = remat != "none" and cache is None
     new_k, new_v, used, stats = [], [], {}, {}
-    if remat != "none" and cache is None:
-      x_btd, used, stats = self._scanned_layers(x_btd, positions_bt, segment_ids_bt, inv_freq,
-                                                REMAT_POLICIES[remat], attention, replay, router_stats)
-    for i, layer in enumerate(self.layers if remat == "none" or cache is not None else ()):
-      with jax.named_scope(f"layer_{i}"):
-        kv = None if cache is None else (cache.k[i], cache.v[i], cache_seg_bs, start_b, cache_rows)
-        x_btd, layer_kv, used[i], stats[i] = layer(x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention,
-                                                   replay.get(i), router_stats)
-      if layer_kv is not None:
-        new_k.append(layer_kv[0])
-        new_v.append(layer_kv[1])
+    for run, stack in zip(runs, self.layer_stacks):
+      graphdef, params = nnx.split(stack)
+      replay = None
+      if routes is not None and run[0] in sparse:  # a stack's sparse layers are consecutive in `routes`
+        first = sparse.index(run[0])
+        replay = jnp.moveaxis(routes[:, :, first:first + len(run)], 2, 0)
+      k_stack, v_stack = (None, None) if cache is None else (cache.k[len(new_k)], cache.v[len(new_v)])
+
+      def body(carry, layer_xs, graphdef=graphdef):
+        x_btd, k_stack, v_stack = carry
+        layer_params, replay_btk, layer = layer_xs
+        kv = None if k_stack is None else (k_stack, v_stack, layer, cache_seg_bs, start_b, cache_rows)
+        x_btd, layer_kv, experts_btk, layer_stats = nnx.merge(graphdef, layer_params)(
+            x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention, replay_btk, router_stats)
+        if layer_kv is not None:
+          k_stack, v_stack = layer_kv
+        return (x_btd, k_stack, v_stack), (experts_btk, layer_stats)
+
+      if checkpointed:  # prevent_cse is moot inside a scan
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+      with jax.named_scope(f"layers_{run[0]}_{run[-1]}"):
+        (x_btd, k_stack, v_stack), (experts, run_stats) = jax.lax.scan(
+            body, (x_btd, k_stack, v_stack), (params, replay, jnp.arange(len(run))))
+      if cache is not None:
+        new_k.append(k_stack)
+        new_v.append(v_stack)
+      used.update({i: None if experts is None else experts[n] for n, i in enumerate(run)})
+      stats.update({i: None if run_stats is None else run_stats[n] for n, i in enumerate(run)})
     x_btd = self.final_norm(x_btd)
     out_cache = None
     recorded = sparse and (return_routes or (cache is not None and cache.routes is not None))
@@ -748,41 +814,15 @@ class Transformer(nnx.Module):
       out += ({"load_balance": mean[0], "router_z": mean[1]},)
     return out
 
-  def _scanned_layers(self, x_btd, positions_bt, segment_ids_bt, inv_freq, policy, attention, replay,
-                      router_stats=False):
-    """The layers as `lax.scan`s over their parameters stacked on the fly, each step rematerialized: one scan
-    per run of consecutive layers of the same structure (all of them for a uniform model; a mixture of experts
-    with dense layers among its sparse ones scans each run).
-
-    Under a scan the backward pass keeps only what `policy` saves per layer (measured with XLA's memory
-    analysis; an unrolled loop of checkpointed layers saves nothing on XLA:CPU, whose scheduler recomputes
-    early). The parameters keep their per-layer layout (HF import, checkpoints, the sampler); the stack is one
-    transient copy of the layer weights, and gradients flow back to each layer through it.
-    """
-    runs: list[list[int]] = []
-    for i, layer in enumerate(self.layers):
-      if runs and nnx.graphdef(layer) == nnx.graphdef(self.layers[runs[-1][0]]):
-        runs[-1].append(i)
-      else:
-        runs.append([i])
-    used, stats = {}, {}
-    for run in runs:
-      graphdef = nnx.graphdef(self.layers[run[0]])
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(self.layers[i]) for i in run])
-      replays = [replay.get(i) for i in run]
-      xs = (stacked, None if replays[0] is None else jnp.stack(replays))
-
-      @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)  # prevent_cse is moot inside scan
-      def body(x_btd, layer_xs, graphdef=graphdef):
-        layer_state, replay_btk = layer_xs
-        x_btd, _, experts_btk, stats_2 = nnx.merge(graphdef, layer_state)(
-            x_btd, positions_bt, segment_ids_bt, inv_freq, None, attention, replay_btk, router_stats)
-        return x_btd, (experts_btk, stats_2)
-
-      x_btd, (experts, run_stats) = jax.lax.scan(body, x_btd, xs)
-      used.update({i: None if experts is None else experts[n] for n, i in enumerate(run)})
-      stats.update({i: None if run_stats is None else run_stats[n] for n, i in enumerate(run)})
-    return x_btd, used, stats
+  def layer(self, i: int) -> Block:
+    """Layer `i` as a `Block` of its own: its parameters sliced out of its stack (copies, for reading)."""
+    for run, stack in zip(layer_runs(self.config), self.layer_stacks):
+      if i in run:
+        graphdef, state = nnx.split(stack)
+        state = jax.tree.map(lambda v: v.replace(v[...][run.index(i)], out_sharding=v.get_metadata()["out_sharding"][1:]),
+                             state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return nnx.merge(graphdef, state)
+    raise IndexError(f"layer {i}: the model has {self.config.num_hidden_layers} layers")
 
   def unembed_weight(self) -> jax.Array:
     """The [D, V] matrix that maps hidden states to logits (the tied embedding, transposed, or its own)."""

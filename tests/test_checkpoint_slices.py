@@ -69,11 +69,11 @@ def test_a_mesh_load_reads_each_device_slice_from_its_region_and_only_its_expert
     names, _ = _hf._hf_names(key, CONFIG)
     array = variable[...]
     slices = {tuple((s.start, s.stop) for s in shard.index): shard.data.size for shard in array.addressable_shards}
-    got = sum(sum(reads[n]) for n in names)
+    got = sum(sum(reads[n]) for n in names.flat)
     # Every distinct slice is read once, as its own region: no more than the devices hold, no whole tensors.
     assert got == sum(slices.values()), (key, got, slices)
-  gate = state["layers"][0]["mlp"]["w_gate_edf"][...]
-  assert {s.data.shape[0] for s in gate.addressable_shards} == {2}
+  gate = state["layer_stacks"][0]["mlp"]["w_gate_edf"][...]  # [L, E, D, F]
+  assert {s.data.shape[1] for s in gate.addressable_shards} == {2}
   # An expert's tensor is read only for the slices of the devices that hold that expert: 2 of the 8 devices'
   # slices (expert 2 x the rest), distinct over fsdp and tensor: 4 regions of a quarter each.
   expert0 = "model.layers.0.mlp.experts.0.gate_proj.weight"

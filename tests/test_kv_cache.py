@@ -23,9 +23,9 @@ MOE_CONFIG = dataclasses.replace(CONFIG, model_type="qwen3_moe", num_experts=8, 
 def decisive_routers(model, seed=0):
   """Router weights large enough that float rounding (cache vs no cache) flips no top-k choice."""
   rng = np.random.default_rng(seed)
-  for layer in model.layers:
-    if isinstance(layer.mlp, models.MoE):
-      layer.mlp.w_router_de[...] = jnp.asarray(rng.normal(0, 0.5, layer.mlp.w_router_de.shape), jnp.float32)
+  for stack in model.layer_stacks:
+    if isinstance(stack.mlp, models.MoE):
+      stack.mlp.w_router_de[...] = jnp.asarray(rng.normal(0, 0.5, stack.mlp.w_router_de.shape), jnp.float32)
   return model
 
 
@@ -61,7 +61,7 @@ def test_prefill_then_decode_equals_full_forward_on_padded_batch(model):
   full = np.asarray(model(jnp.asarray(tokens, jnp.int32), positions_bt=jnp.asarray(positions, jnp.int32),
                           segment_ids_bt=jnp.asarray(valid, jnp.int32)))
 
-  cache = models.KVCache.init(CONFIG, batch, prompt + steps)
+  cache = models.KVCache.init(model.config, batch, prompt + steps)
   logits, cache = model(jnp.asarray(tokens[:, :prompt], jnp.int32),
                         positions_bt=jnp.asarray(positions[:, :prompt], jnp.int32),
                         segment_ids_bt=jnp.asarray(valid[:, :prompt], jnp.int32), cache=cache)
@@ -89,7 +89,7 @@ def test_ragged_extend_with_holes_equals_compact_sequences(model):
   valid[0, :2] = 0                         # left-padded prompt
   valid[0, prompt + 4:prompt + extend] = 0  # row 0's observation is 4 tokens, row 1's is 6
   positions = np.clip(np.cumsum(valid, 1) - 1, 0, None)
-  cache = models.KVCache.init(CONFIG, batch, total)
+  cache = models.KVCache.init(model.config, batch, total)
   pieces = []
   for start, stop in ((0, prompt), (prompt, prompt + extend)) + tuple((i, i + 1) for i in range(prompt + extend, total)):
     logits, cache = model(jnp.asarray(tokens[:, start:stop], jnp.int32),
@@ -116,7 +116,7 @@ def test_per_row_write_positions_equal_compact_sequences(model):
   rng = np.random.default_rng(2)
   size = 24
   seqs = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (3, 9, 6)]
-  cache = models.KVCache.init(CONFIG, 3, size)
+  cache = models.KVCache.init(model.config, 3, size)
   streams = [[] for _ in seqs]
   got = [[] for _ in seqs]
 
@@ -149,7 +149,7 @@ def test_per_row_write_positions_equal_compact_sequences(model):
 def test_cache_output_is_finite_at_padding_slots(model):
   tokens = jnp.zeros((2, 4), jnp.int32)
   segments = jnp.asarray([[0, 0, 0, 0], [1, 1, 1, 1]], jnp.int32)  # row 0 is all padding
-  logits, _ = model(tokens, segment_ids_bt=segments, cache=models.KVCache.init(CONFIG, 2, 8))
+  logits, _ = model(tokens, segment_ids_bt=segments, cache=models.KVCache.init(model.config, 2, 8))
   assert np.isfinite(np.asarray(logits)).all()
 
 
@@ -202,7 +202,7 @@ def test_the_decode_kernel_traced_for_an_accelerator_equals_the_cpu_kernel():
   model = models.Transformer(CONFIG, rngs=nnx.Rngs(3))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (3, 6)), jnp.int32)
   segments = jnp.asarray([[1] * 6, [1] * 4 + [0] * 2, [0] * 6], jnp.int32)
-  _, cache = model(tokens, segment_ids_bt=segments, cache=models.KVCache.init(CONFIG, 3, 12))
+  _, cache = model(tokens, segment_ids_bt=segments, cache=models.KVCache.init(model.config, 3, 12))
   step = jnp.asarray([[7], [8], [9]], jnp.int32)
   cpu, _ = model(step, cache=cache)
   with models.compiling_for("tpu"):

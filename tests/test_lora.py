@@ -1,6 +1,7 @@
 """LoRA: adapters merge exactly, only adapters train (optimizer and checkpoint hold only them), a run resumes,
 and the merged export loads in transformers with the same logits."""
 
+import dataclasses
 import json
 
 import jax
@@ -21,20 +22,22 @@ CONFIG = ts.CONFIG
 
 
 def test_adapters_start_as_the_base_model_and_merge_into_their_targets_only():
-  model = models.Transformer(CONFIG, rngs=nnx.Rngs(0))
+  config = dataclasses.replace(CONFIG, num_hidden_layers=2)
+  model = models.Transformer(config, rngs=nnx.Rngs(0))
   base = nnx.state(model)
   adapters = models.lora_init(base, rank=2, targets=("q", "o", "down"), key=jax.random.key(1))
-  layer = adapters["layers"]["0"]
-  d, n, h = CONFIG.hidden_size, CONFIG.num_attention_heads, CONFIG.head_dim
-  assert layer["attn"]["w_q_dnh"]["a"].shape == (d, 2) and layer["attn"]["w_q_dnh"]["b"].shape == (2, n * h)
-  assert layer["attn"]["w_o_nhd"]["a"].shape == (n * h, 2) and set(layer) == {"attn", "mlp"}
+  stack = adapters["layer_stacks"]["0"]  # one adapter per layer of the stack, stacked as its weights
+  d, n, h, layers = config.hidden_size, config.num_attention_heads, config.head_dim, config.num_hidden_layers
+  assert stack["attn"]["w_q_dnh"]["a"].shape == (layers, d, 2)
+  assert stack["attn"]["w_q_dnh"]["b"].shape == (layers, 2, n * h)
+  assert stack["attn"]["w_o_nhd"]["a"].shape == (layers, n * h, 2) and set(stack) == {"attn", "mlp"}
   same = models.lora_merge(base, adapters, 8.0)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(same)))
   moved = jax.tree.map(lambda x: x + 0.1, adapters)
   merged = models.lora_merge(base, moved, 0.5)
-  ad = moved["layers"]["0"]["attn"]["w_q_dnh"]
-  expect = base["layers"][0]["attn"]["w_q_dnh"][...] + 0.5 * (ad["a"] @ ad["b"]).reshape(d, n, h)
-  np.testing.assert_allclose(merged["layers"][0]["attn"]["w_q_dnh"][...], expect, rtol=1e-6)
+  ad = moved["layer_stacks"]["0"]["attn"]["w_q_dnh"]
+  expect = base["layer_stacks"][0]["attn"]["w_q_dnh"][...][1] + 0.5 * (ad["a"][1] @ ad["b"][1]).reshape(d, n, h)
+  np.testing.assert_allclose(merged["layer_stacks"][0]["attn"]["w_q_dnh"][...][1], expect, rtol=1e-6)
   changed = {jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(base)[0],
                                                           jax.tree.leaves(merged)) if not np.array_equal(a, b)}
   assert changed and all(any(w in c for w in ("w_q_dnh", "w_o_nhd", "w_down_fd")) for c in changed)

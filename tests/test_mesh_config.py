@@ -86,7 +86,7 @@ def test_rollout_and_learner_layouts_compute_the_same_logits():
                                    ("learner", P("fsdp", "tensor", None), P("tensor", "fsdp"))):
     rules = sharding.rules_for(role, cfg)
     model = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, rules)
-    assert model.layers[0].attn.w_q_dnh[...].sharding.spec == spec_q, role
+    assert model.layer_stacks[0].attn.w_q_dnh[...].sharding.spec == P(None, *spec_q), role  # [L, D, N, H]
     assert model.embed_vd[...].sharding.spec == spec_embed, role
     np.testing.assert_allclose(np.asarray(_forward(model, tokens)), expected, rtol=0, atol=1e-5)
 
@@ -104,7 +104,7 @@ def test_replication_guard():
   with pytest.raises(sharding.ReplicationError,
                      match=r"100\.0% of parameter bytes .* more than mesh.max_replicated_fraction=0.5\. "
                            r"Largest replicated: embed_vd \[264, 64\] \(0\.06 MiB\), w_unembed_dv \[64, 264\].*"
-                           r"layers\.0\.mlp\.w_down_fd \[128, 64\]"):
+                           r"layer_stacks\.0\.mlp\.w_down_fd \[2, 128, 64\]"):
     sharding.check_replication(replicated, 0.5)
   assert sharding.check_replication(replicated, 1.0).replicated_fraction == 1.0
 

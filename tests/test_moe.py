@@ -39,10 +39,11 @@ def _dense_reference(moe: models.MoE, x_btd):
 
 
 def test_layers_follow_the_sparse_rule_and_the_routed_mlp_equals_every_expert_on_every_token(model):
-  assert [type(layer.mlp).__name__ for layer in model.layers] == ["MoE", "MoE", "MLP", "MoE"]
+  assert [type(model.layer(i).mlp).__name__ for i in range(4)] == ["MoE", "MoE", "MLP", "MoE"]
+  assert models.layer_runs(CONFIG) == ((0, 1), (2,), (3,))  # one stack per run of one structure
   every_other = dataclasses.replace(CONFIG, decoder_sparse_step=2, mlp_only_layers=())
   assert [every_other.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
-  moe = model.layers[0].mlp
+  moe = model.layer(0).mlp
   x = jax.random.normal(jax.random.key(0), (3, 5, CONFIG.hidden_size))
   experts, weights = moe.route(x)
   assert experts.shape == weights.shape == (3, 5, 2) and experts.dtype == jnp.int32
@@ -70,7 +71,7 @@ def test_scanned_runs_of_layers_equal_the_unrolled_loop_with_gradients(model):
   np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4, rtol=1e-4)
-  router_grad = g0["layers"][0]["mlp"]["w_router_de"][...]
+  router_grad = g0["layer_stacks"][0]["mlp"]["w_router_de"][...]
   assert float(jnp.abs(router_grad).max()) > 0  # the router learns through its routing weights
 
 
@@ -128,18 +129,21 @@ def test_routes_of_a_cached_decode_equal_the_full_forward_and_replaying_them_cha
 
 
 def _fragile(seed=0):
-  """A mixture whose routers nearly tie: experts come in pairs whose router columns differ by 1e-5, so a 1e-4
-  change of the router (a sampler's weights one bf16 rounding or one step away) flips many tokens' experts; the
-  experts' weights are large enough that which one runs changes the next token's probability."""
+  """A mixture whose routers nearly tie: experts come in groups of k + 1 whose router columns differ by 1e-5, so a
+  token's k experts are k of its best group's k + 1, and which k hangs on those 1e-5: a 1e-4 change of the router
+  (a sampler's weights one bf16 rounding or one step away) changes many tokens' set of experts (not just their
+  order, as tied pairs under top-2 would); the experts' weights are large enough that which ones run changes the
+  next token's probability."""
   model = models.Transformer(CONFIG, rngs=nnx.Rngs(seed))
   rng = np.random.default_rng(seed)
-  for layer in model.layers:
-    if isinstance(layer.mlp, models.MoE):
-      d, e = layer.mlp.w_router_de.shape
-      base = rng.normal(0, 0.5, (d, e // 2))
-      pairs = np.stack([base, base + 1e-5 * rng.normal(size=base.shape)], axis=-1).reshape(d, e)
-      layer.mlp.w_router_de[...] = jnp.asarray(pairs, jnp.float32)
-      for w in (layer.mlp.w_gate_edf, layer.mlp.w_up_edf, layer.mlp.w_down_efd):  # experts that matter
+  group = CONFIG.num_experts_per_tok + 1
+  for stack in model.layer_stacks:
+    if isinstance(stack.mlp, models.MoE):
+      *layers, d, e = stack.mlp.w_router_de.shape
+      base = rng.normal(0, 0.5, (*layers, d, e // group))
+      tied = np.stack([base + 1e-5 * rng.normal(size=base.shape) for _ in range(group)], axis=-1)
+      stack.mlp.w_router_de[...] = jnp.asarray(tied.reshape(*layers, d, e), jnp.float32)
+      for w in (stack.mlp.w_gate_edf, stack.mlp.w_up_edf, stack.mlp.w_down_efd):  # experts that matter
         w[...] = jnp.asarray(rng.normal(0, 0.3, w.shape), jnp.float32)
   return model
 
@@ -176,7 +180,7 @@ def test_router_replay_makes_the_first_ratio_one_where_fragile_routing_breaks_it
   def loss(params):
     return -jnp.sum(nnx.merge(graphdef, params)(tokens, routes=sampled)[:, :, 0])
   grads = jax.grad(loss)(params)
-  assert float(jnp.abs(grads["layers"][0]["mlp"]["w_router_de"][...]).max()) > 0
+  assert float(jnp.abs(grads["layer_stacks"][0]["mlp"]["w_router_de"][...]).max()) > 0
 
 
 def test_experts_dispatched_per_batch_shard_on_8_devices_equal_one_device(model):
@@ -231,9 +235,9 @@ def test_expert_parallel_on_8_devices_equals_one_device(model, shape, rows, toke
   graphdef, params = nnx.split(model)
   shardings = models.state_shardings(params, mesh, rules)
   sharded = jax.device_put(params, shardings)
-  gate = sharded["layers"][0]["mlp"]["w_gate_edf"][...]
-  assert {s.data.shape[0] for s in gate.addressable_shards} == {CONFIG.num_experts // 2}
-  assert not set(sharded["layers"][0]["mlp"]["w_router_de"][...].sharding.spec) - {None, "fsdp"}  # router whole
+  gate = sharded["layer_stacks"][0]["mlp"]["w_gate_edf"][...]
+  assert {s.data.shape[1] for s in gate.addressable_shards} == {CONFIG.num_experts // 2}  # [L, E, D, F]
+  assert not set(sharded["layer_stacks"][0]["mlp"]["w_router_de"][...].sharding.spec) - {None, "fsdp"}  # router whole
   tokens = jnp.asarray(np.random.default_rng(5).integers(0, CONFIG.vocab_size, (rows, 12)), jnp.int32)
   placement = multihost.expert_placement(CONFIG.num_experts, mesh, rules)
   assert placement is not None and "expert" in placement.batch_axes
@@ -273,7 +277,7 @@ def test_router_statistics_are_one_and_log_e_squared_for_a_uniform_router_and_ig
   np.testing.assert_allclose(float(stats["load_balance"]), 1.0, rtol=1e-5)
   np.testing.assert_allclose(float(stats["router_z"]), np.log(CONFIG.num_experts) ** 2, rtol=1e-5)
   skewed = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
-      lambda path, x: x.at[:, 0].add(3.0) if "w_router_de" in str(path) else x, params))
+      lambda path, x: x.at[..., 0].add(3.0) if "w_router_de" in str(path) else x, params))  # expert 0
   assert float(skewed.features(tokens, router_stats=True)[-1]["load_balance"]) > 1.1
   # Padding changes nothing: the same tokens with padded ones appended.
   padded = jnp.concatenate([tokens, tokens[:, :4]], axis=1)

@@ -22,7 +22,8 @@ PROMPT = [5, 9, 3, 7, 1, 4, 6]
 def _model(seed=3):
   model = models.Transformer(CONFIG, rngs=nnx.Rngs(seed))
   _, state = nnx.split(model)
-  nnx.update(model, jax.tree.map(lambda x: x * 4 if x.ndim >= 2 else x, state))  # peaked distributions
+  nnx.update(model, jax.tree_util.tree_map_with_path(  # peaked distributions: the weights, not the norms
+      lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 4, state))
   return model
 
 

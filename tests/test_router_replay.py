@@ -95,8 +95,8 @@ def test_router_replay_holds_on_an_expert_parallel_mesh(tmp_path):
 
   def experts_split(run, state):
     assert dict(run.layout.mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
-    gate = state.params["policy"]["layers"][0]["mlp"]["w_gate_edf"][...]
-    assert {shard.data.shape[0] for shard in gate.addressable_shards} == {3}
+    gate = state.params["policy"]["layer_stacks"][0]["mlp"]["w_gate_edf"][...]  # [L, E, D, F]
+    assert {shard.data.shape[1] for shard in gate.addressable_shards} == {3}
 
   m, _ = _first_update(tmp_path, True, "mesh.ici.expert=2", check_run=experts_split)
   print(f"first update's ratio with replay, expert-parallel: [{m['ratio_min']:.7f}, {m['ratio_max']:.7f}]")

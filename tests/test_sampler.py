@@ -23,7 +23,8 @@ def model():
   # Larger init than the default so sampled distributions are far from uniform.
   model = models.Transformer(CONFIG, rngs=nnx.Rngs(7))
   _, state = nnx.split(model)
-  nnx.update(model, jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, state))
+  nnx.update(model, jax.tree_util.tree_map_with_path(  # the weights, not the norms' scales
+      lambda path, x: x if "scale" in jax.tree_util.keystr(path) else x * 8, state))
   return model
 
 

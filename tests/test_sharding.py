@@ -30,12 +30,12 @@ def _forward(model, tokens):
 
 def test_rules_table_shards_parameters(mesh):
   model = models.shard_model(models.Transformer(CONFIG, rngs=nnx.Rngs(0)), mesh, sharding.FSDP_TP_RULES)
-  block = model.layers[0]
-  assert block.mlp.w_gate_df[...].sharding.spec == P("fsdp", "tensor")
-  assert block.mlp.w_down_fd[...].sharding.spec == P("tensor", "fsdp")
-  assert block.attn.w_q_dnh[...].sharding.spec == P("fsdp", "tensor", None)
+  stack = model.layer_stacks[0]  # every layer's weights stacked on a leading axis that is never split
+  assert stack.mlp.w_gate_df[...].sharding.spec == P(None, "fsdp", "tensor")
+  assert stack.mlp.w_down_fd[...].sharding.spec == P(None, "tensor", "fsdp")
+  assert stack.attn.w_q_dnh[...].sharding.spec == P(None, "fsdp", "tensor", None)
   # kv_heads=2 is not divisible by tensor=4: that dimension stays replicated, embed is still FSDP.
-  assert block.attn.w_k_dkh[...].sharding.spec == P("fsdp", None, None)
+  assert stack.attn.w_k_dkh[...].sharding.spec == P(None, "fsdp", None, None)
   assert model.embed_vd[...].sharding.spec == P("tensor", "fsdp")
   shard = model.embed_vd[...].addressable_shards[0].data
   assert shard.shape == (264 // 4, 64 // 2)
@@ -56,8 +56,8 @@ def test_from_pretrained_places_tensors_on_the_mesh(mesh, tmp_path):
   torch_model = ref.make_hf_model("qwen2", num_attention_heads=4, num_key_value_heads=2)
   path = ref.save_hf_model(torch_model, tmp_path / "hf")
   model = models.from_pretrained(path, mesh=mesh, rules=sharding.FSDP_TP_RULES)
-  w = model.layers[1].mlp.w_up_df[...]
-  assert w.sharding.spec == P("fsdp", "tensor") and len(w.sharding.device_set) == 8
+  w = model.layer_stacks[0].mlp.w_up_df[...]
+  assert w.sharding.spec == P(None, "fsdp", "tensor") and len(w.sharding.device_set) == 8
   tokens, mask, positions = ref.padded_batch()
   got = jax.jit(lambda t, p, s: model(t, positions_bt=p, segment_ids_bt=s))(
       jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(mask, jnp.int32))
@@ -67,8 +67,8 @@ def test_from_pretrained_places_tensors_on_the_mesh(mesh, tmp_path):
   # Orbax restore straight into the same shardings.
   ckpt = weights.save_model(model, tmp_path / "ckpt")
   restored = weights.load_model(ckpt, mesh=mesh, rules=sharding.FSDP_TP_RULES)
-  assert restored.layers[1].mlp.w_up_df[...].sharding.spec == P("fsdp", "tensor")
-  np.testing.assert_array_equal(np.asarray(restored.layers[1].mlp.w_up_df[...]), np.asarray(w))
+  assert restored.layer_stacks[0].mlp.w_up_df[...].sharding.spec == P(None, "fsdp", "tensor")
+  np.testing.assert_array_equal(np.asarray(restored.layer_stacks[0].mlp.w_up_df[...]), np.asarray(w))
 
 
 def test_bf16_runs_sharded(mesh, tmp_path):

@@ -110,8 +110,8 @@ class SamplerState:
       slot it runs in, which rows share its steps, or when its observations arrive.
     prompt_logits, prompt_length: the logits and length at the end of each row's prompt, kept while the row
       holds its episode: another row with the same prompt copies them and the prompt's slots (`Feed.fork`).
-    prompt_k, prompt_v: the ring caches of the sliding-window layers (`models.KVCache`) as they stood at the end
-      of each row's prompt, in layer order: a ring moves on as the row decodes, so a fork copies these instead.
+    prompt_k, prompt_v: the ring caches of the sliding-window layer stacks (`models.KVCache`) as they stood at the
+      end of each row's prompt, in layer order: a ring moves on as the row decodes, so a fork copies these instead.
       Empty without rings.
     running: bool[B], the row is decoding an action.
     n: int32[B] tokens of the current action; tokens / logprobs / raw_logprobs / thresholds: [B, M] its tokens
@@ -140,7 +140,7 @@ class SamplerState:
 
 
 def _rings(cache: models.KVCache) -> list[int]:
-  """The layers whose cache is a ring (a sliding window shorter than the cache)."""
+  """The layer stacks whose cache is a ring (a sliding window shorter than the cache)."""
   return [i for i, k in enumerate(cache.k) if k.shape[-1] < cache.size]
 
 
@@ -514,7 +514,7 @@ def _remember_prompt_rings(state: SamplerState, done_b: jax.Array) -> SamplerSta
   """The rows of `done_b` keep their rings as they stand now (their prompt's end) for forks."""
   if not state.prompt_k:
     return state
-  rings, pick = _rings(state.cache), lambda new, old: jnp.where(done_b[:, None, None, None], new, old)
+  rings, pick = _rings(state.cache), lambda new, old: _rows_where(done_b, new, old)
   return state.replace(prompt_k=tuple(pick(state.cache.k[i], k) for i, k in zip(rings, state.prompt_k)),
                        prompt_v=tuple(pick(state.cache.v[i], v) for i, v in zip(rings, state.prompt_v)))
 

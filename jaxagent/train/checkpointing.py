@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 import models
+from jaxagent import weights
 from jaxagent.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -379,6 +380,9 @@ class TrainCheckpointer:
 
 
 def _check_compatible(stored: dict[str, Any], current: dict[str, Any], where: Path) -> None:
+  problem = weights.param_layout_problem(stored)
+  if problem:
+    raise IncompatibleCheckpointError(f"{where}: cannot resume: {problem}")
   keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
   diff = {k: (stored.get(k), current.get(k)) for k in keys if stored.get(k) != current.get(k)}

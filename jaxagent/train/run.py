@@ -635,7 +635,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       tasks=tasks, stage_tasks=stage_tasks,
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
                                                    frozen=policy.frozen),
-      model_config=models.config_to_hf(policy.model.config), rows=global_rows // num_processes,
+      model_config=weights.checkpoint_model_config(policy.model.config), rows=global_rows // num_processes,
       train_rows=train_rows(cfg, global_rows // num_processes, policy.layout.mesh.devices.size),
       global_rows=global_rows, bc_rows=cfg.train.bc_batch_size // num_processes,
       echo=echo and process == 0)
