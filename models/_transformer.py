@@ -62,9 +62,9 @@ class KVCache:
   """Key/value cache; every row has its own write position (rows fill, stop and restart independently).
 
   Attributes:
-    k: per layer stack (`layer_runs`: consecutive layers of one structure, stored and run as one), [B, L, K, H, S]
-      keys (RoPE already applied), slots last; L the stack's layers.
-    v: per layer stack, [B, L, K, S, H] values.
+    k: per layer stack (`layer_runs`: consecutive layers of one structure, stored and run as one), keys (RoPE
+      already applied) [B, L, K, H, S], slots last; L the stack's layers. With `heads_minor`: [B, L, S, K, H].
+    v: per layer stack, values [B, L, K, S, H]; with `heads_minor`: [B, L, S, K, H].
     segment_ids: int32[B, S]; 0 = empty or padding slot.
     index: int32[B], each row's next slot to write. T new tokens of row b go to slots index[b] .. index[b]+T-1;
       slots past S are dropped (callers decide per row whether a chunk fits: the sampler does). The index is
@@ -72,6 +72,7 @@ class KVCache:
     routes: mixture of experts with route recording (`init(routes=True)`): int16[B, S, M, k], the experts each
       cached token used in the M sparse layers (-1: nothing written there); written with the keys and values,
       so every copy of a row's slots carries its routes (router replay). None otherwise.
+    heads_minor: the layout (static): slots before heads, on accelerators (`init`'s default off the CPU).
 
   A stack of sliding-window layers whose window W is shorter than S keeps rings of W slots instead (its k is
   [B, L, K, H, W]): the token of slot p is in ring slot p % W, and a chunk attends to the ring as it was before
@@ -79,11 +80,16 @@ class KVCache:
   index stay those of the whole row.
 
   Rows lead, so copying a row (forks, refills) moves its every layer at once. The layers' scan writes each
-  layer's new slots into the stack in place and reads the layer's slice. Both layouts let a decode step read
-  each cache in place, reducing over an axis that is not the last one (keys over H, values over S), which XLA's
-  CPU backend fuses into one pass over the cache. Measured with `jax.profiler` on the tiny config's decode (B=64,
-  S=128, CPU): keys as [B, K, S, H] (reduce over the last axis) took 2.5x as long; a [B, S, K, H] cache was
-  transposed (copied whole) on every step; dot_generals were slower still.
+  layer's new slots into the stack in place and reads the layer's slice.
+
+  Two layouts, one per kind of compiler. On the CPU, keys [.., K, H, S] and values [.., K, S, H] let a decode step
+  read each cache in place, reducing over an axis that is not the last one (keys over H, values over S), which
+  XLA's CPU backend fuses into one pass over the cache. Measured with `jax.profiler` on the tiny config's decode
+  (B=64, S=128, CPU): keys as [B, K, S, H] (reduce over the last axis) took 2.5x as long; a [B, S, K, H] cache was
+  transposed (copied whole) on every step; dot_generals were slower still. Inside the layers' loop the TPU
+  compiler lays a carried cache out with its heads minor ([.., S, K, H]) whatever its stored layout, and copied a
+  cache stored otherwise into that layout and back on every call (one more cache per program; the 8B recipe's
+  feed peaked 35 GiB higher): stored `heads_minor`, it is used as stored.
   """
 
   k: tuple[jax.Array, ...]
@@ -91,19 +97,39 @@ class KVCache:
   segment_ids: jax.Array
   index: jax.Array
   routes: jax.Array | None = None
+  heads_minor: bool = flax.struct.field(pytree_node=False, default=False)
 
-  K_AXES = ("batch", LAYERS_AXIS, "kv_heads", "head_dim", "length")  # logical axes of each k array
-  V_AXES = ("batch", LAYERS_AXIS, "kv_heads", "length", "head_dim")  # logical axes of each v array
+  @property
+  def k_axes(self) -> tuple[str, ...]:
+    """The logical axes of each k array."""
+    if self.heads_minor:
+      return ("batch", LAYERS_AXIS, "length", "kv_heads", "head_dim")
+    return ("batch", LAYERS_AXIS, "kv_heads", "head_dim", "length")
+
+  @property
+  def v_axes(self) -> tuple[str, ...]:
+    """The logical axes of each v array."""
+    if self.heads_minor:
+      return self.k_axes
+    return ("batch", LAYERS_AXIS, "kv_heads", "length", "head_dim")
+
+  def stack_slots(self) -> list[int]:
+    """Each stack's slots: the cache's size, or a ring's window."""
+    return [k.shape[2] if self.heads_minor else k.shape[-1] for k in self.k]
 
   @classmethod
-  def init(cls, config: ModelConfig, batch: int, size: int, dtype: Any = jnp.float32, *, routes: bool = False
-           ) -> "KVCache":
-    """An empty cache; `routes=True` also records each cached token's experts (a model with sparse layers)."""
+  def init(cls, config: ModelConfig, batch: int, size: int, dtype: Any = jnp.float32, *, routes: bool = False,
+           heads_minor: bool | None = None) -> "KVCache":
+    """An empty cache; `routes=True` also records each cached token's experts (a model with sparse layers).
+    `heads_minor` (default: off on the CPU, on for an accelerator, `target_platform`) picks the layout."""
     k, h, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     sparse = sum(config.is_moe_layer(i) for i in range(layers))
     stacks = [(len(run), ring_size(config, run[0], size) or size) for run in layer_runs(config)]
-    return cls(k=tuple(jnp.zeros((batch, n, k, h, slots), dtype) for n, slots in stacks),
-               v=tuple(jnp.zeros((batch, n, k, slots, h), dtype) for n, slots in stacks),
+    heads_minor = target_platform() != "cpu" if heads_minor is None else heads_minor
+    k_shape = (lambda n, slots: (batch, n, slots, k, h)) if heads_minor else (lambda n, slots: (batch, n, k, h, slots))
+    v_shape = (lambda n, slots: (batch, n, slots, k, h)) if heads_minor else (lambda n, slots: (batch, n, k, slots, h))
+    return cls(k=tuple(jnp.zeros(k_shape(n, slots), dtype) for n, slots in stacks),
+               v=tuple(jnp.zeros(v_shape(n, slots), dtype) for n, slots in stacks), heads_minor=heads_minor,
                segment_ids=jnp.zeros((batch, size), jnp.int32),
                index=jnp.zeros((batch,), jnp.int32),
                routes=(jnp.full((batch, size, sparse, config.num_experts_per_tok), -1, ROUTE_DTYPE)
@@ -229,9 +255,32 @@ def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_sl
   return out.swapaxes(0, 1).reshape((b, t + pad, k, g, h))[:, :t]
 
 
+def _cache_write(k_stack, v_stack, rows_b1, layer, slot_bt, k_btkh, v_btkh, heads_minor):
+  """Row b's T keys and values into slots slot_bt[b] of layer `layer` of a cache stack, in place (a slot past the
+  stack's end: dropped). Indexing [rows, layer, slots] (or [rows, layer, :, :, slots]) puts the broadcast [B, T]
+  index dims first: the update is [B, T, K, H] in both layouts."""
+  k, v = k_btkh.astype(k_stack.dtype), v_btkh.astype(v_stack.dtype)
+  if heads_minor:
+    return (k_stack.at[rows_b1, layer, slot_bt].set(k, mode="drop"),
+            v_stack.at[rows_b1, layer, slot_bt].set(v, mode="drop"))
+  return (k_stack.at[rows_b1, layer, :, :, slot_bt].set(k, mode="drop"),
+          v_stack.at[rows_b1, layer, :, slot_bt, :].set(v, mode="drop"))
+
+
+def _cache_read(k_stack, v_stack, layer, rows, heads_minor):
+  """Layer `layer`'s keys [B, K, H, S] and values [B, K, S, H] (all rows, or rows `rows`), from either layout."""
+  keys, values = _layer_rows(k_stack, layer, rows), _layer_rows(v_stack, layer, rows)
+  if heads_minor:  # [B, S, K, H]
+    return keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)
+  return keys, values
+
+
 def _layer_rows(stack, layer, rows=None):
-  """Layer `layer` of a cache stack [B, L, ...] (all rows, or rows `rows`): [B, ...]."""
-  return jax.lax.dynamic_index_in_dim(stack, layer, axis=1, keepdims=False) if rows is None else stack[rows, layer]
+  """Layer `layer` of a cache stack [B, L, ...] (all rows, or rows `rows`): [B, ...]. The layer is sliced first, then
+  its rows gathered: a gather of (rows, layer) from the stack made the TPU compiler copy the whole stack, which the
+  layers' scan carries and writes in place."""
+  layer_cache = jax.lax.dynamic_index_in_dim(stack, layer, axis=1, keepdims=False)
+  return layer_cache if rows is None else layer_cache[rows]
 
 
 class Attention(nnx.Module):
@@ -263,7 +312,8 @@ class Attention(nnx.Module):
     """Returns (output [B, T, D], the cache stack's updated (keys, values) or None).
 
     `kv`: None (no cache), or (keys, values: this layer's stack of the `KVCache`, `layer`: this layer's index in
-    the stack, the cache's segment ids after this call's writes, each row's first new slot [B], cache_rows or None).
+    the stack, the cache's segment ids after this call's writes, each row's first new slot [B], cache_rows or None,
+    the cache's `heads_minor`).
 
     `inv_freq`: the model's RoPE tables by layer type (`rope_tables`). `attention` (see
     `ATTENTION_IMPLEMENTATIONS`) picks the kernel for T > 1 (prefill, training); one-token decode always takes
@@ -290,21 +340,19 @@ class Attention(nnx.Module):
       new_kv = None
     else:
       # Row b's T tokens go to its own slots start[b] .. start[b]+T-1 of this layer (`layer`) of the stack (a
-      # scatter, in place; slots past S are dropped). Indexing [rows, layer, :, :, slots] puts the broadcast
-      # [B, T] index dims first: the update is [B, T, K, H]. With `cache_rows`, the B inputs are rows
+      # scatter, in place; slots past S are dropped: `_cache_write`). With `cache_rows`, the B inputs are rows
       # cache_rows[b] of a larger cache (index past its end: none): only their new slots are written, and their
       # attention reads those rows.
-      k_stack, v_stack, layer, key_seg_bs, start_b, cache_rows = kv
+      k_stack, v_stack, layer, key_seg_bs, start_b, cache_rows, heads_minor = kv
       query_slot_bt = start_b[:, None] + jnp.arange(t)[None, :]
       rows_b1 = (jnp.arange(x_btd.shape[0]) if cache_rows is None else cache_rows)[:, None]
       take = None if cache_rows is None else jnp.minimum(cache_rows, k_stack.shape[0] - 1)
-      if k_stack.shape[-1] < key_seg_bs.shape[-1]:  # a ring: see `KVCache`
+      if (k_stack.shape[2] if heads_minor else k_stack.shape[-1]) < key_seg_bs.shape[-1]:  # a ring: see `KVCache`
         return self._ring(q_btnh, k_btkh, v_btkh, segment_ids_bt, query_slot_bt, kv, rows_b1, take, attention,
                           x_btd.dtype)
-      k_stack = k_stack.at[rows_b1, layer, :, :, query_slot_bt].set(k_btkh.astype(k_stack.dtype), mode="drop")
-      v_stack = v_stack.at[rows_b1, layer, :, query_slot_bt, :].set(v_btkh.astype(v_stack.dtype), mode="drop")
-      new_kv = (k_stack, v_stack)
-      keys_bkhs, values_bksh = _layer_rows(k_stack, layer, take), _layer_rows(v_stack, layer, take)
+      new_kv = k_stack, v_stack = _cache_write(k_stack, v_stack, rows_b1, layer, query_slot_bt, k_btkh, v_btkh,
+                                               heads_minor)
+      keys_bkhs, values_bksh = _cache_read(k_stack, v_stack, layer, take, heads_minor)
       if cache_rows is not None:
         key_seg_bs = key_seg_bs[take]
     visible_bts = _visible(key_seg_bs, segment_ids_bt, query_slot_bt, self.window)
@@ -316,9 +364,9 @@ class Attention(nnx.Module):
     latest slot p < start with p % W == r; its segment id says whether it is this row's stream and visible) and
     to its own keys, under the window; then its last W real tokens are written (padding never is: a ring slot
     has no room for it)."""
-    k_stack, v_stack, layer, key_seg_bs, start_b, _ = kv
-    w = k_stack.shape[-1]
-    ring_k, ring_v = _layer_rows(k_stack, layer, take), _layer_rows(v_stack, layer, take)
+    k_stack, v_stack, layer, key_seg_bs, start_b, _, heads_minor = kv
+    w = k_stack.shape[2] if heads_minor else k_stack.shape[-1]
+    ring_k, ring_v = _cache_read(k_stack, v_stack, layer, take, heads_minor)
     seg_bs = key_seg_bs if take is None else key_seg_bs[take]
     last_b1 = start_b[:, None] - 1
     held_bw = last_b1 - jnp.mod(last_b1 - jnp.arange(w)[None, :], w)  # the slot each ring slot holds (< 0: none)
@@ -334,9 +382,7 @@ class Attention(nnx.Module):
     last_real_b1 = jnp.max(jnp.where(real_bt, query_slot_bt, -1), axis=1, keepdims=True)
     write = real_bt & (query_slot_bt > last_real_b1 - w)  # distinct ring slots: the last W real tokens
     ring_slot_bt = jnp.where(write, jnp.mod(query_slot_bt, w), w)  # w: dropped
-    k_stack = k_stack.at[rows_b1, layer, :, :, ring_slot_bt].set(k_btkh.astype(k_stack.dtype), mode="drop")
-    v_stack = v_stack.at[rows_b1, layer, :, ring_slot_bt, :].set(v_btkh.astype(v_stack.dtype), mode="drop")
-    return out, (k_stack, v_stack)
+    return out, _cache_write(k_stack, v_stack, rows_b1, layer, ring_slot_bt, k_btkh, v_btkh, heads_minor)
 
   def _attend(self, q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, query_slot_bt, key_seg_bs,
               attention, dtype, key_slot_bs=None):
@@ -778,7 +824,8 @@ class Transformer(nnx.Module):
       def body(carry, layer_xs, graphdef=graphdef):
         x_btd, k_stack, v_stack = carry
         layer_params, replay_btk, layer = layer_xs
-        kv = None if k_stack is None else (k_stack, v_stack, layer, cache_seg_bs, start_b, cache_rows)
+        kv = None if k_stack is None else (k_stack, v_stack, layer, cache_seg_bs, start_b, cache_rows,
+                                           cache.heads_minor)
         x_btd, layer_kv, experts_btk, layer_stats = nnx.merge(graphdef, layer_params)(
             x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention, replay_btk, router_stats)
         if layer_kv is not None:
@@ -805,7 +852,7 @@ class Transformer(nnx.Module):
       if cache_routes is not None:
         cache_routes = cache_routes.at[rows_b1, slots_bt].set(used_btmk.astype(ROUTE_DTYPE), mode="drop")
       out_cache = KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=cache_seg_bs, index=index,
-                          routes=cache_routes)
+                          routes=cache_routes, heads_minor=cache.heads_minor)
     out = (x_btd, out_cache) + ((used_btmk,) if return_routes else ())
     if router_stats:
       if not sparse:

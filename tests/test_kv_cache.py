@@ -20,6 +20,15 @@ MOE_CONFIG = dataclasses.replace(CONFIG, model_type="qwen3_moe", num_experts=8, 
                                moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(1,))
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["cpu_layout", "heads_minor"])
+def cache_layout(request, monkeypatch):
+  """Every test here runs on both KV cache layouts (`KVCache.heads_minor`: the CPU's, and the accelerators')."""
+  init = models.KVCache.init
+  monkeypatch.setattr(models.KVCache, "init",
+                      lambda *args, heads_minor=request.param, **kwargs: init(*args, heads_minor=heads_minor, **kwargs))
+  return request.param
+
+
 def decisive_routers(model, seed=0):
   """Router weights large enough that float rounding (cache vs no cache) flips no top-k choice."""
   rng = np.random.default_rng(seed)

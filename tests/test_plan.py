@@ -108,6 +108,13 @@ def test_plans_of_a_tiny_run_fit_and_their_bytes_grow_with_rows_and_context(caps
   assert decode(context)["argument_bytes"] > decode(base)["argument_bytes"]
   assert train(rows)["argument_bytes"] > train(base)["argument_bytes"]
   assert context["device_hbm_bytes"] == 32 * 2 ** 30 and context["chip"] == "v6e"
+  # The compiler counts the layers' loop body once, so a rollout program's roofline takes the model's work: the
+  # weights and the whole cache per call (more rows, more cache) and FLOPs that grow with the rows.
+  assert decode(base)["work_bytes"] >= decode(base)["bytes_accessed"] > 0
+  assert decode(rows)["work_bytes"] > decode(base)["work_bytes"]
+  assert decode(rows)["work_flops"] == pytest.approx(4 * decode(base)["work_flops"])  # 8 tasks against 2: 4x the rows
+  assert decode(base)["seconds"] == pytest.approx(max(decode(base)["work_flops"] / base["device_bf16_flops"],
+                                                      decode(base)["work_bytes"] / base["device_hbm_bandwidth"]))
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import models
@@ -17,6 +18,15 @@ from tests.test_kv_cache import GEMMA_CONFIG
 WINDOW = 4  # shorter than the prompt: the ring wraps while the prompt is fed
 CONFIG = dataclasses.replace(GEMMA_CONFIG, sliding_window=WINDOW)
 PROMPT = [5, 9, 3, 7, 1, 4, 6]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["cpu_layout", "heads_minor"])
+def cache_layout(request, monkeypatch):
+  """Every test here runs on both KV cache layouts (`KVCache.heads_minor`: the CPU's, and the accelerators')."""
+  init = models.KVCache.init
+  monkeypatch.setattr(models.KVCache, "init",
+                      lambda *args, heads_minor=request.param, **kwargs: init(*args, heads_minor=heads_minor, **kwargs))
+  return request.param
 
 
 def _model(seed=3):
@@ -49,8 +59,8 @@ def _fork_row_0_and_decode(sampler, params, state):
 
 def test_the_sliding_layers_cache_is_a_ring_of_the_window():
   cache = models.KVCache.init(CONFIG, 2, 32)
-  assert [k.shape[-1] for k in cache.k] == [WINDOW, 32]  # layer 0 slides, layer 1 is global
-  assert [k.shape[-1] for k in models.KVCache.init(CONFIG, 2, 3).k] == [3, 3]  # a cache within the window: full
+  assert cache.stack_slots() == [WINDOW, 32]  # layer 0 slides, layer 1 is global
+  assert models.KVCache.init(CONFIG, 2, 3).stack_slots() == [3, 3]  # a cache within the window: full
 
 
 def test_a_fork_after_its_source_decoded_equals_a_fresh_prefill():

@@ -1,9 +1,10 @@
 """What the compiler says of one program: per-device memory, FLOPs, bytes and collectives, and its roofline time.
 
 The numbers are XLA's own (`Compiled.memory_analysis()`, `cost_analysis()`, the optimized HLO text), per device.
-A loop's body is counted once: a decode program's costs are one decode step's (plus the loop's bookkeeping),
-a scanned stack of layers is one layer's in the collective listing, while the compiler's FLOPs count every trip
-of a loop whose trip count it knows.
+A loop's body is counted once, in FLOPs, bytes and the collective listing alike (checked on `v5p:2x2x1`: a scan of
+4 or 40 matmuls reports the FLOPs of one): a decode program's costs are one decode step's, and of a step whose
+layers are scanned, one layer's. So a program's roofline time takes the work counted outside the compiler where
+the planner gives it (`work_flops`, `work_bytes`: the model's FLOPs and the bytes a call must move).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class ProgramCost:
   refused: str | None = None      # the compiler's message when it refused the program for want of HBM (its
                                   # temporaries are then the bytes it names; arguments are counted here)
   work_flops: float | None = None  # per device and call, counted outside the compiler (its loops counted whole)
+  work_bytes: float | None = None  # likewise the HBM bytes a call must move
 
   @property
   def peak_bytes(self) -> int:
@@ -82,15 +84,21 @@ class ProgramCost:
 
   def seconds(self, topology: Topology) -> float:
     """Roofline time of one call: the larger of FLOPs at the chip's bf16 peak and bytes at its HBM bandwidth
-    (`work_flops` where given: the compiler counts a loop's body once)."""
-    return max(self._flops / topology.device_flops, self.bytes_accessed / topology.device_bandwidth)
+    (`work_flops` / `work_bytes` where given: the compiler counts a loop's body once)."""
+    return max(self.model_flops / topology.device_flops, self.model_bytes / topology.device_bandwidth)
 
   @property
-  def _flops(self) -> float:
+  def model_flops(self) -> float:
+    """The FLOPs of one call the roofline takes: the planner's where given, else the compiler's."""
     return self.flops if self.work_flops is None else self.work_flops
 
+  @property
+  def model_bytes(self) -> float:
+    """The bytes of one call the roofline takes: the planner's where given, else the compiler's."""
+    return self.bytes_accessed if self.work_bytes is None else self.work_bytes
+
   def bound(self, topology: Topology) -> str:
-    return "compute" if self._flops / topology.device_flops >= self.bytes_accessed / topology.device_bandwidth \
+    return "compute" if self.model_flops / topology.device_flops >= self.model_bytes / topology.device_bandwidth \
         else "memory"
 
 
@@ -105,7 +113,7 @@ def _refused_bytes(message: str) -> int | None:
 
 
 def compile_program(name: str, what: str, jitted: Any, args: Sequence[Any], *, resident_bytes: int = 0,
-                    calls: float = 1.0, work_flops: float | None = None,
+                    calls: float = 1.0, work_flops: float | None = None, work_bytes: float | None = None,
                     progress: Callable[[str], None] | None = None) -> ProgramCost:
   """Lowers `jitted` on abstract `args` (ShapeDtypeStructs with shardings), compiles it, reads its costs."""
   start = time.perf_counter()
@@ -129,7 +137,7 @@ def compile_program(name: str, what: str, jitted: Any, args: Sequence[Any], *, r
                        code_bytes=0, resident_bytes=int(resident_bytes), flops=float(cost.get("flops", 0.0)),
                        bytes_accessed=float(cost.get("bytes accessed", 0.0)), collectives=(),
                        compile_seconds=time.perf_counter() - start, calls=calls,
-                       refused=str(e).splitlines()[0][:300], work_flops=work_flops)
+                       refused=str(e).splitlines()[0][:300], work_flops=work_flops, work_bytes=work_bytes)
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis() or {}
@@ -141,4 +149,4 @@ def compile_program(name: str, what: str, jitted: Any, args: Sequence[Any], *, r
       temp_bytes=int(memory.temp_size_in_bytes), code_bytes=int(memory.generated_code_size_in_bytes),
       resident_bytes=int(resident_bytes), flops=float(cost.get("flops", 0.0)),
       bytes_accessed=float(cost.get("bytes accessed", 0.0)), collectives=collectives(compiled.as_text()),
-      compile_seconds=seconds, calls=calls, work_flops=work_flops)
+      compile_seconds=seconds, calls=calls, work_flops=work_flops, work_bytes=work_bytes)

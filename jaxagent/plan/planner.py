@@ -123,7 +123,7 @@ class Plan:
       coll = " ".join(f"{c.kind} {c.count}/{c.bytes / 2 ** 20:.0f}" for c in p.collectives) or "-"
       out.append(f"{p.name:<16}{gib(p.argument_bytes):>9}{gib(p.output_bytes - p.alias_bytes):>8}"
                  f"{gib(p.temp_bytes):>8}{gib(p.code_bytes):>8}{gib(p.resident_bytes):>9}{gib(p.peak_bytes):>8}"
-                 f"{p.peak_bytes / self.capacity:>8.1%}{p.flops / 1e9:>11.1f}{p.bytes_accessed / 1e9:>9.2f}"
+                 f"{p.peak_bytes / self.capacity:>8.1%}{p.model_flops / 1e9:>11.1f}{p.model_bytes / 1e9:>9.2f}"
                  f"{p.seconds(t) * 1e3:>9.2f}ms  {coll}   {p.compile_seconds:.1f}s")
       if p.refused:
         out.append(f"  {p.name}: refused by the compiler, temporaries alone exceed HBM: {p.refused}")
@@ -135,8 +135,9 @@ class Plan:
             f"{it.update_seconds:.2f} + reshard {it.reshard_seconds:.2f}; {it.trained_tokens:,} trained tokens, "
             f"{it.tokens_per_second_per_chip:,.0f} tokens/s per chip, MFU {it.mfu:.1%}; the train step's FLOPs "
             f"(attention, remat) are {it.train_step_flops_ratio:.2f}x 6·N·tokens",
-            "GFLOP and GB r/w are XLA's per call, a loop's body counted once (a decode program: one step); the "
-            "train step's time is from its model FLOPs"]
+            "GFLOP and GB r/w are per device and call (a decode program: one step): the model's FLOPs and the "
+            "bytes a call must move (weights, KV cache) where the compiler counts a loop's body once (scanned "
+            "layers), else XLA's; JSON keeps XLA's own as flops / bytes_accessed"]
     if self.fits:
       w = self.worst
       out.append(f"fits: every program within {1 - self.headroom:.0%} of {self.capacity / GIB:.1f} GiB per device; "
@@ -158,6 +159,15 @@ def train_step_flops(model: Any, rows: int, length: int, remat: str) -> float:
   weights = 6.0 * model.num_active_params() * tokens
   attention = 12.0 * model.num_hidden_layers * length * model.num_attention_heads * model.head_dim * tokens
   return (weights + attention) * (4.0 / 3.0 if remat != "none" else 1.0)
+
+
+def rollout_work(model: Any, rows: int, tokens: int, slots: int) -> float:
+  """FLOPs of `rows` rows each running `tokens` new tokens against `slots` cache slots, all devices: 2 N per token
+  (N: the parameters a token uses) and 4 L N_q H per token and slot for attention over the whole cache (computed
+  over every slot, masked; a sliding layer's ring is counted as a full cache)."""
+  per_token = 2.0 * model.num_active_params() + 4.0 * model.num_hidden_layers * slots * (
+      model.num_attention_heads * model.head_dim)
+  return per_token * rows * tokens
 
 
 def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
@@ -324,12 +334,16 @@ def _rollout_programs(parts: _Parts, compile_: _Compiler, rollout_params: Any, r
   feed = _host_feed(rows, width, parts.io.tokenizer.pad_id, rollout_mesh, layout.rollout_rules)
   steps_arg = _abstract((), jnp.int32, NamedSharding(rollout_mesh, P()))
   until_arg = _abstract((), jnp.float32, NamedSharding(rollout_mesh, P()))
+  # What a call must move: the weights once and the whole KV cache (every slot is read, masked).
+  moved = per_device_bytes(rollout_params) + per_device_bytes((sampler_state.cache.k, sampler_state.cache.v))
+  model, devices = parts.policy.model.config, rollout_mesh.devices.size
   compile_("rollout_feed", f"{rows} rows append up to {width} tokens each to KV caches of {length} slots",
            sampler._feed, (rollout_params, sampler_state, feed), resident_bytes=resident,
-           calls=math.ceil(max(length - parts.generated, width) / width))
+           calls=math.ceil(max(length - parts.generated, width) / width),
+           work_flops=rollout_work(model, rows, width, length) / devices, work_bytes=moved)
   compile_("rollout_decode", f"one decode step of {rows} rows (a loop of rollout.decode_chunk steps)",
            sampler._decode, (rollout_params, sampler_state, steps_arg, until_arg), resident_bytes=resident,
-           calls=parts.generated)
+           calls=parts.generated, work_flops=rollout_work(model, rows, 1, length) / devices, work_bytes=moved)
 
 
 def _iteration(parts: _Parts, programs: list[ProgramCost], work: float) -> Iteration:

@@ -141,7 +141,7 @@ class SamplerState:
 
 def _rings(cache: models.KVCache) -> list[int]:
   """The layer stacks whose cache is a ring (a sliding window shorter than the cache)."""
-  return [i for i, k in enumerate(cache.k) if k.shape[-1] < cache.size]
+  return [i for i, slots in enumerate(cache.stack_slots()) if slots < cache.size]
 
 
 @flax.struct.dataclass
@@ -372,8 +372,8 @@ def _constrain_cache(cache: models.KVCache, mesh: Mesh | None, rules: models.Rul
     return cache
   con = lambda x, axes: jax.lax.with_sharding_constraint(
       x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
-  return cache.replace(k=tuple(con(k, models.KVCache.K_AXES) for k in cache.k),
-                       v=tuple(con(v, models.KVCache.V_AXES) for v in cache.v),
+  return cache.replace(k=tuple(con(k, cache.k_axes) for k in cache.k),
+                       v=tuple(con(v, cache.v_axes) for v in cache.v),
                        segment_ids=con(cache.segment_ids, ("batch", "length")), index=con(cache.index, ("batch",)),
                        routes=None if cache.routes is None else con(cache.routes, ("batch", None, None, None)))
 
@@ -386,8 +386,8 @@ def _constrain_state(state: SamplerState, mesh: Mesh | None, rules: models.Rules
       x, NamedSharding(mesh, models.logical_to_spec(axes, x.shape, mesh, rules)))
   return state.replace(cache=_constrain_cache(state.cache, mesh, rules),
                        rng=jax.lax.with_sharding_constraint(state.rng, NamedSharding(mesh, PartitionSpec())),
-                       prompt_k=tuple(con(k, models.KVCache.K_AXES) for k in state.prompt_k),
-                       prompt_v=tuple(con(v, models.KVCache.V_AXES) for v in state.prompt_v),
+                       prompt_k=tuple(con(k, state.cache.k_axes) for k in state.prompt_k),
+                       prompt_v=tuple(con(v, state.cache.v_axes) for v in state.prompt_v),
                        **{name: con(getattr(state, name), axes) for name, axes in _STATE_AXES.items()})
 
 
@@ -657,7 +657,7 @@ class Sampler:
     cache_size: KV-cache slots per row (prompt + every action and observation of a trajectory).
     config: sampling parameters.
     pad_id: token written to unused output slots.
-    mesh, rules: generation layout; the cache is constrained to `KVCache.K_AXES` / `V_AXES` (batch over
+    mesh, rules: generation layout; the cache is constrained to `KVCache.k_axes` / `v_axes` (batch over
       data, kv heads over tensor).
     buckets: allowed prompt widths of `prefill` (static shapes).
     extend_buckets: allowed chunk widths of `extend` and `feed`.
