@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
+from jaxagent import weights
 from jaxagent.train import checkpointing
 from jaxagent.train.state import TrainState
 from tests import _processes
@@ -25,7 +26,7 @@ saveable = checkpointing._to_saveable  # the tree that is saved and digested
 
 CONFIG = models.ModelConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-HF_CONFIG = models.config_to_hf(CONFIG)
+HF_CONFIG = weights.checkpoint_model_config(CONFIG)  # what a run stores with each checkpoint
 OPTIMIZER = optax.adamw(1e-2)
 
 

@@ -110,11 +110,12 @@ def test_plans_of_a_tiny_run_fit_and_their_bytes_grow_with_rows_and_context(caps
   assert context["device_hbm_bytes"] == 32 * 2 ** 30 and context["chip"] == "v6e"
   # The compiler counts the layers' loop body once, so a rollout program's roofline takes the model's work: the
   # weights and the whole cache per call (more rows, more cache) and FLOPs that grow with the rows.
-  assert decode(base)["work_bytes"] >= decode(base)["bytes_accessed"] > 0
-  assert decode(rows)["work_bytes"] > decode(base)["work_bytes"]
+  assert decode(base)["work_bytes"] > 0 and decode(rows)["work_bytes"] > decode(base)["work_bytes"]
   assert decode(rows)["work_flops"] == pytest.approx(4 * decode(base)["work_flops"])  # 8 tasks against 2: 4x the rows
-  assert decode(base)["seconds"] == pytest.approx(max(decode(base)["work_flops"] / base["device_bf16_flops"],
-                                                      decode(base)["work_bytes"] / base["device_hbm_bandwidth"]))
+  most = lambda p, ours, xla: max(p[ours], p[xla])  # the larger of two lower bounds
+  assert decode(base)["seconds"] == pytest.approx(max(
+      most(decode(base), "work_flops", "flops") / base["device_bf16_flops"],
+      most(decode(base), "work_bytes", "bytes_accessed") / base["device_hbm_bandwidth"]))
 
 
 @pytest.mark.slow

@@ -8,25 +8,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 import models
 from jaxagent.rollout.sampler import Feed, Sampler, SamplingConfig
 from tests.test_kv_cache import GEMMA_CONFIG
+from tests.test_kv_cache import cache_layout  # noqa: F401  (autouse: every test on both cache layouts)
 
 WINDOW = 4  # shorter than the prompt: the ring wraps while the prompt is fed
 CONFIG = dataclasses.replace(GEMMA_CONFIG, sliding_window=WINDOW)
 PROMPT = [5, 9, 3, 7, 1, 4, 6]
-
-
-@pytest.fixture(autouse=True, params=[False, True], ids=["cpu_layout", "heads_minor"])
-def cache_layout(request, monkeypatch):
-  """Every test here runs on both KV cache layouts (`KVCache.heads_minor`: the CPU's, and the accelerators')."""
-  init = models.KVCache.init
-  monkeypatch.setattr(models.KVCache, "init",
-                      lambda *args, heads_minor=request.param, **kwargs: init(*args, heads_minor=heads_minor, **kwargs))
-  return request.param
 
 
 def _model(seed=3):

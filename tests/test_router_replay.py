@@ -40,10 +40,10 @@ def _fragile(params, seed=0):
   def change(path, x):
     name = jax.tree_util.keystr(path)
     if "w_router_de" in name:
-      d, e = x.shape
-      base = rng.normal(0, 0.5, (d, e // 3))
-      return jnp.asarray(np.stack([base + 1e-7 * rng.normal(size=base.shape) for _ in range(3)], -1).reshape(d, e),
-                         x.dtype)
+      *layers, d, e = x.shape  # a layer stack's routers: [L, D, E]
+      base = rng.normal(0, 0.5, (*layers, d, e // 3))
+      tied = np.stack([base + 1e-7 * rng.normal(size=base.shape) for _ in range(3)], -1)
+      return jnp.asarray(tied.reshape(*layers, d, e), x.dtype)
     if any(k in name for k in ("w_gate_edf", "w_up_edf", "w_down_efd")):
       return jnp.asarray(rng.normal(0, 0.5, x.shape), x.dtype)
     return x

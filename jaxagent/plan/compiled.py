@@ -3,8 +3,9 @@
 The numbers are XLA's own (`Compiled.memory_analysis()`, `cost_analysis()`, the optimized HLO text), per device.
 A loop's body is counted once, in FLOPs, bytes and the collective listing alike (checked on `v5p:2x2x1`: a scan of
 4 or 40 matmuls reports the FLOPs of one): a decode program's costs are one decode step's, and of a step whose
-layers are scanned, one layer's. So a program's roofline time takes the work counted outside the compiler where
-the planner gives it (`work_flops`, `work_bytes`: the model's FLOPs and the bytes a call must move).
+layers are scanned, one layer's. So a program's roofline time takes the larger of the compiler's count and the work
+counted outside it where the planner gives it (`work_flops`, `work_bytes`: the model's FLOPs and the bytes a call
+must move), both lower bounds.
 """
 
 from __future__ import annotations
@@ -89,13 +90,14 @@ class ProgramCost:
 
   @property
   def model_flops(self) -> float:
-    """The FLOPs of one call the roofline takes: the planner's where given, else the compiler's."""
-    return self.flops if self.work_flops is None else self.work_flops
+    """The FLOPs of one call the roofline takes: the larger of the compiler's count and the planner's (both lower
+    bounds: the compiler's counts a loop's body once, the planner's the model's work only)."""
+    return max(self.flops, self.work_flops or 0.0)
 
   @property
   def model_bytes(self) -> float:
-    """The bytes of one call the roofline takes: the planner's where given, else the compiler's."""
-    return self.bytes_accessed if self.work_bytes is None else self.work_bytes
+    """The bytes of one call the roofline takes: the larger of the compiler's count and the planner's."""
+    return max(self.bytes_accessed, self.work_bytes or 0.0)
 
   def bound(self, topology: Topology) -> str:
     return "compute" if self.model_flops / topology.device_flops >= self.model_bytes / topology.device_bandwidth \

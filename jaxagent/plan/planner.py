@@ -135,9 +135,9 @@ class Plan:
             f"{it.update_seconds:.2f} + reshard {it.reshard_seconds:.2f}; {it.trained_tokens:,} trained tokens, "
             f"{it.tokens_per_second_per_chip:,.0f} tokens/s per chip, MFU {it.mfu:.1%}; the train step's FLOPs "
             f"(attention, remat) are {it.train_step_flops_ratio:.2f}x 6·N·tokens",
-            "GFLOP and GB r/w are per device and call (a decode program: one step): the model's FLOPs and the "
-            "bytes a call must move (weights, KV cache) where the compiler counts a loop's body once (scanned "
-            "layers), else XLA's; JSON keeps XLA's own as flops / bytes_accessed"]
+            "GFLOP and GB r/w are per device and call (a decode program: one step): the larger of XLA's count, "
+            "which counts a loop's body once (scanned layers), and the model's FLOPs and the bytes a call must "
+            "move (weights, KV cache); the JSON has both (flops / bytes_accessed, work_flops / work_bytes)"]
     if self.fits:
       w = self.worst
       out.append(f"fits: every program within {1 - self.headroom:.0%} of {self.capacity / GIB:.1f} GiB per device; "
