@@ -29,10 +29,9 @@ MODEL_CONFIG = "model_config"
 PARAM_LAYOUT_KEY, PARAM_LAYOUT = "jaxagent_param_layout", "layer_stacks"
 
 
-def checkpoint_model_config(config: models.ModelConfig, dtype: Any = None) -> dict[str, Any]:
+def checkpoint_model_config(config: models.ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   """The model config stored with a checkpoint: HF-style (`models.config_to_hf`) plus the parameter layout."""
-  hf = models.config_to_hf(config) if dtype is None else models.config_to_hf(config, dtype=dtype)
-  return {**hf, PARAM_LAYOUT_KEY: PARAM_LAYOUT}
+  return {**models.config_to_hf(config, dtype=dtype), PARAM_LAYOUT_KEY: PARAM_LAYOUT}
 
 
 def param_layout_problem(stored_model_config: dict[str, Any]) -> str | None:
