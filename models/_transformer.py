@@ -813,13 +813,13 @@ class Transformer(nnx.Module):
                        f"{[len(run) for run in runs]} layers: make it with KVCache.init(model.config, ...)")
     checkpointed = remat != "none" and cache is None
     new_k, new_v, used, stats = [], [], {}, {}
-    for run, stack in zip(runs, self.layer_stacks):
+    for index, (run, stack) in enumerate(zip(runs, self.layer_stacks)):
       graphdef, params = nnx.split(stack)
       replay = None
       if routes is not None and run[0] in sparse:  # a stack's sparse layers are consecutive in `routes`
         first = sparse.index(run[0])
         replay = jnp.moveaxis(routes[:, :, first:first + len(run)], 2, 0)
-      k_stack, v_stack = (None, None) if cache is None else (cache.k[len(new_k)], cache.v[len(new_v)])
+      k_stack, v_stack = (None, None) if cache is None else (cache.k[index], cache.v[index])
 
       def body(carry, layer_xs, graphdef=graphdef):
         x_btd, k_stack, v_stack = carry
