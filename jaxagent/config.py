@@ -595,149 +595,216 @@ def truncates(rollout: RolloutConfig) -> bool:
   return bool(rollout.top_k) or rollout.top_p < 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """A rule that spans config sections: `broken(config, num_processes)` is true when the config breaks it, and
+  `message(config, num_processes)` says so, naming the keys, the values and what would be valid."""
+  broken: Callable[[Config, int], bool]
+  message: Callable[[Config, int], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRule:
+  """A rule on one curriculum stage (`broken(config, stage)`), its message prefixed with the stage's place."""
+  broken: Callable[[Config, StageConfig], bool]
+  message: Callable[[Config, StageConfig], str]
+
+
+def _processes(n: int) -> str:
+  return f"the {n} processes" + (" (distributed.num_processes)" if n > 1 else "")
+
+
+def _divisible(key: str, value: Callable[[Config, int], int | None]) -> Rule:
+  return Rule(lambda c, n: (value(c, n) or n) % n != 0,
+              lambda c, n: f"{key}={value(c, n)}: must be divisible by {_processes(n)}")
+
+
+def _freshness(broken: Callable[[Config, int], bool], why: Callable[[Config, int], str]) -> Rule:
+  """A rule on train.freshness one_step_off / async."""
+  return Rule(lambda c, n: c.train.freshness != "sync" and broken(c, n),
+              lambda c, n: f"train.freshness={c.train.freshness!r} {why(c, n)}")
+
+
+def _branch(broken: Callable[[Config, int], bool], why: Callable[[Config, int], str]) -> Rule:
+  """A rule on branched rollouts (rollout.branch.at)."""
+  return Rule(lambda c, n: bool(c.rollout.branch.at) and broken(c, n),
+              lambda c, n: f"rollout.branch.at={list(c.rollout.branch.at)}: {why(c, n)}")
+
+
+def _planned_steps(c: Config, bc: bool) -> int:
+  return sum(s.steps for s in c.curriculum.stages or () if s.kind.cold_start == bc)
+
+
+def _first_not_cold_start(stages) -> int:
+  return next((i for i, s in enumerate(stages) if not s.kind.cold_start), len(stages))
+
+
+def _misplaced_options(s: StageConfig) -> str | None:
+  """What is wrong with the options a stage changed from their defaults that its paradigm does not read (None:
+  every changed option applies)."""
+  defaults = StageConfig()
+  groups: dict[tuple[str, ...], list[str]] = {}  # option fields grouped by the paradigms that read them
+  for p in PARADIGMS.values():
+    for name in p.options:
+      readers = tuple(q.name for q in PARADIGMS.values() if name in q.options)
+      if name not in groups.setdefault(readers, []):
+        groups[readers].append(name)
+  for readers, names in groups.items():
+    changed = [name for name in names if getattr(s, name) != getattr(defaults, name)]
+    if changed and s.paradigm not in readers:
+      return (f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to {' and '.join(readers)} stages; "
+              "remove it or change the paradigm")
+  return None
+
+
+def _frontier_users(c: Config) -> list[str]:
+  """What samples with the frontier (a stage's own sampler, or tasks.sampler)."""
+  users = [f"stage {s.name!r}" for s in c.curriculum.stages or () if (s.sampler or c.tasks.sampler) == "frontier"]
+  return users + (["tasks.sampler"] if c.tasks.sampler == "frontier" else [])
+
+
+# Every rule that spans sections, in the order they are checked (the first broken one is reported).
+RULES: tuple[Rule, ...] = (
+    Rule(lambda c, n: c.algo.name == "ppo" and c.algo.advantage != "gae",
+         lambda c, n: f"algo.name='ppo' needs algo.advantage='gae' (got {c.algo.advantage!r})"),
+    Rule(lambda c, n: c.algo.name == "grpo" and c.algo.advantage == "gae",
+         lambda c, n: "algo.advantage='gae' needs a value function: set algo.name='ppo'"),
+    # The learner scores tokens under softmax(logits / rollout.temperature), cut where the sampler cut it (the
+    # recorded sampling thresholds under top-k / top-p): the ratio to the behavior log-probs is 1 on-policy.
+    Rule(lambda c, n: c.rollout.temperature <= 0,
+         lambda c, n: f"rollout.temperature={c.rollout.temperature}: training samples from the policy; use a "
+         "temperature > 0 (greedy decoding is for eval/generate)"),
+    Rule(lambda c, n: bool(c.model.lora_rank) and c.algo.kl_coef > 0,
+         lambda c, n: f"algo.kl_coef={c.algo.kl_coef} with model.lora_rank={c.model.lora_rank}: a KL reference "
+         "policy is not supported with LoRA yet; set algo.kl_coef=0"),
+    Rule(lambda c, n: c.train.bc_demos is not None and c.train.bc_demos < c.train.bc_batch_size,
+         lambda c, n: f"train.bc_demos={c.train.bc_demos}: a behavior-cloning batch draws "
+         f"train.bc_batch_size={c.train.bc_batch_size} distinct demonstrations; set train.bc_demos >= "
+         f"{c.train.bc_batch_size} (or null)"),
+    Rule(lambda c, n: c.algo.loss == "tis" and c.algo.kl_coef > 0,
+         lambda c, n: f"algo.loss='tis' with algo.kl_coef={c.algo.kl_coef}: the truncated-IS loss has no "
+         "reference-KL term; use algo.loss=ppo or decoupled_ppo, or algo.kl_coef=0"),
+    Rule(lambda c, n: "completed" in c.train.exclude_terminations,
+         lambda c, n: "train.exclude_terminations: 'completed' is task success or failure, never an "
+         "infrastructure failure"),
+    _divisible("train.tasks_per_iteration", lambda c, n: c.train.tasks_per_iteration),
+    _divisible("train.eval_episodes", lambda c, n: c.train.eval_episodes),
+    _divisible("train.bc_batch_size", lambda c, n: c.train.bc_batch_size),
+    Rule(lambda c, n: c.rollout.slots is not None and c.rollout.slots % n != 0,
+         lambda c, n: f"rollout.slots={c.rollout.slots}: must be divisible by {_processes(n)} (each runs its share)"),
+    _freshness(lambda c, n: n > 1, lambda c, n: f"runs in one process for now, not {n}"),
+    _freshness(lambda c, n: c.train.dynamic_sampling,
+               lambda c, n: "with train.dynamic_sampling: refills are a synchronous round; set "
+               "train.dynamic_sampling=false"),
+    _freshness(lambda c, n: c.rollout.schedule != "continuous", lambda c, n: "needs rollout.schedule=continuous"),
+    _freshness(lambda c, n: c.rollout.env_transport != "host_loop",
+               lambda c, n: "needs rollout.env_transport=host_loop"),
+    _freshness(lambda c, n: bool(c.curriculum.stages),
+               lambda c, n: "with curriculum.stages: not yet (one rl stage after the cold start)"),
+    _freshness(lambda c, n: c.train.freshness == "one_step_off" and c.train.max_staleness < 1,
+               lambda c, n: "trains every batch one version late: needs train.max_staleness >= 1"),
+    _branch(lambda c, n: any(t < 0 or t >= c.env.max_turns for t in c.rollout.branch.at),
+            lambda c, n: f"turns are 0..env.max_turns-1 = {c.env.max_turns - 1}"),
+    _branch(lambda c, n: c.train.freshness != "sync", lambda c, n: "needs train.freshness=sync"),
+    _branch(lambda c, n: n > 1, lambda c, n: f"runs in one process for now, not {n} (each would branch a "
+            "different number of episodes, and feeds are collective)"),
+    _branch(lambda c, n: c.train.dynamic_sampling,
+            lambda c, n: "with train.dynamic_sampling: branch from one round; set train.dynamic_sampling=false"),
+    _branch(lambda c, n: c.rollout.env_transport != "host_loop", lambda c, n: "needs rollout.env_transport=host_loop"),
+    _branch(lambda c, n: c.rollout.branch.parents > c.train.group_size,
+            lambda c, n: f"rollout.branch.parents={c.rollout.branch.parents} > "
+            f"train.group_size={c.train.group_size}"),
+    Rule(lambda c, n: c.train.freshness != "async" and c.rollout.on_weight_update != "keep_cache",
+         lambda c, n: f"rollout.on_weight_update={c.rollout.on_weight_update!r} applies to train.freshness=async "
+         "(no weight update reaches a running episode otherwise)"),
+    Rule(lambda c, n: any(s.kind.cold_start for s in (c.curriculum.stages or ())[
+        _first_not_cold_start(c.curriculum.stages or ()):]),
+         lambda c, n: f"curriculum.stages paradigms {[s.paradigm for s in c.curriculum.stages]}: bc stages come "
+         "first (a cold start on scripted demonstrations); for supervised learning later in a curriculum use "
+         "paradigm sft"),
+    Rule(lambda c, n: bool(c.curriculum.stages) and _planned_steps(c, True) != c.train.bc_steps,
+         lambda c, n: f"curriculum.stages: the bc stages' steps add up to {_planned_steps(c, True)}, but "
+         f"train.bc_steps={c.train.bc_steps}; set train.bc_steps={_planned_steps(c, True)} (schedules and "
+         "checkpoints are planned on it)"),
+    Rule(lambda c, n: bool(c.curriculum.stages) and _planned_steps(c, False) != c.train.iterations,
+         lambda c, n: f"curriculum.stages: the other stages' steps (iterations) add up to "
+         f"{_planned_steps(c, False)}, but train.iterations={c.train.iterations}; set "
+         f"train.iterations={_planned_steps(c, False)} (schedules and checkpoints are planned on it)"),
+)
+
+STAGE_RULES: tuple[StageRule, ...] = (
+    StageRule(lambda c, s: s.kind.cold_start and (s.promote_at is not None or s.sampler is not None),
+              lambda c, s: f"promote_at and sampler do not apply to {s.paradigm} stages"),
+    StageRule(lambda c, s: not s.kind.samples and not s.kind.cold_start and s.sampler is not None,
+              lambda c, s: "sampler applies to stages that sample tasks "
+              f"({', '.join(p.name for p in PARADIGMS.values() if p.samples)})"),
+    StageRule(lambda c, s: s.kind.data and not s.data,
+              lambda c, s: "needs `data` (sft: a JSONL chat file or stored trajectories; offline: stored "
+              "trajectories, e.g. another run's trajectories/ directory)"),
+    StageRule(lambda c, s: not s.kind.data and bool(s.data),
+              lambda c, s: f"data={s.data!r} applies to "
+              f"{' and '.join(p.name for p in PARADIGMS.values() if p.data)} stages"),
+    StageRule(lambda c, s: _misplaced_options(s) is not None, lambda c, s: _misplaced_options(s)),
+    StageRule(lambda c, s: s.paradigm == "offline" and bool(s.data) and Path(s.data).suffix in (".jsonl", ".json"),
+              lambda c, s: f"data={s.data!r} looks like a chat file; offline learns from stored trajectories (with "
+              "their rewards and behavior log-probs): use paradigm sft for chats"),
+    StageRule(lambda c, s: bool(s.filter.splits) and c.train.eval_split != "train"
+              and c.train.eval_split in s.filter.splits and bool(c.train.eval_episodes)
+              and c.tasks.contamination == "refuse",
+              lambda c, s: f"filter.splits={list(s.filter.splits)} trains on episodes of the {c.train.eval_split!r} "
+              "split the run evaluates on (train.eval_split): held-out success would measure memorized tasks. Drop "
+              "it, or set tasks.contamination=off to train on it anyway"),
+    StageRule(lambda c, s: s.importance_weighted and c.algo.advantage not in ("grpo", "rloo"),
+              lambda c, s: "method iw_pg uses group-relative advantages of the stored returns; "
+              f"algo.advantage={c.algo.advantage!r} needs values the records do not have: use grpo or rloo, or "
+              "method filtered_bc"),
+    StageRule(lambda c, s: s.paradigm == "rft" and not c.train.save_trajectories,
+              lambda c, s: "train.save_trajectories=false; an rft stage keeps its verified samples in the run's "
+              "trajectory store (a resumed run reads them back), so it needs it true"),
+    StageRule(lambda c, s: s.promote_at is not None and s.promote_every >= s.steps,
+              lambda c, s: f"promote_every={s.promote_every} >= steps={s.steps}: the stage would end before its "
+              "first promotion check"),
+    StageRule(lambda c, s: s.env_options is not None and c.tasks.train_file is not None and s.kind.samples,
+              lambda c, s: f"env_options with tasks.train_file={c.tasks.train_file!r}: the stage would draw from "
+              "the generator, not the file; use one or the other"),
+)
+
+LAST_RULES: tuple[Rule, ...] = (
+    Rule(lambda c, n: len({s.name for s in c.curriculum.stages or ()}) != len(c.curriculum.stages or ()),
+         lambda c, n: f"curriculum.stages names {[s.name for s in c.curriculum.stages]}: must be distinct"),
+    # The frontier sampler (tasks.sampler, or a stage's own) draws a batch of distinct tasks from its active set.
+    Rule(lambda c, n: bool(_frontier_users(c)) and c.tasks.active < c.train.tasks_per_iteration,
+         lambda c, n: f"tasks.active={c.tasks.active}: {_frontier_users(c)[0]} samples with the frontier, which "
+         f"draws train.tasks_per_iteration={c.train.tasks_per_iteration} distinct tasks from its active set; use "
+         "at least that many"),
+)
+
+
 def check_combinations(config: Config, num_processes: int) -> None:
-  """Rules that span sections; run when a config loads and again with the real process count at startup.
+  """Rules that span sections (`RULES`, `STAGE_RULES` per curriculum stage, `LAST_RULES`, the env's options,
+  the micro-batches); run when a config loads and again with the real process count at startup.
 
   Raises:
-    ConfigError naming the keys, the values and what would be valid.
+    ConfigError naming the keys, the values and what would be valid (the first rule broken).
   """
-  algo, rollout, train = config.algo, config.rollout, config.train
-  if algo.name == "ppo" and algo.advantage != "gae":
-    raise ConfigError(f"algo.name='ppo' needs algo.advantage='gae' (got {algo.advantage!r})")
-  if algo.name == "grpo" and algo.advantage == "gae":
-    raise ConfigError("algo.advantage='gae' needs a value function: set algo.name='ppo'")
-  # The learner scores tokens under softmax(logits / rollout.temperature), cut where the sampler cut it (the
-  # recorded sampling thresholds under top-k / top-p): the ratio to the behavior log-probs is 1 on-policy.
-  if rollout.temperature <= 0:
-    raise ConfigError(f"rollout.temperature={rollout.temperature}: training samples from the policy; use a "
-                      "temperature > 0 (greedy decoding is for eval/generate)")
-  if config.model.lora_rank and algo.kl_coef > 0:
-    raise ConfigError(f"algo.kl_coef={algo.kl_coef} with model.lora_rank={config.model.lora_rank}: a KL reference "
-                      "policy is not supported with LoRA yet; set algo.kl_coef=0")
-  if train.bc_demos is not None and train.bc_demos < train.bc_batch_size:
-    raise ConfigError(f"train.bc_demos={train.bc_demos}: a behavior-cloning batch draws "
-                      f"train.bc_batch_size={train.bc_batch_size} distinct demonstrations; set train.bc_demos >= "
-                      f"{train.bc_batch_size} (or null)")
-  if algo.loss == "tis" and algo.kl_coef > 0:
-    raise ConfigError(f"algo.loss='tis' with algo.kl_coef={algo.kl_coef}: the truncated-IS loss has no "
-                      "reference-KL term; use algo.loss=ppo or decoupled_ppo, or algo.kl_coef=0")
-  if "completed" in train.exclude_terminations:
-    raise ConfigError("train.exclude_terminations: 'completed' is task success or failure, never an "
-                      "infrastructure failure")
-  where = f"the {num_processes} processes" + (" (distributed.num_processes)" if num_processes > 1 else "")
-  for name, value in (("train.tasks_per_iteration", train.tasks_per_iteration),
-                      ("train.eval_episodes", train.eval_episodes or num_processes),
-                      ("train.bc_batch_size", train.bc_batch_size)):
-    if value % num_processes:
-      raise ConfigError(f"{name}={value}: must be divisible by {where}")
-  if rollout.slots is not None and rollout.slots % num_processes:
-    raise ConfigError(f"rollout.slots={rollout.slots}: must be divisible by {where} (each runs its share)")
-  if train.freshness != "sync":
-    where = f"train.freshness={train.freshness!r}"
-    for bad, why in ((num_processes > 1, f"runs in one process for now, not {num_processes}"),
-                     (train.dynamic_sampling, "with train.dynamic_sampling: refills are a synchronous round; "
-                      "set train.dynamic_sampling=false"),
-                     (rollout.schedule != "continuous", "needs rollout.schedule=continuous"),
-                     (rollout.env_transport != "host_loop", "needs rollout.env_transport=host_loop"),
-                     (bool(config.curriculum.stages), "with curriculum.stages: not yet (one rl stage after the "
-                      "cold start)"),
-                     (train.freshness == "one_step_off" and train.max_staleness < 1,
-                      "trains every batch one version late: needs train.max_staleness >= 1")):
-      if bad:
-        raise ConfigError(f"{where} {why}")
-  if rollout.branch.at:
-    where = f"rollout.branch.at={list(rollout.branch.at)}"
-    for bad, why in ((any(t < 0 or t >= config.env.max_turns for t in rollout.branch.at),
-                      f"turns are 0..env.max_turns-1 = {config.env.max_turns - 1}"),
-                     (train.freshness != "sync", "needs train.freshness=sync"),
-                     (num_processes > 1, f"runs in one process for now, not {num_processes} (each would branch a "
-                      "different number of episodes, and feeds are collective)"),
-                     (train.dynamic_sampling, "with train.dynamic_sampling: branch from one round; set "
-                      "train.dynamic_sampling=false"),
-                     (rollout.env_transport != "host_loop", "needs rollout.env_transport=host_loop"),
-                     (rollout.branch.parents > train.group_size,
-                      f"rollout.branch.parents={rollout.branch.parents} > train.group_size={train.group_size}")):
-      if bad:
-        raise ConfigError(f"{where}: {why}")
-  if train.freshness != "async" and rollout.on_weight_update != "keep_cache":
-    raise ConfigError(f"rollout.on_weight_update={rollout.on_weight_update!r} applies to train.freshness=async "
-                      "(no weight update reaches a running episode otherwise)")
-  stages = config.curriculum.stages
-  if stages:
-    kinds = [s.paradigm for s in stages]
-    first = next((i for i, s in enumerate(stages) if not s.kind.cold_start), len(stages))
-    if any(s.kind.cold_start for s in stages[first:]):
-      raise ConfigError(f"curriculum.stages paradigms {kinds}: bc stages come first (a cold start on scripted "
-                        "demonstrations); for supervised learning later in a curriculum use paradigm sft")
-    for counted, bc, total, key in (("bc stages' steps", True, train.bc_steps, "train.bc_steps"),
-                                    ("other stages' steps (iterations)", False, train.iterations, "train.iterations")):
-      planned = sum(s.steps for s in stages if s.kind.cold_start == bc)
-      if planned != total:
-        raise ConfigError(f"curriculum.stages: the {counted} add up to {planned}, but {key}={total}; "
-                          f"set {key}={planned} (schedules and checkpoints are planned on it)")
-    for i, s in enumerate(stages):
-      where = f"curriculum.stages[{i}] ({s.name!r}, paradigm {s.paradigm})"
-      sampling = [p.name for p in PARADIGMS.values() if p.samples]
-      with_data = [p.name for p in PARADIGMS.values() if p.data]
-      if s.kind.cold_start and (s.promote_at is not None or s.sampler is not None):
-        raise ConfigError(f"{where}: promote_at and sampler do not apply to {s.paradigm} stages")
-      if not s.kind.samples and not s.kind.cold_start and s.sampler is not None:
-        raise ConfigError(f"{where}: sampler applies to stages that sample tasks ({', '.join(sampling)})")
-      if s.kind.data and not s.data:
-        raise ConfigError(f"{where}: needs `data` (sft: a JSONL chat file or stored trajectories; offline: "
-                          "stored trajectories, e.g. another run's trajectories/ directory)")
-      if not s.kind.data and s.data:
-        raise ConfigError(f"{where}: data={s.data!r} applies to {' and '.join(with_data)} stages")
-      defaults = StageConfig()
-      groups: dict[tuple[str, ...], list[str]] = {}  # option fields grouped by the paradigms that read them
-      for p in PARADIGMS.values():
-        for n in p.options:
-          readers = tuple(q.name for q in PARADIGMS.values() if n in q.options)
-          if n not in groups.setdefault(readers, []):
-            groups[readers].append(n)
-      for paradigms, names in groups.items():
-        changed = [n for n in names if getattr(s, n) != getattr(defaults, n)]
-        if changed and s.paradigm not in paradigms:
-          raise ConfigError(f"{where}: {', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
-                            f"{' and '.join(paradigms)} stages; remove it or change the paradigm")
-      if s.paradigm == "offline" and s.data and Path(s.data).suffix in (".jsonl", ".json"):
-        raise ConfigError(f"{where}: data={s.data!r} looks like a chat file; offline learns from stored "
-                          "trajectories (with their rewards and behavior log-probs): use paradigm sft for chats")
-      held_out = config.train.eval_split
-      if (s.filter.splits and held_out != "train" and held_out in s.filter.splits and config.train.eval_episodes
-          and config.tasks.contamination == "refuse"):
-        raise ConfigError(f"{where}: filter.splits={list(s.filter.splits)} trains on episodes of the {held_out!r} "
-                          f"split the run evaluates on (train.eval_split): held-out success would measure "
-                          "memorized tasks. Drop it, or set tasks.contamination=off to train on it anyway")
-      if s.importance_weighted and algo.advantage not in ("grpo", "rloo"):
-        raise ConfigError(f"{where}: method iw_pg uses group-relative advantages of the stored returns; "
-                          f"algo.advantage={algo.advantage!r} needs values the records do not have: use grpo or "
-                          "rloo, or method filtered_bc")
-      if s.paradigm == "rft" and not train.save_trajectories:
-        raise ConfigError(f"{where}: train.save_trajectories=false; an rft stage keeps its verified samples in the "
-                          "run's trajectory store (a resumed run reads them back), so it needs it true")
-      if s.promote_at is not None and s.promote_every >= s.steps:
-        raise ConfigError(f"{where}: promote_every={s.promote_every} >= steps={s.steps}: the stage would end "
-                          "before its first promotion check")
-      if s.env_options is not None and config.tasks.train_file is not None and s.kind.samples:
-        raise ConfigError(f"{where}: env_options with tasks.train_file={config.tasks.train_file!r}: the stage "
-                          "would draw from the generator, not the file; use one or the other")
-    names = [s.name for s in stages]
-    if len(set(names)) != len(names):
-      raise ConfigError(f"curriculum.stages names {names}: must be distinct")
-  # The frontier sampler (tasks.sampler, or a stage's own) draws a batch of distinct tasks from its active set.
-  frontier = [f"stage {s.name!r}" for s in stages or () if (s.sampler or config.tasks.sampler) == "frontier"]
-  if config.tasks.sampler == "frontier":
-    frontier.append("tasks.sampler")
-  if frontier and config.tasks.active < train.tasks_per_iteration:
-    raise ConfigError(f"tasks.active={config.tasks.active}: {frontier[0]} samples with the frontier, which draws "
-                      f"train.tasks_per_iteration={train.tasks_per_iteration} distinct tasks from its active set; "
-                      "use at least that many")
+  for rule in RULES:
+    if rule.broken(config, num_processes):
+      raise ConfigError(rule.message(config, num_processes))
+  for i, stage in enumerate(config.curriculum.stages or ()):
+    for rule in STAGE_RULES:
+      if rule.broken(config, stage):
+        raise ConfigError(f"curriculum.stages[{i}] ({stage.name!r}, paradigm {stage.paradigm}): "
+                          f"{rule.message(config, stage)}")
+  for rule in LAST_RULES:
+    if rule.broken(config, num_processes):
+      raise ConfigError(rule.message(config, num_processes))
   _check_env_options(config)
+  train = config.train
   rows = train.tasks_per_iteration * train.group_size // num_processes
   if rows % train.micro_batches:
     raise ConfigError(f"train.micro_batches={train.micro_batches}: must divide the {rows} trajectories each "
-                      f"process trains on per update (train.tasks_per_iteration x train.group_size / {where})")
+                      f"process trains on per update (train.tasks_per_iteration x train.group_size / "
+                      f"{_processes(num_processes)})")
 
 
 def _check_env_options(config: Config) -> None:
