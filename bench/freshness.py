@@ -50,8 +50,8 @@ def _held_out(run_dir: Path, episodes: int):
   cfg = config_lib.load(run_dir / "config.yaml", [f"train.eval_episodes={episodes}"])
   run = build_run(cfg, run_dir, purpose="eval", echo=False)
   try:
-    progress, _ = resume.restore(run)
-    _, result = rollouts.evaluate(run, progress.state)
+    run_state, _ = resume.restore(run)
+    _, result = rollouts.evaluate(run, run_state.train)
     return result
   finally:
     run.close()

@@ -1,4 +1,4 @@
-"""GRPO iteration throughput: our `loop.rl_iteration` vs tunix's agentic GRPO learner, in one run.
+"""GRPO iteration throughput: our sync rl iteration (`jaxagent.train.rl.iteration`) vs tunix's agentic GRPO learner, in one run.
 
     .venv/bin/python bench/grpo_vs_tunix.py [--tasks 4 --group 4 --iters 3] \
         [--tunix-python /tmp/tunixvenv/bin/python]
@@ -55,7 +55,7 @@ def run_ours(args) -> dict:
   from jaxagent import config as config_lib
   from jaxagent.rollout import engine as engine_lib
   from jaxagent.rollout.sampler import Finish
-  from jaxagent.train import loop
+  from jaxagent.train import rl
   from jaxagent.train.run import build_run
 
   overrides = [f"model.init.{k}={v}" for k, v in MODEL.items()] + [
@@ -72,7 +72,7 @@ def run_ours(args) -> dict:
   cfg = config_lib.load("tiny_cpu", overrides)
   run_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
   run = build_run(cfg, run_dir, echo=False)
-  progress = loop.LoopState(state=run.init_state())
+  progress = run.new_state()
 
   actions = engine_lib.SampledActions._actions
 
@@ -95,12 +95,13 @@ def run_ours(args) -> dict:
   try:
     for i in range(args.warmup + args.iters):
       t0 = time.perf_counter()
-      progress, m = loop.rl_iteration(run, progress, None, t0)
-      jax.block_until_ready(progress.state.params)
+      progress, record = rl.iteration(run, progress)
+      m = record.metrics
+      jax.block_until_ready(progress.train.params)
       wall = time.perf_counter() - t0
       iters.append(dict(s=wall, loss_tokens=float(m["loss_tokens"]), tokens=seen[-1]["tokens"],
                         turns=seen[-1]["turns"], trajectories=args.tasks * args.group,
-                        reported_s=float(m["time/iteration_s"])))
+                        reported_s=float(record.seconds)))
       print(f"  ours iter {i}: {wall:.2f}s loss_tokens={m['loss_tokens']:.0f} turns/traj={seen[-1]['turns']:.2f}"
             + (" (warm-up)" if i < args.warmup else ""), flush=True)
   finally:

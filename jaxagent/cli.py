@@ -220,7 +220,7 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 def _cmd_eval(args) -> int:
   from jaxagent import config as config_lib
-  from jaxagent.train import loop, resume
+  from jaxagent.train import resume, rollouts
   from jaxagent.train.run import build_run
 
   run_dir = resume.run_directory(args.checkpoint)
@@ -232,8 +232,8 @@ def _cmd_eval(args) -> int:
   # Only what evaluation needs: no train step is compiled, nothing is written into the run directory.
   run = build_run(config_lib.load(saved, args.overrides), run_dir, purpose="eval")
   try:
-    progress, _ = loop.restore(run)
-    _, result = loop.evaluate(run, progress.state, args.split, args.episodes)
+    run_state, _ = resume.restore(run)
+    _, result = rollouts.evaluate(run, run_state.train, args.split, args.episodes)
   finally:
     run.close()
   print(result.line())

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
   try:
     state = run.init_state()
     # One round's tasks and env seeds (this process's share of the global batch), rolled out twice.
-    tasks = run.supply(0).draw(0, 0)
+    tasks = run.new_supplies().for_stage(0).draw(0, 0)
     env_seeds = seeds.episodes(cfg.run.seed, 0, run.rows, jax.process_index())
     records, walls = {}, {"host_loop": [], "callback": []}
     exchange, calls = engine_lib._Scheduler.exchange, []  # the program's host exchanges, per pass

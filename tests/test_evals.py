@@ -254,7 +254,7 @@ def trained(tmp_path_factory):
 
 def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(trained, capsys):
   from jaxagent import cli
-  from jaxagent.train import loop
+  from jaxagent.train import resume, rollouts
   from jaxagent.train.run import build_run
   run_dir = trained / "run"
   (trained / "small.yaml").write_text(SUITE)
@@ -279,8 +279,8 @@ def test_a_suite_perturbs_through_the_workers_cuts_budgets_and_gates_the_exit(tr
   # The clean condition is `jaxagent eval`: the same tasks, env seeds and sampling keys.
   run = build_run(config_lib.load(run_dir / "config.yaml"), run_dir, purpose="eval", echo=False)
   try:
-    progress, _ = loop.restore(run)
-    _, plain = loop.evaluate(run, progress.state, "eval", 8)
+    progress, _ = resume.restore(run)
+    _, plain = rollouts.evaluate(run, progress.train, "eval", 8)
   finally:
     run.close()
   assert (plain.successes, plain.terminations) == (rows["clean"]["successes"], rows["clean"]["terminations"])

@@ -211,6 +211,14 @@ def test_async_sigkill_then_resume_neither_loses_nor_repeats_a_group(tmp_path):
   stream = meta["stream"]
   rest = [d["id"] for key in ("pending", "queued", "drawn") for d in stream[key]]
   assert sorted(slots + rest) == list(range(stream["next_draw"] * 2))
+  # The run's state carried the monitors' windows across the kill: one value per rl iteration, the ones from
+  # before the kill included (a state that restarted them would hold 6 - 2).
+  assert len(meta["monitors"]["history"]["entropy"]) == 6
+  # Every rl iteration logs its wall time, and `jaxagent compare` counts it as the run's RL time.
+  lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  rl = [r for r in lines if "freshness/lag_mean" in r]
+  assert len(rl) == 6 and all(r["time/iteration_s"] > 0 for r in rl)
+  assert compare.summary(run)["stage_s"]["iterations"] == pytest.approx(sum(r["time/iteration_s"] for r in rl))
 
 
 def test_decoupled_ppo_weights_the_clipped_term_by_the_truncated_behavior_weight():

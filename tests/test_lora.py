@@ -85,7 +85,7 @@ def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_mode
   assert any("'lora'" in k for k in stored)
   # Resume: the base comes back from the seed, the adapters from the checkpoint, training continues.
   resumed = loop.train(_config(tmp_path, "train.iterations=3", *lora), run_dir=tmp_path / "run", resume=True)
-  assert resumed.iteration == 3 and int(resumed.state.policy_version) == int(progress.state.policy_version) + 1
+  assert resumed.iteration == 3 and int(resumed.train.policy_version) == int(progress.train.policy_version) + 1
   assert "resumed from" in capsys.readouterr().out
 
   # Resuming with other LoRA settings is refused by name (not reported as a damaged checkpoint).
@@ -95,7 +95,7 @@ def test_lora_run_checkpoints_adapters_only_resumes_and_exports_a_merged_hf_mode
                        "train.eval_episodes=0"), run_dir=tmp_path / "run", resume=True)
 
   # The restored merged policy is the trainer's (in the run's dtype, whatever dtype it is loaded in).
-  expect = models.lora_merge(resumed.state.params["policy"], resumed.state.params["lora"], 16.0 / 4)
+  expect = models.lora_merge(resumed.train.params["policy"], resumed.train.params["lora"], 16.0 / 4)
   for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
     loaded = nnx.state(weights.load_model(ckpt, dtype=dtype))
     for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(loaded)):

@@ -18,7 +18,8 @@ def _feed(series, cfg=CFG):
   mon, fired = monitors.Monitors(cfg), []
   for it, m in enumerate(series):
     m = dict(m)
-    fired += [(a.kind, it) for a in mon.observe(it, m)]
+    mon, alerts = mon.observe(it, m)
+    fired += [(a.kind, it) for a in alerts]
   return fired, m
 
 
@@ -54,18 +55,20 @@ def test_monitors_restored_from_a_checkpoint_alert_as_the_uninterrupted_run(cut)
   def run(mon, start, stop, fired, flags):
     for it in range(start, stop):
       m = dict(series[it])
-      fired += [(a.kind, it) for a in mon.observe(it, m)]
+      mon, alerts = mon.observe(it, m)
+      fired += [(a.kind, it) for a in alerts]
       flags.append(m)
+    return mon
 
   fired, flags = [], []
   run(monitors.Monitors(CFG), 0, len(series), fired, flags)
   before, resumed_fired, resumed_flags = monitors.Monitors(CFG), [], []
-  run(before, 0, cut, resumed_fired, resumed_flags)
-  after = monitors.Monitors(CFG, json.loads(json.dumps(before.state())))
+  before = run(before, 0, cut, resumed_fired, resumed_flags)
+  after = monitors.Monitors.from_checkpoint(CFG, json.loads(json.dumps(before.to_checkpoint())))
   run(after, cut, len(series), resumed_fired, resumed_flags)
   assert fired == resumed_fired == [("echo_trap", 10)]
   assert flags == resumed_flags
-  assert monitors.Monitors(CFG).state() == {"history": {}, "active": []}
+  assert monitors.Monitors(CFG).to_checkpoint() == {"history": {}, "active": []}
 
 
 def test_template_collapse_fires_when_actions_stop_naming_tasks_while_entropy_stays():

@@ -19,8 +19,8 @@ from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
 from jaxagent.rollout.sampler import Feed, Sampler, SamplingConfig
-from jaxagent.train import loop
 from jaxagent.train.run import build_run
+from tests import _iterate
 from tests.test_kv_cache import MOE_CONFIG, decisive_routers
 from tests.test_train import TINY
 
@@ -60,9 +60,9 @@ def _first_update(tmp_path: Path, replay: bool, *extra: str, check_run=None):
     state = run.init_state()
     if check_run:
       check_run(run, state)
-    progress = loop.LoopState(state=state.replace(params=_fragile(state.params)))
+    progress = run.new_state(state.replace(params=_fragile(state.params)))
     with trajectory_store.TrajectoryWriter(tmp_path / "stored") as writer:
-      _, m = loop.rl_iteration(run, progress, writer, 0.0)
+      _, m = _iterate.rl_iteration(run, progress, writer)
   finally:
     run.close()
   return m, list(trajectory_store.read(tmp_path / "stored"))
@@ -202,7 +202,7 @@ def test_router_losses_are_in_the_loss_and_logged_when_on_and_refused_for_a_dens
   run = build_run(cfg, tmp_path / "run")
   try:
     with trajectory_store.TrajectoryWriter(tmp_path / "stored") as writer:
-      _, m = loop.rl_iteration(run, loop.LoopState(state=run.init_state()), writer, 0.0)
+      _, m = _iterate.rl_iteration(run, run.new_state(), writer)
   finally:
     run.close()
   assert 0.5 < m["moe/load_balance"] < 6 and m["moe/router_z"] > 0  # E = 6 experts: 1 when balanced

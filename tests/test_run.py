@@ -17,7 +17,7 @@ from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent.rollout import sampler as sampler_lib
 from jaxagent.rollout.engine import ScriptedActions
-from jaxagent.train import loop
+from jaxagent.train import learner, loop, resume, rollouts
 from jaxagent.train import run as run_lib
 from tests import test_envs_plugin
 from tests.test_train import _COMPILES, ROOT, TINY, _config
@@ -44,14 +44,14 @@ def test_infrastructure_failures_are_recorded_but_never_trained_or_grouped(tmp_p
     # (an action the env rejects, then max turns).
     scripts = ([["ok", "done"]] * 3 + [["ok", "raise"]]) + ([["ok", "done"]] * 2 + [["ok", "ok", "ok"]] * 2)
     trajs = _scripted(run, scripts, group_size=4)
-    prepared = loop.prepare_batch(run, state, trajs)
+    prepared = learner.prepare_batch(run, state, trajs)
   finally:
     run.close()
   faulted = trajs[3]
   assert faulted.termination == envs.Termination.ENV_ERROR
   assert [t.outcome for t in faulted.turns] == ["ok", "env_error"]  # the record keeps every step's outcome
   assert [t.outcome for t in trajs[0].turns] == ["ok", "completed"]
-  train = loop.trained_rows(run, trajs)
+  train = rollouts.trained_rows(run, trajs)
   assert train.tolist() == [True] * 3 + [False] + [True] * 4
   batch = jax.tree.map(np.asarray, prepared.batch)
   rows = batch.trajectory_index[:, 0]
@@ -62,9 +62,9 @@ def test_infrastructure_failures_are_recorded_but_never_trained_or_grouped(tmp_p
   assert not adv[:4].any() and adv[4:6, 0].min() > 0 > adv[6:8, 0].max()
   assert prepared.stats == {"excluded_trajectories": 1}
   spread = {"reward_std_within_group": pytest.approx(0.25), "zero_variance_group_fraction": 0.5}
-  assert loop.group_statistics(run, trajs, prepared.estimate) == spread
+  assert learner.group_statistics(run, trajs, prepared.estimate) == spread
   compiles = len(_COMPILES)
-  assert loop.group_statistics(run, trajs) == spread  # the estimator run again: the same grouping
+  assert learner.group_statistics(run, trajs) == spread  # the estimator run again: the same grouping
   assert len(_COMPILES) == compiles, "the estimator was called another way than prepare_batch calls it"
 
 
@@ -88,21 +88,21 @@ def test_resume_refuses_a_changed_env_unless_allowed_and_recorded(tmp_path):
     # The env tells what a policy depends on: its code's version, its action parser's and its verifier's.
     assert {k: run.env_versions[k] for k in ("name", "parser", "verifier")} == {
         "name": "calculator", "parser": "line-v1", "verifier": "calc-exact-v1"}
-    loop.save(run, loop.LoopState(state=run.init_state()), None)
+    resume.save(run, run.new_state(), None)
     run.checkpointer.wait()
     changed = dataclasses.replace(run, env_versions={**run.env_versions, "verifier": "calculator-v2"})
-    with pytest.raises(loop.EnvChangedError, match=r"verifier: checkpoint '\S+' vs now 'calculator-v2'"):
-      loop.restore(changed)
+    with pytest.raises(resume.EnvChangedError, match=r"verifier: checkpoint '\S+' vs now 'calculator-v2'"):
+      resume.restore(changed)
     with pytest.warns(RuntimeWarning, match="evaluating on a changed environment"):  # evaluation asks, not trains
-      assert "env_change_allowed" not in loop.restore(dataclasses.replace(changed, purpose="eval"))[1]
+      assert "env_change_allowed" not in resume.restore(dataclasses.replace(changed, purpose="eval"))[1]
     allowed = dataclasses.replace(changed, config=dataclasses.replace(
         run.config, train=dataclasses.replace(run.config.train, allow_env_change=True)))
     with pytest.warns(RuntimeWarning, match="changed environment"):
-      progress, meta = loop.restore(allowed)
+      progress, meta = resume.restore(allowed)
     assert meta["env_change_allowed"]["to"]["verifier"] == "calculator-v2"
-    loop.save(allowed, dataclasses.replace(progress, iteration=1), None, meta["env_change_allowed"])  # recorded
+    resume.save(allowed, dataclasses.replace(progress, iteration=1), None, meta["env_change_allowed"])  # recorded
     run.checkpointer.wait()
-    _, _, stored = run.checkpointer.restore_latest(progress.state, run.model_config)
+    _, _, stored = run.checkpointer.restore_latest(progress.train, run.model_config)
   finally:
     run.close()
   assert stored["env_change_allowed"]["from"]["verifier"] == run.env_versions["verifier"]

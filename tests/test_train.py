@@ -18,9 +18,11 @@ from jaxagent import assembly
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
-from jaxagent.train import loop
+from jaxagent.train import hooks as hooks_lib
+from jaxagent.train import learner, loop, resume, rl, rollouts
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.run import build_run
+from tests import _iterate
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -48,7 +50,7 @@ def test_grpo_smoke_run_and_stored_trajectory_contract(tmp_path, capsys):
   assert config_lib.load(run / "config.yaml") == config
   rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
   assert len(rl) == 2 and all(r["env/replays"] == 0 and r["env/replay_divergences"] == 0 for r in rl)
-  assert progress.iteration == 2 and int(progress.state.policy_version) == 3 + 2  # 3 BC + 2 RL updates
+  assert progress.iteration == 2 and int(progress.train.policy_version) == 3 + 2  # 3 BC + 2 RL updates
 
   # `jaxagent eval` restores the latest checkpoint and reports, without writing into the run directory.
   from jaxagent import cli
@@ -92,7 +94,7 @@ jax.monitoring.register_event_listener(
 def _run(tmp_path, *overrides):
   """The parts of a run and its initial progress (no loop)."""
   run = build_run(_config(tmp_path, *overrides), tmp_path / "run")
-  return run, loop.LoopState(state=run.init_state())
+  return run, run.new_state()
 
 
 def test_the_run_sets_its_matmul_precision_before_it_builds_any_program(tmp_path):
@@ -125,12 +127,12 @@ def test_no_recompilation_after_the_first_iteration(tmp_path):
   handler.emit = lambda record: names.append(record.getMessage()[:300])
   try:
     before = len(_COMPILES)
-    progress, _ = loop.rl_iteration(run, progress, None, 0.0)
+    progress, _ = _iterate.rl_iteration(run, progress)
     first = len(_COMPILES) - before
     logging.getLogger("jax").addHandler(handler)
     with jax.log_compiles(True):
       for _ in range(2):
-        progress, _ = loop.rl_iteration(run, progress, None, 0.0)
+        progress, _ = _iterate.rl_iteration(run, progress)
     later = len(_COMPILES) - before - first
   finally:
     logging.getLogger("jax").removeHandler(handler)
@@ -147,7 +149,7 @@ def test_update_batches_take_the_smallest_bucket_and_equal_the_context_length_up
   run, progress = _run(tmp_path, "train.bc_steps=0", "train.eval_episodes=0", "train.dynamic_sampling=false",
                        "rollout.max_context=256", "train.batch_length=bucket")  # tiny_cpu.yaml pins max_context
   try:
-    state, sampled = rollouts.sample_round(run, progress.state, run.supply(progress.stage), 0)
+    state, sampled = rollouts.sample_round(run, progress.train, progress.supply, 0)
     trajs = sampled.trajectories
     longest = max(len(t) for t in trajs)
     prepared = learner.prepare_batch(run, state, trajs)
@@ -198,14 +200,41 @@ def _train_cmd(run_root: Path, *extra):
   return cmd + list(extra)
 
 
+# Training-health monitors that stop the run as soon as their windows are full (two of 2 iterations): the
+# template-collapse rule with its thresholds at their loosest (any identification <= 0.99 after any best window
+# >= 0.01, any entropy above 1 % of its best). A run killed after iteration 2 stops where the uninterrupted one does
+# only if the two iterations before the kill are still in the monitors' windows after the resume.
+STOPPING_MONITORS = ["train.monitors.window=2", "train.monitors.identification_floor=0.99",
+                     "train.monitors.identification_peak=0.01", "train.monitors.entropy_drop=0.99",
+                     "train.monitors.action=stop"]
+
+
+def deterministic_lines(run_dir: Path) -> list[dict]:
+  """metrics.jsonl without what the clock decides (timestamps, durations, device seconds, memory)."""
+  lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+  return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))
+           and k not in ("time", metrics_lib.WALL_SECONDS, metrics_lib.DEVICE_SECONDS, metrics_lib.BC_SECONDS)}
+          for r in lines]
+
+
+def _latest_step(run_dir: Path) -> int:
+  with ocp.CheckpointManager((run_dir / "checkpoints").resolve(),
+                             options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
+    return mngr.latest_step()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["uniform", "frontier"])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sampler):
+  """Killed after its checkpoint at iteration 2 and resumed, a run writes the same metrics.jsonl as the
+  uninterrupted run (times aside), trains the same weights on the same data, and its monitors stop it where
+  they stop the uninterrupted run, from windows that hold iterations from before the kill."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(ROOT))
   # frontier: a small active set, so tasks are drawn again and retire within 5 iterations.
   extra = ["--set", f"tasks.sampler={sampler}"] + (["--set", "tasks.active=3", "--set", "tasks.min_attempts=4",
                                                     "--set", "tasks.unsolved_attempts=8"]
                                                    if sampler == "frontier" else [])
+  extra += [a for o in STOPPING_MONITORS for a in ("--set", o)]
   subprocess.run(_train_cmd(tmp_path / "a", *extra), check=True, env=env, cwd=ROOT, capture_output=True,
                  timeout=600)
   (run_a,) = (tmp_path / "a").iterdir()
@@ -228,7 +257,13 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sampler):
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "resumed from" in resumed.stdout
 
-  a, b = _final_params(run_a, 5), _final_params(run_b, 5)
+  # The monitors stopped both runs at the first iteration their windows were full: after the kill.
+  stop = _latest_step(run_a)
+  assert stop == 4 and _latest_step(run_b) == stop, (stop, _latest_step(run_b))
+  assert "stopping at iteration 4 (train.monitors.action=stop)" in resumed.stdout
+  assert deterministic_lines(run_a) == deterministic_lines(run_b)
+
+  a, b = _final_params(run_a, stop), _final_params(run_b, stop)
   leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
   assert len(leaves_a) == len(leaves_b) > 0
   for x, y in zip(leaves_a, leaves_b):
@@ -239,14 +274,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sampler):
   order = lambda run: [(t.task.id, t.policy_version, t.env.seed, t.metadata.get("trained", True))
                        for t in trajectory_store.read(run / "trajectories")]
   assert order(run_a) == order(run_b)
-  assert sum(trained for *_, trained in order(run_a)) == 5 * 2 * 4
+  assert sum(trained for *_, trained in order(run_a)) == stop * 2 * 4
   if sampler == "frontier":  # the curriculum's state and metrics continue too
-    last = lambda run: [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                        if r.get("iteration") == 5][-1]
-    a, b = last(run_a), last(run_b)
-    curriculum = {k: v for k, v in a.items() if k.startswith("curriculum/")}
-    assert curriculum and curriculum == {k: v for k, v in b.items() if k.startswith("curriculum/")}
-    assert len({t.task.id for t in trajectory_store.read(run_a / "trajectories")}) < 5 * 2 * 3  # drawn again
+    last = [r for r in deterministic_lines(run_a) if r.get("iteration") == stop][-1]
+    assert any(k.startswith("curriculum/") for k in last)
+    assert len({t.task.id for t in trajectory_store.read(run_a / "trajectories")}) < stop * 2 * 3  # drawn again
 
 
 def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
@@ -254,11 +286,11 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
                    "algo.name=ppo", "algo.advantage=gae", "algo.gae_lambda=0.95")
   run = build_run(config, tmp_path / "run")
   try:
-    progress, metrics = loop.rl_iteration(run, loop.LoopState(state=run.init_state()), None, 0.0)  # end to end
+    progress, metrics = _iterate.rl_iteration(run, run.new_state())  # end to end
     assert np.isfinite(metrics["value_loss"]) and np.isfinite(metrics["loss"])
     # Solved demonstrations have return 1: GAE targets are non-zero, so the value head must move.
     demos = loop.demonstrations(run, run.rows, seed=0)
-    prepared = loop.prepare_batch(run, progress.state, demos)
+    prepared = learner.prepare_batch(run, progress.train, demos)
     adv = prepared.estimate
     assert prepared.value_normalizer == sum(len(t.turns) for t in demos)
     assert all(t.reward.total == 1.0 for t in demos), "scripted demonstrations solve their tasks"
@@ -266,8 +298,8 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
     # GAE return at the last turn = r + 0 bootstrap = 1 whatever V is; earlier turns are λ-returns (> 0).
     np.testing.assert_allclose(np.asarray(adv.returns)[np.arange(len(demos)), last], 1.0, atol=1e-5)
     assert (np.asarray(adv.returns)[:, 0] > 0).all()
-    before = np.asarray(progress.state.params["value"]["b"][...]).copy()
-    state, m = loop.update(run, progress.state, prepared)
+    before = np.asarray(progress.train.params["value"]["b"][...]).copy()
+    state, m = learner.update(run, progress.train, prepared)
     after = np.asarray(state.params["value"]["b"][...])
 
     # An episode cut off (max turns, budget, context) is not terminal: GAE bootstraps from V(s_T), read at its
@@ -276,7 +308,7 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
            for i, t in enumerate(demos)]
     plain = assembly.assemble(cut, length=run.config.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id)
     values = np.asarray(run.value_fn(state.params, run.layout.to_global(plain)))
-    returns = np.asarray(loop.prepare_batch(run, state, cut).estimate.returns)
+    returns = np.asarray(learner.prepare_batch(run, state, cut).estimate.returns)
   finally:
     run.close()
   for i, t in enumerate(cut):
@@ -311,25 +343,25 @@ def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path
     assert all(s.is_fully_replicated for s in jax.tree.leaves(layout.ref_params))
     assert not all(s.is_fully_replicated for s in jax.tree.leaves(layout.params["policy"]))
     with metrics_lib.MetricsLogger(tmp_path / "run", tensorboard=False) as logger:
-      state = loop.set_reference(run, loop.behavior_cloning(run, progress.state, logger))
+      state = loop.set_reference(run, loop.behavior_cloning(run, progress.train, logger))
     start = jax.tree.map(np.array, state.params["policy"])
     assert jax.tree.all(jax.tree.map(np.array_equal, start, jax.tree.map(np.asarray, state.ref_params)))
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.ref_params))
-    progress, first = loop.rl_iteration(run, dataclasses.replace(progress, state=state), None, 0.0)
-    progress, second = loop.rl_iteration(run, progress, None, 0.0)
-    moved = jax.tree.map(np.asarray, progress.state.params["policy"])
-    ref = jax.tree.map(np.asarray, progress.state.ref_params)
-    loop.save(run, progress, None)
+    progress, first = _iterate.rl_iteration(run, dataclasses.replace(progress, train=state))
+    progress, second = _iterate.rl_iteration(run, progress)
+    moved = jax.tree.map(np.asarray, progress.train.params["policy"])
+    ref = jax.tree.map(np.asarray, progress.train.ref_params)
+    resume.save(run, progress, None)
     run.checkpointer.wait()
-    _, restored, _ = run.checkpointer.restore_latest(progress.state, run.model_config)
+    _, restored, _ = run.checkpointer.restore_latest(progress.train, run.model_config)
     # Resuming with algo.kl_coef turned off drops the stored reference; turned on, a checkpoint without one
     # makes its policy the reference.
     with pytest.warns(RuntimeWarning, match="dropped"):
-      _, without, _ = run.checkpointer.restore_latest(progress.state.replace(ref_params=None), run.model_config)
-    run.checkpointer.save(99, progress.state.replace(ref_params=None), {"iteration": 99}, run.model_config, {})
+      _, without, _ = run.checkpointer.restore_latest(progress.train.replace(ref_params=None), run.model_config)
+    run.checkpointer.save(99, progress.train.replace(ref_params=None), {"iteration": 99}, run.model_config, {})
     run.checkpointer.wait()
     with pytest.warns(RuntimeWarning, match="becomes the reference"):
-      _, with_new_ref, _ = run.checkpointer.restore_latest(progress.state, run.model_config)
+      _, with_new_ref, _ = run.checkpointer.restore_latest(progress.train, run.model_config)
   finally:
     run.close()
   assert without.ref_params is None
@@ -358,7 +390,7 @@ def test_bc_draws_its_batches_from_train_bc_demos_distinct_demonstrations(tmp_pa
                        "env.demo_options={style: mixed, direct_fraction: 0.25}")
   try:
     with metrics_lib.MetricsLogger(tmp_path / "run", tensorboard=False) as logger:
-      loop.behavior_cloning(run, progress.state, logger)
+      loop.behavior_cloning(run, progress.train, logger)
   finally:
     run.close()
   (demos,) = made
@@ -398,11 +430,13 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
   real_collect = rollouts.collect
   try:
     rollouts.collect = fake_collect
-    state, first, stats = fake_collect(run, progress.state, run.tasks.draw(0, 0), None, group_size=2, rng=None)
-    state, trained, unused, stats, metrics = loop._dynamic_sampling(run, state, 0, first, stats)
+    state, first, stats = fake_collect(run, progress.train, progress.supply.draw(0, 0), None, group_size=2, rng=None)
+    refilled = rl.dynamic_sampling(run, state, 0, first, stats, progress.supply)
+    state, trained, unused, stats, metrics = (refilled.state, refilled.trained, refilled.unused, refilled.stats,
+                                              refilled.metrics)
     rollouts.collect = real_collect  # and one real iteration end to end: every sampled trajectory is stored
     with trajectory_store.TrajectoryWriter(tmp_path / "run" / "trajectories") as writer:
-      _, real = loop.rl_iteration(run, dataclasses.replace(progress, state=state), writer, 0.0)
+      _, real = _iterate.rl_iteration(run, dataclasses.replace(progress, train=state), writer)
   finally:
     rollouts.collect = real_collect
     run.close()
@@ -426,12 +460,12 @@ def test_all_masked_batch_is_an_explicit_skip(tmp_path):
   versions)."""
   run, progress = _run(tmp_path, "train.bc_steps=0", "train.eval_episodes=0", "optim.weight_decay=0.1")
   try:
-    prepared = loop.prepare_batch(run, progress.state, loop.demonstrations(run, run.rows, seed=0))
+    prepared = learner.prepare_batch(run, progress.train, loop.demonstrations(run, run.rows, seed=0))
     prepared = dataclasses.replace(prepared, batch=prepared.batch.replace(
         loss_mask=jax.numpy.zeros_like(prepared.batch.loss_mask)), normalizer=0.0)
-    before = jax.tree.map(np.array, progress.state.params)
-    step, version = int(progress.state.step), int(progress.state.policy_version)
-    state, m = loop.update(run, progress.state, prepared)
+    before = jax.tree.map(np.array, progress.train.params)
+    step, version = int(progress.train.step), int(progress.train.policy_version)
+    state, m = learner.update(run, progress.train, prepared)
     after = jax.tree.map(np.asarray, state.params)
   finally:
     run.close()
@@ -454,7 +488,7 @@ def test_rollouts_are_on_policy_for_the_learner(tmp_path, sampling):
   run, progress = _run(tmp_path, *sampling, "train.bc_steps=0", "train.eval_episodes=0")
   try:
     with trajectory_store.TrajectoryWriter(tmp_path / "stored") as writer:
-      _, m = loop.rl_iteration(run, progress, writer, 0.0)
+      _, m = _iterate.rl_iteration(run, progress, writer)
     stored = list(trajectory_store.read(tmp_path / "stored"))
   finally:
     run.close()
@@ -486,7 +520,7 @@ def test_mixed_precision_run_rolls_out_and_trains_in_bf16_on_float32_master_weig
   the first update is on-policy (the learner's bf16 log-probs match the bf16 sampler's: ratio ~ 1)."""
   config = _config(tmp_path, "train.iterations=2", "train.eval_episodes=0", "model.compute_dtype=bfloat16")
   progress = loop.train(config, run_dir=tmp_path / "run")
-  assert {x.dtype for x in jax.tree.leaves((progress.state.params, progress.state.opt_state))
+  assert {x.dtype for x in jax.tree.leaves((progress.train.params, progress.train.opt_state))
           if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)} == {np.dtype(np.float32)}
   rl = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
         if "reward_mean" in r]
@@ -531,7 +565,8 @@ def test_training_refuses_eval_tasks_leaked_into_its_train_tasks(tmp_path):
   clean = dataclasses.replace(config, tasks=dataclasses.replace(config.tasks, train_file=str(tmp_path / "clean.jsonl")))
   run = build_run(clean, tmp_path / "run3")
   try:
-    drawn = {t.id for it in range(20) for t in run.tasks.draw(it, 0)}
+    supply = run.new_supplies().first
+    drawn = {t.id for it in range(20) for t in supply.draw(it, 0)}
     assert drawn == {t.id for t in train}  # the file's tasks, and only them
   finally:
     run.close()
@@ -560,10 +595,10 @@ def test_curriculum_stages_are_checked_when_the_config_loads(tmp_path):
   assert [(s.paradigm, s.steps) for s in implicit] == [("bc", 3), ("rl", 7)]
 
 
-def _staged(tmp_path, name, *extra):
+def _staged(tmp_path, name, *extra, hooks=None):
   config = _config(tmp_path, STAGES, "train.iterations=4", "train.eval_episodes=0", "train.plots=false",
                    "train.keep_checkpoints=10", "tasks.active=4", *extra)
-  loop.train(config, run_dir=tmp_path / name)
+  loop.train(config, run_dir=tmp_path / name, hooks=hooks)
   return config, tmp_path / name
 
 
@@ -594,21 +629,22 @@ def test_curriculum_stages_run_in_order_on_their_own_tasks_and_resume_exactly(tm
       np.testing.assert_array_equal(x, y)
 
 
-def test_a_stage_is_promoted_early_when_its_success_reaches_promote_at(tmp_path, monkeypatch):
-  real = loop.evaluate
+def test_a_stage_is_promoted_early_when_its_success_reaches_promote_at(tmp_path):
   asked = []
 
   def evaluate(run, state, split=None, episodes=None, options=None):
     if split == "tune" and options is not None:  # the promotion check of stage "easy": say it is mastered
       asked.append((split, episodes, dict(options)))
-      return state, loop.EvalResult("tune", episodes, episodes, (0.9, 1.0), {"completed": episodes}, 1.0)
-    return real(run, state, split, episodes, options)
+      return state, rollouts.EvalResult("tune", episodes, episodes, (0.9, 1.0), {"completed": episodes}, 1.0)
+    return rollouts.evaluate(run, state, split, episodes, options)
 
-  monkeypatch.setattr(loop, "evaluate", evaluate)
+  # The promotion hook asks this evaluation; every other hook is the default one.
+  hooks = [hooks_lib.Promotion(evaluate) if isinstance(h, hooks_lib.Promotion) else h
+           for h in hooks_lib.default_hooks()]
   stages = STAGES.replace("sampler: frontier}", "sampler: frontier, promote_at: 0.5, promote_every: 1, "
                           "promote_episodes: 8}")
   assert stages != STAGES
-  _, run = _staged(tmp_path, "p", stages)
+  _, run = _staged(tmp_path, "p", stages, hooks=hooks)
   rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
   # Promoted after its first iteration: "hard" runs from iteration 1 for its 2 iterations (3 in all).
   assert [r["curriculum/stage"] for r in rows] == [2, 3, 3]
@@ -624,6 +660,6 @@ def test_a_bc_only_curriculum_trains_checkpoints_and_resumes(tmp_path):
   config = _config(tmp_path, "train.iterations=0", "train.eval_episodes=0", "train.plots=false",
                    "curriculum.stages=[{name: sft, paradigm: bc, steps: 3}]")
   progress = loop.train(config, run_dir=tmp_path / "run")
-  assert int(progress.state.step) == 3
+  assert int(progress.train.step) == 3
   again = loop.train(config, run_dir=tmp_path / "run", resume=True)  # nothing left to do, and no error
-  assert int(again.state.step) == 3 and again.stage == progress.stage
+  assert int(again.train.step) == 3 and again.stage == progress.stage

@@ -233,13 +233,13 @@ def run_suite(run_dir: Path | str, suite: Suite, overrides: Sequence[str] = (), 
     run = build_run(config_lib.load(saved, list(overrides) + extra + ["env.score_heldout=true"]), run_dir,
                     purpose="eval", echo=False)
     try:
-      progress, meta = resume.restore(run)
-      report.setdefault("checkpoint_step", int(progress.state.step))
-      report.setdefault("policy_version", int(progress.state.policy_version))
+      run_state, meta = resume.restore(run)
+      report.setdefault("checkpoint_step", int(run_state.train.step))
+      report.setdefault("policy_version", int(run_state.train.policy_version))
       tasks = held_out_tasks(run.config, run.env_spec, suite.split, suite.episodes)
       say(f"[{suite.name}] {condition.name} ({condition.kind}{': ' + ' '.join(extra) if extra else ''}): "
           f"{len(tasks)} episodes", flush=True)
-      state, result = run_condition(run, progress.state, condition, suite, tasks, extra,
+      state, result = run_condition(run, run_state.train, condition, suite, tasks, extra,
                                     out / suite.name / condition.name)
       results[condition.name] = result
       if condition.name == "clean":

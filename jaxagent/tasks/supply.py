@@ -295,3 +295,27 @@ def make_supply(task_list: Sequence[envs.Task], config: TasksConfig, *, seed: in
                           f"{keys})")
     return FrontierTasks(task_list, config, seed=seed, batch=batch, process=process, num_processes=num_processes)
   return UniformTasks(task_list, seed=seed, batch=batch, process=process, num_processes=num_processes)
+
+
+class StageSupplies:
+  """The task supply of each curriculum stage that samples (None for a stage that does not). A run's state owns
+  one (`jaxagent.train.state.RunState.supplies`): their draw state advances with every round and is saved with
+  the state's checkpoint."""
+
+  def __init__(self, per_stage: Sequence[TaskSupply | None]):
+    self.per_stage = tuple(per_stage)
+
+  @property
+  def first(self) -> TaskSupply | None:
+    """The first sampling stage's supply (None: no stage samples)."""
+    return next((s for s in self.per_stage if s is not None), None)
+
+  def for_stage(self, stage: int) -> TaskSupply | None:
+    """The supply stage `stage` draws from: its own; for a stage that does not sample, the first sampling
+    stage's before it begins and the last one's once it is done."""
+    sampling = [i for i, s in enumerate(self.per_stage) if s is not None]
+    if not sampling:
+      return None
+    if stage in sampling:
+      return self.per_stage[stage]
+    return self.per_stage[sampling[0] if stage < sampling[0] else sampling[-1]]

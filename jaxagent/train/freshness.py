@@ -4,7 +4,7 @@ Where rollouts run and how fresh their policy is are two choices (docs/design.md
 freshness one, colocated (the stream and the learner share the devices; `jaxagent.rollout.engine.RolloutStream`
 samples from a copy of the policy, `Layout.rollout_snapshot`, while the learner steps in a thread).
 
-  sync          (jaxagent/train/loop.py `rl_iteration`) roll out a batch, update on it.
+  sync          (jaxagent/train/rl.py) roll out a batch, update on it.
   one_step_off  round k+1 (B groups) rolls out with the policy before update k while update k runs; every batch
                 is trained exactly one version late (round 0: on-policy).
   async         groups run continuously under admission control; complete groups queue; the learner takes the
@@ -42,12 +42,13 @@ import envs
 from jaxagent import seeds
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
-from jaxagent.rollout.engine import RolloutStats, RolloutStream, SampledActions
-from jaxagent.train import learner, monitors
+from jaxagent.rollout.engine import RolloutStream, SampledActions
+from jaxagent.train import learner
 from jaxagent.train import metrics as metrics_lib
-from jaxagent.train.rollouts import record_outcomes
+from jaxagent.train.records import IterationRecord, policy_metrics, rollout_times
+from jaxagent.train.rollouts import episode_counts, record_outcomes
 from jaxagent.train.run import Run
-from jaxagent.train.state import LoopState
+from jaxagent.train.state import RunState
 
 QUEUE_DIR = "queue"  # under the run directory: the complete, untrained groups of each checkpoint
 
@@ -76,26 +77,27 @@ def oldest_version(t: tr.Trajectory) -> int:
 class Freshness:
   """The stream, the learner thread, admission and staleness of one rl stage (see the module docstring).
 
-  `iteration(progress, writer, start_wall)` is `loop.rl_iteration`'s counterpart: it returns after one update,
+  `iteration(run_state)` is the sync `rl.iteration`'s counterpart: it returns after one update,
   with the learner idle (checkpoints and evals run between iterations as in sync mode). `pause()` lets the
-  episodes in flight finish (an eval needs the env pool); `checkpoint(iteration)` is what `resume.save` stores.
+  episodes in flight finish (an eval needs the env pool); `checkpoint(iteration)` is what the run state saves.
   """
 
-  def __init__(self, run: Run, progress: LoopState, restored: Mapping[str, Any] | None = None):
+  def __init__(self, run: Run, run_state: RunState):
+    """The stream of `run_state`'s rl stage, continuing from its saved stream (a resumed run) if it has one."""
     cfg = run.config
     self.run, self.cfg = run, cfg
     self.mode, self.eta = cfg.train.freshness, cfg.train.max_staleness
     self.B, self.G = cfg.train.tasks_per_iteration, cfg.train.group_size
     self.refill = cfg.rollout.on_weight_update == "refill"
-    self.supply = run.supply(progress.stage)
-    state = progress.state
+    self.supply = run_state.supply
+    state = run_state.train
     self.version = int(state.policy_version)  # the actor's
     actor = SampledActions(run.sampler, run.layout.rollout_snapshot(state.params),
                            run.layout.rollout_key(run.rollout_key(state.rng, np.int32(-1), np.int32(0))),
                            decode_chunk=cfg.rollout.decode_chunk, version=self.version, track_cache=self.refill)
     self.stream = RolloutStream(run.engine, actor, group_size=self.G)
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxagent-learner")
-    restored = dict(restored or {})
+    restored = dict(run_state.saved_stream or {})
     self.next_draw = int(restored.get("next_draw", 0))
     self.drawn = [Slot.from_meta(d) for d in restored.get("drawn", [])]  # drawn, not yet submitted
     self.admitted = int(restored.get("admitted", 0))    # groups submitted, dropped ones not counted
@@ -173,12 +175,11 @@ class Freshness:
       taken.append((slot_id, group))
     return taken, dropped
 
-  def iteration(self, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
-                start_wall: float) -> tuple[LoopState, dict[str, Any]]:
+  def iteration(self, run_state: RunState) -> tuple[RunState, IterationRecord]:
     """One update: wait for a fresh batch (the stream runs), start the update in the learner thread, run the
     stream until it is done, switch the episodes to its weights (async)."""
     run = self.run
-    state, it = progress.state, progress.iteration
+    state, it = run_state.train, run_state.iteration
     version = int(state.policy_version)
     self._top_up()
     t0 = time.perf_counter()
@@ -202,58 +203,38 @@ class Freshness:
       self._top_up()
     stats = self.stream.stats()
     curriculum = record_outcomes(run, self.supply, [self.slots.pop(slot).task for slot, _ in taken], trajs)
-    if writer is not None:
-      for t, why in zip(trajs, prepared.excluded):
-        writer.write(learner.stored(t, why, trained_version=version))
-      for t in dropped:
-        writer.write(t)
-      writer.flush()
-    out = self._metrics(progress, state, trajs, prepared, m, stats, version, dropped, start_wall, learn_s)
-    out.update({"time/rollout_wait_s": wait_s, "time/update_s": learn_s, "time/weight_transfer_s": transfer_s,
-                metrics_lib.ITERATION_SECONDS: time.perf_counter() - t0,  # waiting for the batch included
-                **curriculum,
-                **{f"rollout/{k}": v for k, v in refill.items()}})
-    return dataclasses.replace(progress, state=state, iteration=it + 1, counters=out.pop("_counters")), out
+    counts = episode_counts(trajs, replays=run.pool.replays, replay_divergences=run.pool.replay_divergences)
+    counters = metrics_lib.advance(run_state.counters, env_interactions=stats.env_steps,
+                                   action_tokens=stats.action_tokens,
+                                   device_s=stats.decode_s + stats.extend_s + learn_s)
+    out = {**policy_metrics(run, trajs, prepared, m, counts, grouped=True), **rollout_times(stats),
+           **self._freshness_metrics(trajs, version, dropped),
+           "time/rollout_wait_s": wait_s, "time/update_s": learn_s, "time/weight_transfer_s": transfer_s,
+           **curriculum, **{f"rollout/{k}": v for k, v in refill.items()},
+           "env/replays": int(counts["replays"]), "env/replay_divergences": int(counts["replay_divergences"])}
+    stored = [learner.stored(t, why, trained_version=version) for t, why in zip(trajs, prepared.excluded)] + dropped
+    return (dataclasses.replace(run_state, train=state, iteration=it + 1, counters=counters),
+            IterationRecord("rl", out, time.perf_counter() - t0, stored))  # waiting for the batch included
 
-  def _metrics(self, progress, state, trajs, prepared, m, stats: RolloutStats, version, dropped, start_wall,
-               learn_s):
-    run = self.run
+  def _freshness_metrics(self, trajs: list[tr.Trajectory], version: int, dropped: list[tr.Trajectory]
+                         ) -> dict[str, float]:
+    """How stale the trained tokens are (versions behind the update's `version`: sampled to completed, and
+    completed to trained), and the stream's groups dropped, queued and in flight."""
     mask = [t.loss_mask & (t.behavior_versions >= 0) for t in trajs]
     token_v = np.concatenate([t.behavior_versions[k] for t, k in zip(trajs, mask)] or [np.zeros(0, np.int32)])
     done_v = np.concatenate([np.full(int(k.sum()), t.metadata["completed_version"]) for t, k in zip(trajs, mask)]
                             or [np.zeros(0, np.int64)])
     lag = version - token_v
-    names = [t.value for t in envs.Termination]
-    counters = metrics_lib.advance(progress.counters, env_interactions=stats.env_steps,
-                                   action_tokens=stats.action_tokens,
-                                   device_s=stats.decode_s + stats.extend_s + learn_s,
-                                   wall_s=time.perf_counter() - start_wall)
-    out = {
-        metrics_lib.REWARD_MEAN: float(np.mean([t.reward.total for t in trajs])),
-        metrics_lib.SUCCESS_RATE: float(np.mean([bool(t.verifier.passed) for t in trajs])),
-        **learner.group_statistics(run, trajs, prepared.estimate), **prepared.stats,
-        "learning_rate": float(run.schedule(int(state.step) - 1)),
-        "time/reset_s": stats.reset_s, "time/decode_s": stats.decode_s, "time/env_s": stats.env_s,
-        "time/extend_s": stats.extend_s, "time/rollout_idle_s": stats.idle_s,
-        **{k: float(v) for k, v in m.items()},
+    return {
         "freshness/lag_mean": float(lag.mean()) if lag.size else 0.0,
         "freshness/lag_max": int(lag.max()) if lag.size else 0,
         "freshness/lag_in_flight": float((done_v - token_v).mean()) if lag.size else 0.0,
         "freshness/lag_in_queue": float((version - done_v).mean()) if lag.size else 0.0,
         "freshness/dropped_groups": len(dropped) // self.G, "freshness/dropped_total": self.dropped,
-        "freshness/queued_groups": len(self.stream.complete), "freshness/in_flight_groups": len(self.slots) - len(
-            self.stream.complete),
+        "freshness/queued_groups": len(self.stream.complete),
+        "freshness/in_flight_groups": len(self.slots) - len(self.stream.complete),
         **{f"freshness/tokens_lag_{k}": int((lag == k).sum()) for k in range(self.eta + 1)},
-        "_counters": counters, **counters,
     }
-    for key in sorted({k for t in trajs for k in t.reward.components}):
-      out[f"reward/{key}"] = float(np.mean([t.reward.components.get(key, 0.0) for t in trajs]))
-    counts = [sum(t.termination.value == n for t in trajs) for n in names]
-    out.update({f"termination/{n}": int(c) for n, c in zip(names, counts) if c})
-    ident = monitors.task_identification(trajs)
-    if ident is not None:
-      out[monitors.TASK_IDENTIFICATION] = ident
-    return out
 
   # -- between iterations
 

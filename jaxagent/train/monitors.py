@@ -1,7 +1,7 @@
 """Training-health monitors: signals every rl iteration logs, watched for the two collapses RAGEN describes.
 
   task_identification(trajectories)   -> float   how well actions tell their tasks apart (0 chance, 1 perfect)
-  Monitors(config).observe(it, m)     -> [Alert]  echo trap / template collapse, each reported once per onset
+  Monitors(config).observe(it, m)     -> Monitors, [Alert]  echo trap / template collapse, once per onset
 
 Echo trap (RAGEN, arXiv:2504.20073): the within-group reward std falls off a cliff, the entropy drops and the
 gradient norm spikes; then the policy collapses. Template collapse (RAGEN-2): the entropy stays up while the
@@ -11,7 +11,7 @@ their most similar other trajectory of the batch; the score is how often that on
 that 0 is chance (identical or input-independent actions) and 1 is always.
 
 The thresholds are `train.monitors` (config.py: MonitorsConfig); windows are of `window` iterations, compared
-with the best window so far. Host-side, no JAX. The history is checkpointed (`state`), so a resumed run watches
+with the best window so far. Host-side, no JAX. The history is checkpointed (`to_checkpoint`), so a resumed run watches
 the same windows, and alerts or stops (`train.monitors.action: stop`) where the uninterrupted run would.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from jaxagent import trajectory as tr
 from jaxagent.train import metrics as metrics_lib
@@ -75,37 +75,40 @@ def _mean(xs) -> float:
   return sum(xs) / len(xs)
 
 
+@dataclasses.dataclass(frozen=True)
 class Monitors:
-  """Watches the rl iterations' metrics (`observe`): each collapse is reported when it starts, not again until it
-  has cleared. `observe` also adds the monitor's flags (0/1) to the metrics it is given."""
+  """The watched series and the collapses reported and not yet cleared: a value in the run's state
+  (`jaxagent.train.state.RunState.monitors`), checkpointed with it. `observe` returns the next value; each
+  collapse is reported when it starts, not again until it has cleared, and `observe` adds the monitor's flags
+  (0/1) to the metrics it is given."""
+  config: Any                                             # jaxagent.config.MonitorsConfig
+  history: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+  active: frozenset[str] = frozenset()
 
-  def __init__(self, config, state: Mapping | None = None):  # config: jaxagent.config.MonitorsConfig
-    """`state`: what `state()` returned at a checkpoint (None: a fresh run)."""
-    self.cfg = config
-    self.history: dict[str, list[float]] = collections.defaultdict(list)
-    self.active: set[str] = set()
-    if state:
-      for key, values in dict(state.get("history") or {}).items():
-        self.history[str(key)] = [float(v) for v in values]
-      self.active = {str(k) for k in state.get("active") or ()}
-
-  def state(self) -> dict:
-    """What a checkpoint stores (JSON): the watched series and the collapses reported and not yet cleared."""
+  def to_checkpoint(self) -> dict:
+    """What a checkpoint stores (JSON)."""
     return {"history": {k: list(v) for k, v in self.history.items()}, "active": sorted(self.active)}
 
-  def _series(self, key: str) -> list[float]:
-    return self.history.get(key, [])
+  @classmethod
+  def from_checkpoint(cls, config, stored: Mapping | None) -> "Monitors":
+    """The value `to_checkpoint` stored (None: a fresh run, or a checkpoint from before monitors)."""
+    stored = stored or {}
+    return cls(config, {str(k): tuple(float(v) for v in vs) for k, vs in dict(stored.get("history") or {}).items()},
+               frozenset(str(k) for k in stored.get("active") or ()))
+
+  def _series(self, key: str) -> tuple[float, ...]:
+    return self.history.get(key, ())
 
   def _window_means(self, key: str) -> tuple[float, float] | None:
     """(the last window's mean, the best earlier window mean), or None before two windows."""
-    xs, w = self._series(key), self.cfg.window
+    xs, w = self._series(key), self.config.window
     if len(xs) < 2 * w:
       return None
     best = max(_mean(xs[i:i + w]) for i in range(0, len(xs) - w))
     return _mean(xs[-w:]), best
 
   def echo_trap(self) -> str | None:
-    cfg, w = self.cfg, self.cfg.window
+    cfg, w = self.config, self.config.window
     std = self._window_means(metrics_lib.REWARD_STD_WITHIN_GROUP)
     ent = self._window_means("entropy")
     grads = self._series("grad_norm")
@@ -121,7 +124,7 @@ class Monitors:
     return None
 
   def template_collapse(self) -> str | None:
-    cfg, w = self.cfg, self.cfg.window
+    cfg, w = self.config, self.config.window
     ident = self._window_means(TASK_IDENTIFICATION)
     ent = self._window_means("entropy")
     if ent is None or ident is None:
@@ -134,25 +137,28 @@ class Monitors:
               f"entropy stays at {ent_now:.3f} (best window {ent_best:.3f}): outputs no longer depend on the input")
     return None
 
-  def observe(self, iteration: int, metrics: dict) -> list[Alert]:
-    """Records `metrics` (an rl iteration's), checks both collapses, adds their flags to `metrics`."""
+  def observe(self, iteration: int, metrics: dict) -> tuple["Monitors", list[Alert]]:
+    """Records `metrics` (an rl iteration's), checks both collapses, adds their flags to `metrics`; returns the
+    next value and the collapses that start here."""
+    history = dict(self.history)
     for key in (metrics_lib.REWARD_STD_WITHIN_GROUP, "entropy", "grad_norm", TASK_IDENTIFICATION):
       if metrics.get(key) is not None:
-        self.history[key].append(float(metrics[key]))
-    alerts = []
-    for kind, on, check, flag in (("echo_trap", self.cfg.echo_trap, self.echo_trap, ECHO_TRAP),
-                                  ("template_collapse", self.cfg.template_collapse, self.template_collapse,
+        history[key] = (*history.get(key, ()), float(metrics[key]))
+    now = dataclasses.replace(self, history=history)
+    active, alerts = set(self.active), []
+    for kind, on, check, flag in (("echo_trap", self.config.echo_trap, now.echo_trap, ECHO_TRAP),
+                                  ("template_collapse", self.config.template_collapse, now.template_collapse,
                                    TEMPLATE_COLLAPSE)):
       if not on:
         continue
       message = check()
       metrics[flag] = int(message is not None)
       if message is None:
-        self.active.discard(kind)
-      elif kind not in self.active:
-        self.active.add(kind)
+        active.discard(kind)
+      elif kind not in active:
+        active.add(kind)
         alerts.append(Alert(kind, iteration, message))
-    return alerts
+    return dataclasses.replace(now, active=frozenset(active)), alerts
 
   def summary(self) -> Mapping[str, int]:
     return {k: int(k in self.active) for k in ("echo_trap", "template_collapse")}

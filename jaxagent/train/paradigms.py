@@ -40,8 +40,9 @@ from jaxagent.data import chats
 from jaxagent.data import trajectories as stored
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import learner, rollouts
+from jaxagent.train.records import IterationRecord
 from jaxagent.train.run import Run
-from jaxagent.train.state import LoopState
+from jaxagent.train.state import RunState
 
 RFT_KEY = "rft"  # trajectory metadata: {"stage": name, "kept": bool} on every rft sample in the store
 
@@ -88,11 +89,11 @@ def _read_back_kept(run: Run, stage: config_lib.StageConfig, data: StageData) ->
         "number of processes")
 
 
-def _check_unchanged(run: Run, progress: LoopState, stage: config_lib.StageConfig, fingerprint: dict) -> None:
+def _check_unchanged(run: Run, run_state: RunState, stage: config_lib.StageConfig, fingerprint: dict) -> None:
   """Records what a stage's data was when the stage began (`<run>/data/<stage>.json`); a resumed stage refuses
   data that changed since, whose batches would differ from the run's."""
   record = run.run_dir / "data" / f"{stage.name}.json"
-  if progress.iteration > progress.stage_start and record.is_file():
+  if run_state.iteration > run_state.stage_start and record.is_file():
     before = json.loads(record.read_text())
     if before != fingerprint:
       raise config_lib.ConfigError(
@@ -112,14 +113,14 @@ def _digest(paths) -> str:
   return h.hexdigest()[:16]
 
 
-def prepare(run: Run, progress: LoopState, index: int) -> StageData:
+def prepare(run: Run, run_state: RunState, index: int) -> StageData:
   """The data of stage `index` (printing what was selected); rft: its kept set so far, from the run's store."""
   cfg = run.config
   stage = config_lib.stages(cfg)[index]
   seed = seeds.data_order(cfg.run.seed, index)
   if stage.paradigm == "rft":
     data = StageData(index)
-    if progress.iteration > progress.stage_start:  # resumed inside the stage: the rounds so far are in the store
+    if run_state.iteration > run_state.stage_start:  # resumed inside the stage: the rounds so far are in the store
       _read_back_kept(run, stage, data)
       run.print(f"stage {stage.name!r} (rft): {len(data.kept)} kept sample(s) of earlier rounds read back")
     return data
@@ -135,7 +136,7 @@ def prepare(run: Run, progress: LoopState, index: int) -> StageData:
           f"{where}: {len(long)} chat(s) longer than rollout.max_context={cfg.rollout.max_context} tokens in the "
           f"run's framing (first: {long[0]}); raise rollout.max_context (the policy could not act on them either) "
           "or shorten them")
-    _check_unchanged(run, progress, stage, {"data": stage.data, "digest": _digest([Path(stage.data)])})
+    _check_unchanged(run, run_state, stage, {"data": stage.data, "digest": _digest([Path(stage.data)])})
     run.print(f"stage {stage.name!r} (sft): {len(loaded.trajectories)} chats from {stage.data}"
               + (f"; {loaded.system_messages_dropped} system message(s) not used (the run's framing has its own)"
                  if loaded.system_messages_dropped else "")
@@ -152,7 +153,7 @@ def prepare(run: Run, progress: LoopState, index: int) -> StageData:
                               max_length=cfg.rollout.max_context)
   except (OSError, ValueError, RuntimeError) as e:  # missing, empty, or not ArrayRecord files
     raise config_lib.ConfigError(f"{where}: not readable as stored trajectories: {e}") from None
-  _check_unchanged(run, progress, stage, {"data": stage.data, "files": {p.name: p.stat().st_size for p in files},
+  _check_unchanged(run, run_state, stage, {"data": stage.data, "files": {p.name: p.stat().st_size for p in files},
                                           "selected": selection.counts})
   run.print(f"stage {stage.name!r} ({stage.paradigm}): {selection.line()} from {stage.data}")
   if not len(selection):
@@ -192,11 +193,11 @@ def loss_normalizer(run: Run, batch) -> float:
                                                         norm_length=cfg.algo.norm_length, allow_empty=True)))
 
 
-def supervised_iteration(run: Run, progress: LoopState, data: StageData) -> tuple[LoopState, dict[str, Any]]:
+def supervised_iteration(run: Run, run_state: RunState, data: StageData) -> tuple[RunState, dict[str, Any]]:
   """One optimizer step of an sft or offline stage on its batch for this iteration."""
   cfg = run.config
-  stage = config_lib.stages(cfg)[progress.stage]
-  step = progress.iteration - progress.stage_start
+  stage = config_lib.stages(cfg)[run_state.stage]
+  step = run_state.iteration - run_state.stage_start
   positions, trajs = data.examples.batch(step, cfg.train.bc_batch_size,
                                          part=(jax.process_index(), jax.process_count()))
   iw = stage.importance_weighted
@@ -205,9 +206,9 @@ def supervised_iteration(run: Run, progress: LoopState, data: StageData) -> tupl
   normalizer = loss_normalizer(run, batch)
   step_fn = run.offline_steps[(stage.max_ratio, stage.min_negative_ratio)] if iw else run.bc_step
   update0 = time.perf_counter()
-  state, m = step_fn(progress.state, run.layout.to_global(batch), jnp.float32(normalizer))
+  state, m = step_fn(run_state.train, run.layout.to_global(batch), jnp.float32(normalizer))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
-  counters = metrics_lib.advance(progress.counters, device_s=time.perf_counter() - update0)
+  counters = metrics_lib.advance(run_state.counters, device_s=time.perf_counter() - update0)
   prefix = stage.paradigm
   out = {f"{prefix}/loss": m["loss"], f"{prefix}/grad_norm": m["grad_norm"], f"{prefix}/loss_tokens": m["loss_tokens"]}
   if iw:
@@ -220,16 +221,17 @@ def supervised_iteration(run: Run, progress: LoopState, data: StageData) -> tupl
     out["offline/advantage_abs_mean"] = float(sums["abs_sum"] / max(sums["turns"], 1.0))  # per turn, all processes
   else:
     out[f"{prefix}/nll"] = m["nll"]
-  return dataclasses.replace(progress, state=state, iteration=progress.iteration + 1, counters=counters), out
+  return dataclasses.replace(run_state, train=state, iteration=run_state.iteration + 1, counters=counters), out
 
 
-def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[LoopState, dict[str, Any]]:
-  """One rft round: sample, keep the new verified samples (all samples go to `writer`, marked kept or not),
-  fine-tune on everything kept so far. Returns the new progress and the round's metrics."""
+def rft_round(run: Run, run_state: RunState, data: StageData
+              ) -> tuple[RunState, dict[str, Any], list[tr.Trajectory]]:
+  """One rft round: sample, keep the new verified samples, fine-tune on everything kept so far. Returns the new
+  state, the round's metrics and every sample, marked kept or not (for the run's store)."""
   cfg = run.config
-  stage = config_lib.stages(cfg)[progress.stage]
-  it, state = progress.iteration, progress.state
-  supply = run.supply(progress.stage)
+  stage = config_lib.stages(cfg)[run_state.stage]
+  it, state = run_state.iteration, run_state.train
+  supply = run_state.supply
   samples: list[tr.Trajectory] = []
   env_steps = tokens = 0
   rollout_s = 0.0
@@ -249,10 +251,6 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
       data.seen.add(_sample_key(t))
       new += 1
     marked.append(dataclasses.replace(t, metadata={**t.metadata, RFT_KEY: {"stage": stage.name, "kept": kept}}))
-  if writer is not None:
-    for t in marked:
-      writer.write(t)
-    writer.flush()
   nll = []
   update0 = time.perf_counter()
   examples = (stored.Examples(data.kept.__getitem__, len(data.kept), seeds.rft_order(cfg.run.seed, it))
@@ -266,25 +264,23 @@ def rft_round(run: Run, progress: LoopState, data: StageData, writer) -> tuple[L
   counts = {k: int(v) for k, v in multihost.host_sums({
       "samples": len(samples), "verified": sum(bool(t.verifier.passed) for t in samples), "kept_new": new,
       "kept_total": len(data.kept), "env_steps": env_steps, "action_tokens": tokens}).items()}
-  counters = metrics_lib.advance(progress.counters, env_interactions=counts["env_steps"],
+  counters = metrics_lib.advance(run_state.counters, env_interactions=counts["env_steps"],
                                  action_tokens=counts["action_tokens"], device_s=rollout_s + update_s)
   out = {**{f"rft/{k}": counts[k] for k in ("samples", "verified", "kept_new", "kept_total")},
          metrics_lib.SUCCESS_RATE: counts["verified"] / max(counts["samples"], 1),
          "rft/nll": float(np.mean(nll)) if nll else 0.0}
-  progress = dataclasses.replace(progress, state=state, iteration=it + 1, counters=counters)
-  return progress, out
+  return dataclasses.replace(run_state, train=state, iteration=it + 1, counters=counters), out, marked
 
 
-def iteration(run: Run, progress: LoopState, data: StageData, writer,
-              start_wall: float) -> tuple[LoopState, dict[str, Any]]:
-  """One iteration of the current non-rl stage, with the counters every iteration logs."""
-  stage = config_lib.stages(run.config)[progress.stage]
+def iteration(run: Run, run_state: RunState) -> tuple[RunState, IterationRecord]:
+  """One iteration of the current non-rl stage, on its data (built when the stage starts or resumes)."""
+  stage = config_lib.stages(run.config)[run_state.stage]
   wall0 = time.perf_counter()
+  if run_state.stage_data is None or run_state.stage_data.index != run_state.stage:
+    run_state = dataclasses.replace(run_state, stage_data=prepare(run, run_state, run_state.stage))
+  stored_samples: list[tr.Trajectory] = []
   if stage.paradigm == "rft":
-    progress, m = rft_round(run, progress, data, writer)
+    run_state, m, stored_samples = rft_round(run, run_state, run_state.stage_data)
   else:
-    progress, m = supervised_iteration(run, progress, data)
-  counters = metrics_lib.advance(progress.counters, wall_s=time.perf_counter() - start_wall)
-  m.update({"learning_rate": float(run.schedule(int(progress.state.step) - 1)),
-            metrics_lib.ITERATION_SECONDS: time.perf_counter() - wall0, **counters})
-  return dataclasses.replace(progress, counters=counters), m
+    run_state, m = supervised_iteration(run, run_state, run_state.stage_data)
+  return run_state, IterationRecord(stage.paradigm, m, time.perf_counter() - wall0, stored_samples)

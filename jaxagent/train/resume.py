@@ -2,8 +2,8 @@
 (iteration, curriculum stage, counters, task-iterator state, env and library versions, trajectory shards,
 LoRA settings, the monitors' windows), and the checks a resume makes (env unchanged, same LoRA settings, stage in range).
 
-  save(run, progress, writer)   -> None                    (asynchronous; `run.checkpointer` waits on close)
-  restore(run)                  -> LoopState, metadata     (the newest intact checkpoint)
+  save(run, run_state, writer)   -> None                    (asynchronous; `run.checkpointer` waits on close)
+  restore(run)                  -> RunState, metadata     (the newest intact checkpoint)
 
 The Orbax layer under it (integrity digests, retries, topology changes) is jaxagent/train/checkpointing.py.
 """
@@ -25,33 +25,25 @@ from jaxagent import trajectory_store
 from jaxagent.config import Config
 from jaxagent.train import checkpointing
 from jaxagent.train.run import Run
-from jaxagent.train.state import LoopState
+from jaxagent.train.state import RunState
 
 
 class EnvChangedError(config_lib.ConfigError):
   """A resume would train on a different env, parser or verifier than the checkpoint's."""
 
 
-def save(run: Run, progress: LoopState, writer: trajectory_store.TrajectoryWriter | None,
-         env_change: Mapping[str, Any] | None = None, stream: Any = None, monitors: Any = None) -> None:
-  """Checkpoints the train state with the loop's progress, data-iterator state and versions (asynchronously).
-  `stream`: an async run's `freshness.Freshness` (its queue, slots in flight and counters are stored too);
-  `monitors`: the run's `monitors.Monitors` (their windows, so a resumed run alerts as the uninterrupted one)."""
+def save(run: Run, run_state: RunState, writer: trajectory_store.TrajectoryWriter | None,
+         env_change: Mapping[str, Any] | None = None) -> None:
+  """Checkpoints the run's state (`RunState.to_checkpoint`, beside its train state) with the versions it depends
+  on and the trajectory shards written so far (asynchronously)."""
   shards = multihost.host_gather(np.asarray([writer.next_index if writer is not None else 0]))
-  supply = run.supply(progress.stage)
-  meta = {"iteration": progress.iteration, "data_iterator": None if supply is None else supply.get_state(),
-          "curriculum": {"stage": progress.stage, "stage_start": progress.stage_start},
-          "counters": dict(progress.counters), "versions": checkpointing.versions(),
-          "env": dict(run.env_versions), "policy_version": int(progress.state.policy_version),
+  meta = {**run_state.to_checkpoint(), "versions": checkpointing.versions(), "env": dict(run.env_versions),
+          "policy_version": int(run_state.train.policy_version),
           "trajectory_shards": {trajectory_store.shard_prefix(p, len(shards)): int(n) for p, n in enumerate(shards)},
           "lora": lora_settings(run.config)}
   if env_change:
     meta["env_change_allowed"] = dict(env_change)
-  if stream is not None:
-    meta["stream"] = stream.checkpoint(progress.iteration)
-  if monitors is not None:  # train.monitors' windows (`monitors.Monitors.state`)
-    meta["monitors"] = monitors.state()
-  run.checkpointer.save(progress.iteration, progress.state, meta, run.model_config, config_lib.to_dict(run.config))
+  run.checkpointer.save(run_state.iteration, run_state.train, meta, run.model_config, config_lib.to_dict(run.config))
 
 
 def run_directory(path: Path | str, flag: str = "--checkpoint") -> Path:
@@ -98,8 +90,8 @@ def lora_settings(config: Config) -> dict[str, Any] | None:
   return None if not m.lora_rank else {"rank": m.lora_rank, "alpha": m.lora_alpha, "targets": list(m.lora_targets)}
 
 
-def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
-  """The newest intact checkpoint of the run as `LoopState`, and its metadata (the task iterator continues from
+def restore(run: Run) -> tuple[RunState, dict[str, Any]]:
+  """The newest intact checkpoint of the run as `RunState`, and its metadata (the task iterator continues from
   it when the run has one). Raises `models.CheckpointError` if there is none."""
   # Restored straight into the learner layout: no train state is initialized first (one copy in memory).
   restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config,
@@ -125,11 +117,10 @@ def restore(run: Run) -> tuple[LoopState, dict[str, Any]]:
   if not 0 <= int(where["stage"]) <= len(stages):
     raise config_lib.ConfigError(f"the checkpoint is in curriculum stage {where['stage']}, this config has "
                                  f"{len(stages)} stage(s): resume with the run's own config")
-  if run.tasks is not None and meta.get("data_iterator") is not None:
-    run.supply(int(where["stage"])).set_state(meta["data_iterator"])
   skipped = meta.get("_skipped_steps") or []
   note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""
   run.print(f"resumed from {run.run_dir / 'checkpoints' / str(iteration)} (iteration {iteration}, step "
             f"{int(state.step)}, policy version {int(state.policy_version)}{note})")
-  return LoopState(state=state, iteration=iteration, counters=meta["counters"], stage=int(where["stage"]),
-                   stage_start=int(where["stage_start"])), meta
+  fresh = run.new_state(train=state)
+  return RunState.from_checkpoint(state, {**meta, "iteration": iteration, "curriculum": where},
+                                  supplies=fresh.supplies, monitors=fresh.monitors), meta

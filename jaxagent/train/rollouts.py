@@ -116,6 +116,17 @@ def trained_rows(run: Run, trajectories: Sequence[tr.Trajectory]) -> np.ndarray:
   return np.asarray([t.termination.value not in excluded for t in trajectories], bool)
 
 
+TERMINATIONS = tuple(t.value for t in envs.Termination)
+
+
+def episode_counts(trajectories: Sequence[tr.Trajectory], **extra) -> dict[str, Any]:
+  """How `trajectories` (this process's) ended, per `TERMINATIONS` name, and `extra` counts, each summed over
+  every process in one collective."""
+  counts = multihost.host_sums({"terminations": np.asarray([sum(t.termination.value == n for t in trajectories)
+                                                            for n in TERMINATIONS]), **extra})
+  return {**counts, "terminations": dict(zip(TERMINATIONS, (int(c) for c in counts["terminations"])))}
+
+
 def record_outcomes(run: Run, supply: task_supply.TaskSupply, tasks: Sequence[envs.Task],
                     trajectories: Sequence[tr.Trajectory]) -> dict[str, float]:
   """Tells the task supply how each task's group did (verifier passes among the trained samples)."""
@@ -184,16 +195,13 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
   state, done = over_tasks(run, state, tasks, samples=1, evaluation=True,
                            env_seeds=lambda start, rows: seeds.eval_episodes(cfg.run.seed, split, start, rows),
                            rng_seed=lambda start: seeds.eval_rng(cfg.run.seed, start))
-  names = [t.value for t in envs.Termination]
-  passed, rewards, terms = 0, 0.0, np.zeros(len(names), np.int64)
-  for _, (t,) in done:
-    passed += bool(t.verifier.passed)
-    rewards += t.reward.total
-    terms[names.index(t.termination.value)] += 1
-  passed, rewards, terms = multihost.host_sum(passed), multihost.host_sum(rewards), multihost.host_sum(terms)
-  return state, EvalResult(split, episodes, int(passed), metrics_lib.wilson_interval(int(passed), episodes),
-                           {n: int(c) for n, c in zip(names, terms) if c}, float(rewards) / max(episodes, 1),
-                           time.perf_counter() - t0)
+  trajs = [t for _, (t,) in done]
+  counts = episode_counts(trajs, passed=sum(bool(t.verifier.passed) for t in trajs),
+                          rewards=sum(t.reward.total for t in trajs))
+  passed = int(counts["passed"])
+  return state, EvalResult(split, episodes, passed, metrics_lib.wilson_interval(passed, episodes),
+                           {n: c for n, c in counts["terminations"].items() if c},
+                           float(counts["rewards"]) / max(episodes, 1), time.perf_counter() - t0)
 
 
 def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: int, *, seed: int = 0,
@@ -206,8 +214,8 @@ def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: in
     if samples < 1 or run.rows % samples:
       raise config_lib.ConfigError(f"--samples {samples}: must divide the run's {run.rows} rollout rows "
                                    "(train.tasks_per_iteration x train.group_size)")
-    progress, _ = resume.restore(run)
-    _, done = over_tasks(run, progress.state, tasks, samples=samples,
+    run_state, _ = resume.restore(run)
+    _, done = over_tasks(run, run_state.train, tasks, samples=samples,
                          env_seeds=lambda start, rows: seeds.policy_filter(seed, start, rows),
                          rng_seed=lambda start: seeds.policy_filter_rng(seed, start))
     wins = np.zeros(len(tasks), np.int64)

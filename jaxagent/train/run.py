@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -40,8 +41,8 @@ from jaxagent.rollout.engine import ROUTES_NEED_HOST_LOOP, RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.tasks import contamination, pipeline
 from jaxagent.tasks import supply as task_supply
-from jaxagent.train import checkpointing
-from jaxagent.train.state import TrainState, learning_rate_schedule, make_optimizer
+from jaxagent.train import checkpointing, monitors
+from jaxagent.train.state import RunState, TrainState, learning_rate_schedule, make_optimizer
 from jaxagent.train.step import (StepOptions, cast_floating, make_logprob_fn, make_train_step, make_value_fn,
                                  policy_params)
 from jaxagent.train.value import ValueHead
@@ -148,8 +149,7 @@ class Run:
   engine: RolloutEngine
   sampler: Sampler                     # rollout sampling (rollout.temperature)
   eval_sampler: Sampler                # evaluation sampling (train.eval_temperature)
-  tasks: task_supply.TaskSupply | None # the train tasks each round draws (the first rl stage's; None for eval)
-  stage_tasks: tuple                   # per curriculum stage (config.stages): its supply, None for a bc stage
+  new_supplies: Callable[[], task_supply.StageSupplies]  # fresh task supplies (a run's state owns them)
   checkpointer: checkpointing.TrainCheckpointer
   model_config: dict[str, Any]         # HF-style, stored with checkpoints
   rows: int                            # this process's rollout rows (global_rows over the processes)
@@ -159,13 +159,11 @@ class Run:
   bc_rows: int                         # this process's rows of a supervised batch (train.bc_batch_size)
   echo: bool
 
-  def supply(self, stage: int) -> task_supply.TaskSupply | None:
-    """The task supply of curriculum stage `stage` (the first rl stage's for a bc stage, the last one's once
-    every stage is done; `tasks` without an rl stage)."""
-    rl = [i for i, t in enumerate(self.stage_tasks) if t is not None]
-    if not rl:
-      return self.tasks
-    return self.stage_tasks[stage] if stage in rl else self.stage_tasks[rl[0] if stage < rl[0] else rl[-1]]
+  def new_state(self, train: TrainState | None = None) -> RunState:
+    """The state a new run starts from (`train`: the train state, else a new one), with fresh task supplies
+    and monitors."""
+    return RunState(train=self.init_state() if train is None else train,
+                    monitors=monitors.Monitors(self.config.train.monitors), supplies=self.new_supplies())
 
   def print(self, *args) -> None:
     if self.echo:
@@ -318,40 +316,40 @@ def build_interface(cfg: Config) -> _Interface:
 
 
 def _build_supplies(cfg: Config, env_spec: envs.EnvSpec, purpose: Purpose, echo: bool
-                    ) -> tuple[task_supply.TaskSupply | None, tuple]:
-  """One task supply per curriculum stage that samples (its task options and sampler; None for the others),
-  checked for held-out leaks before anything heavy is built, and the first of them. Every process draws the
-  same global batch and keeps its contiguous slice, so the global batch (and every row's seed and sampling key)
-  is the same for any number of processes."""
+                    ) -> Callable[[], task_supply.StageSupplies]:
+  """How to make the task supplies: one per curriculum stage that samples (its task options and sampler; None
+  for the others), their task lists generated and checked for held-out leaks once, before anything heavy is
+  built. Every process draws the same global batch and keeps its contiguous slice, so the global batch (and
+  every row's seed and sampling key) is the same for any number of processes."""
   num_processes, process = jax.process_count(), jax.process_index()
-  stage_tasks: list[task_supply.TaskSupply | None] = []
+  makers: list[Callable[[], task_supply.TaskSupply] | None] = []
   if purpose == "train":
     lists: dict[str, list[envs.Task]] = {}
     stages = config_lib.stages(cfg)
     first_sampling = next((i for i, st in enumerate(stages) if st.kind.samples), None)  # the first that samples
     for i, stage in enumerate(stages):
       if not stage.kind.samples:
-        stage_tasks.append(None)
+        makers.append(None)
         continue
       options = cfg.env.options if stage.env_options is None else stage.env_options
       key = repr(sorted(dict(options or {}).items())) if stage.env_options is not None else ""
       if key not in lists:
         lists[key] = train_tasks(cfg, env_spec, None if stage.env_options is None else options)
-      sampler = dataclasses.replace(cfg.tasks, sampler=stage.sampler or cfg.tasks.sampler)
-      supply = task_supply.make_supply(lists[key], sampler, seed=seeds.stage(cfg.run.seed, i, first=first_sampling),
-                                       batch=cfg.train.tasks_per_iteration,
-                                       process=process, num_processes=num_processes)
-      report = check_contamination(cfg, env_spec, lists[key], supply, iterations=stage.steps,
+      make = functools.partial(task_supply.make_supply, lists[key],
+                               dataclasses.replace(cfg.tasks, sampler=stage.sampler or cfg.tasks.sampler),
+                               seed=seeds.stage(cfg.run.seed, i, first=first_sampling),
+                               batch=cfg.train.tasks_per_iteration, process=process, num_processes=num_processes)
+      report = check_contamination(cfg, env_spec, lists[key], make(), iterations=stage.steps,
                                    rounds=stage.rollouts if stage.paradigm == "rft" else None)
       if report is not None and echo and process == 0:
         where = f" (stage {stage.name!r})" if cfg.curriculum.stages else ""
         print(f"contamination check{where}: {report.line()}", flush=True)
-      stage_tasks.append(supply)
+      makers.append(make)
   for i, stage in enumerate(config_lib.stages(cfg) if purpose == "train" else ()):
     if stage.data and not Path(stage.data).exists():  # before a cold start, not when the stage begins
       raise config_lib.ConfigError(f"curriculum.stages[{i}] ({stage.name!r}): data={stage.data!r}: no such file or "
                                    "directory")
-  return next((t for t in stage_tasks if t is not None), None), tuple(stage_tasks)
+  return lambda: task_supply.StageSupplies([None if make is None else make() for make in makers])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -607,7 +605,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   # Read when each program is traced: set before any is built, for the samplers and the learner alike.
   jax.config.update("jax_default_matmul_precision", cfg.model.matmul_precision)
   io = build_interface(cfg)
-  tasks, stage_tasks = _build_supplies(cfg, io.env_spec, purpose, echo)
+  new_supplies = _build_supplies(cfg, io.env_spec, purpose, echo)
   policy = build_policy(cfg, io)
   if (cfg.algo.moe_load_balance_coef or cfg.algo.moe_router_z_coef) and not policy.model.config.num_experts:
     raise config_lib.ConfigError(
@@ -632,7 +630,7 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
       pool=rollout.pool, engine=rollout.engine,
       action_syntax=io.syntax, demo_parser=env_info.parser, action_parser=action_parser,
       sampler=rollout.sampler, eval_sampler=rollout.eval_sampler,
-      tasks=tasks, stage_tasks=stage_tasks,
+      new_supplies=new_supplies,
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
                                                    frozen=policy.frozen),
       model_config=weights.checkpoint_model_config(policy.model.config), rows=global_rows // num_processes,
