@@ -15,9 +15,16 @@ from jaxagent import config as config_lib
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
 
 
+def estimate(name, rewards, mask, groups, *, values_ns=None, bootstrap_n=None, step_groups_ns=None, **config):
+  """The registered estimator `name` on these arrays, with `config` its `AdvantageConfig` fields."""
+  inputs = algos.AdvantageInputs(rewards, mask, groups, values=values_ns, bootstrap=bootstrap_n,
+                                 step_groups=step_groups_ns)
+  return algos.get_advantage(name)(inputs, algos.AdvantageConfig(**config))
+
+
 def _run(name, rewards, mask, groups, **kw):
-  out = algos.get_advantage(name)(jnp.asarray(rewards, jnp.float32), jnp.asarray(mask, bool),
-                                  jnp.asarray(groups, jnp.int32), **kw)
+  out = estimate(name, jnp.asarray(rewards, jnp.float32), jnp.asarray(mask, bool), jnp.asarray(groups, jnp.int32),
+                 **kw)
   return np.asarray(out.advantages), np.asarray(out.returns), int(out.zero_variance_groups)
 
 
@@ -172,7 +179,7 @@ def test_group_statistics_count_only_the_trajectories_the_estimator_uses():
   want_std = (0.0 + 1.0 + math.sqrt(6.0)) / 3
   for name in sorted(algos.ADVANTAGES):
     kw = {"values_ns": jnp.zeros(mask.shape)} if name == "gae" else {}
-    out = algos.get_advantage(name)(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups, jnp.int32), **kw)
+    out = estimate(name, jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups, jnp.int32), **kw)
     assert out.groups.dtype == jnp.int32 and out.group_return_std.dtype == jnp.float32, name
     assert int(out.groups) == 3, name
     assert int(out.zero_variance_groups) == 1, name   # group 0: a zero_variance_group_fraction of 1/3
@@ -200,13 +207,13 @@ def test_group_statistics_match_numpy_on_random_batches():
       stds.append(x.std())
       flat += int(np.ptp(x) == 0)
     for name in ("grpo", "returns"):
-      out = algos.get_advantage(name)(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups))
+      out = estimate(name, jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups))
       assert int(out.groups) == len(stds), (trial, name)
       assert int(out.zero_variance_groups) == flat, (trial, name)
       np.testing.assert_allclose(float(out.group_return_std), np.mean(stds) if stds else 0.0, rtol=1e-5,
                                  atol=1e-6, err_msg=f"{trial} {name}")
   # No valid trajectory at all: no group, std 0 (not NaN).
-  out = algos.get_advantage("grpo")(jnp.ones((2, 2)), jnp.zeros((2, 2), bool), jnp.array([0, 1], jnp.int32))
+  out = estimate("grpo", jnp.ones((2, 2)), jnp.zeros((2, 2), bool), jnp.array([0, 1], jnp.int32))
   assert int(out.groups) == 0 and int(out.zero_variance_groups) == 0 and float(out.group_return_std) == 0.0
 
 
@@ -220,12 +227,12 @@ def test_gae_estimator_bootstraps_truncated_episodes_only():
   rewards = jnp.array([[0, 1, np.nan], [0, 1, np.nan]], jnp.float32)
   values = jnp.array([[0.5, 0.8, np.inf], [0.5, 0.8, np.inf]], jnp.float32)
   mask = jnp.array([[1, 1, 0], [1, 1, 0]], bool)
-  out = algos.get_advantage("gae")(rewards, mask, jnp.array([0, 1], jnp.int32), values_ns=values,
+  out = estimate("gae", rewards, mask, jnp.array([0, 1], jnp.int32), values_ns=values,
                                    bootstrap_n=jnp.array([2.0, 0.0]), gamma=0.9, lam=0.8)
   np.testing.assert_allclose(out.advantages, [[1.66, 2.0, 0], [0.364, 0.2, 0]], rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(out.returns, [[2.16, 2.8, 0], [0.864, 1.0, 0]], rtol=1e-6, atol=1e-7)
   # Without bootstrap_n both rows are terminal.
-  plain = algos.get_advantage("gae")(rewards, mask, jnp.array([0, 1], jnp.int32), values_ns=values, gamma=0.9,
+  plain = estimate("gae", rewards, mask, jnp.array([0, 1], jnp.int32), values_ns=values, gamma=0.9,
                                      lam=0.8)
   np.testing.assert_allclose(plain.advantages[0], plain.advantages[1])
   np.testing.assert_allclose(plain.advantages[1], [0.364, 0.2, 0], rtol=1e-6, atol=1e-7)

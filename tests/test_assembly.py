@@ -9,6 +9,7 @@ from tests import _trajectories
 import models
 from jaxagent import algos, assembly, trajectory_store
 from jaxagent import trajectory as tj
+from tests.test_advantages import estimate
 
 EOT = "<|eot|>"
 
@@ -187,7 +188,7 @@ def test_advantage_levels_and_inputs():
   assert mask.all() and groups.tolist() == [0, 0]
   g0 = algos.trajectory_returns(jnp.asarray(rewards), jnp.asarray(mask), gamma=0.5)
   np.testing.assert_allclose(g0, [0.05, 0.05 + 0.25])   # Σ γ^t r_t + γ^T r_term with T = 2
-  out = algos.get_advantage("gae")(rewards, mask, groups, values_ns=jnp.zeros_like(rewards), gamma=0.5)
+  out = estimate("gae", rewards, mask, groups, values_ns=jnp.zeros_like(rewards), gamma=0.5)
   per_turn = np.asarray(out.advantages)
   b = assembly.assemble(trajs, per_turn, level="turn")
   for i, t in enumerate(trajs):

@@ -13,6 +13,7 @@ from jaxagent import algos
 from jaxagent import trajectory as tj
 from jaxagent.assembly import advantage_inputs, step_group_indices, turn_rewards
 from tests import _trajectories
+from tests.test_advantages import estimate
 
 
 def _with_states(t: tj.Trajectory, keys, rewards, group_id) -> tj.Trajectory:
@@ -38,7 +39,7 @@ def test_gigpo_step_advantages_equal_a_hand_computed_example():
   steps = step_group_indices(trajs, steps=3)
   # a/g, b/g, c/g, d/g, a/h: five groups; keys of two task groups never share one.
   assert steps.tolist() == [[0, 1, -1], [0, 2, 1], [0, 2, 3], [4, -1, -1], [4, -1, -1]]
-  out = algos.get_advantage("gigpo")(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups),
+  out = estimate("gigpo", jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups),
                                      step_groups_ns=jnp.asarray(steps), step_gamma=0.5, step_weight=1.0,
                                      eps=1e-9)
   # Episode returns in g: 1, 1, 0 -> mean 2/3, std sqrt(2)/3: A_E = 1/sqrt2, 1/sqrt2, -sqrt2. In h: 1, 0 -> ±1.
@@ -57,10 +58,10 @@ def test_gigpo_step_advantages_equal_a_hand_computed_example():
   # Groups of >= 2 steps: a/g (3), b/g (2), c/g (2), a/h (2); 9 of the 10 valid steps are in one.
   assert stats == pytest.approx({"step_groups": 4, "grouped_step_fraction": 0.9, "step_group_size_mean": 2.25})
   # mean normalisation: R_t − mean, no std.
-  plain = algos.get_advantage("gigpo")(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups),
+  plain = estimate("gigpo", jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups),
                                        step_groups_ns=jnp.asarray(steps), step_gamma=0.5, step_weight=2.0,
                                        scale_std=False)
-  grpo_plain = algos.get_advantage("grpo")(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups),
+  grpo_plain = estimate("grpo", jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups),
                                            scale_std=False)
   step = np.asarray(plain.advantages) - np.asarray(grpo_plain.advantages)
   np.testing.assert_allclose(step[:3], 2.0 * np.asarray([[0.25, 0, 0], [0, 0.25, 0], [-0.25, -0.25, 0]]),
@@ -74,9 +75,9 @@ def test_gigpo_without_state_keys_is_grpo():
   steps = step_group_indices(trajs)
   assert (steps == -1).all()  # the helper's turns name no state
   args = (jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups))
-  gigpo = algos.get_advantage("gigpo")(*args, step_groups_ns=jnp.asarray(steps))
+  gigpo = estimate("gigpo", *args, step_groups_ns=jnp.asarray(steps))
   np.testing.assert_array_equal(np.asarray(gigpo.advantages),
-                                np.asarray(algos.get_advantage("grpo")(*args).advantages))
+                                np.asarray(estimate("grpo", *args).advantages))
   assert float(gigpo.step_stats["step_groups"]) == 0
 
 

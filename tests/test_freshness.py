@@ -18,7 +18,6 @@ from flax import nnx
 
 import envs
 import models
-from jaxagent import algos
 from jaxagent import config as config_lib
 from jaxagent import trajectory_store
 from jaxagent.chat import ControlTokenChat
@@ -27,6 +26,7 @@ from jaxagent.rollout.engine import RolloutEngine, RolloutStream, SampledActions
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import freshness, loop
 from jaxagent.train import metrics as metrics_lib
+from tests.test_losses import policy_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = envs.get("faults")
@@ -228,10 +228,10 @@ def test_decoupled_ppo_weights_the_clipped_term_by_the_truncated_behavior_weight
   adv = jnp.asarray([[1.0, 1.0, -1.0]])
   mask = jnp.asarray([[True, True, True]])
   # With π_prox = μ it is PPO.
-  ppo, _ = algos.policy_loss(logp, mu, adv, mask, 3.0)
-  same, _ = algos.policy_loss(logp, mu, adv, mask, 3.0, behavior_logp_bt=mu)
+  ppo, _ = policy_loss(logp, mu, adv, mask, 3.0)
+  same, _ = policy_loss(logp, mu, adv, mask, 3.0, behavior_logp_bt=mu)
   np.testing.assert_allclose(same, ppo, rtol=1e-6)
-  loss, m = algos.policy_loss(logp, prox, adv, mask, 3.0, behavior_logp_bt=mu, behavior_weight_cap=2.0)
+  loss, m = policy_loss(logp, prox, adv, mask, 3.0, behavior_logp_bt=mu, behavior_weight_cap=2.0)
   ratio = np.exp(np.asarray(logp - prox))[0]
   clipped = np.maximum(-np.asarray(adv)[0] * ratio, -np.asarray(adv)[0] * np.clip(ratio, 0.8, 1.2))
   weights = np.asarray([1.0, 2.0, 1.0])
@@ -239,7 +239,7 @@ def test_decoupled_ppo_weights_the_clipped_term_by_the_truncated_behavior_weight
   np.testing.assert_allclose(m["behavior_weight_max"], 5.0, rtol=1e-5)
   np.testing.assert_allclose(m["truncated_fraction"], 1 / 3, rtol=1e-5)
   # The weight carries no gradient: d loss / d log π at token 1 is -w · ratio · A / 3 (inside the clip).
-  g = jax.grad(lambda lp: algos.policy_loss(lp, prox, adv, mask, 3.0, behavior_logp_bt=mu)[0])(logp)
+  g = jax.grad(lambda lp: policy_loss(lp, prox, adv, mask, 3.0, behavior_logp_bt=mu)[0])(logp)
   np.testing.assert_allclose(np.asarray(g)[0, 1], -2.0 * ratio[1] / 3.0, rtol=1e-5)
 
 

@@ -16,13 +16,21 @@ SETTINGS = hypothesis.settings(max_examples=12, deadline=None)
 LN = math.log
 
 
+def policy_loss(logp, old, adv, mask, normalizer, *, segment_ids_bt=None, ref_logp_bt=None, entropy_bt=None,
+                behavior_logp_bt=None, **config):
+  """`algos.policy_loss` on these arrays, with `config` its `PolicyLossConfig` fields."""
+  tokens = algos.TokenLossInputs(logp, old, adv, mask, normalizer, segment_ids=segment_ids_bt, ref_logp=ref_logp_bt,
+                                 entropy=entropy_bt, behavior_logp=behavior_logp_bt)
+  return algos.policy_loss(tokens, algos.PolicyLossConfig(**config))
+
+
 def _loss(logp, old, adv, mask, normalizer=None, **kw):
   mask = jnp.asarray(mask, bool)
   if normalizer is None:
     normalizer = algos.loss_normalizer(np.asarray(mask), kw.get("segment_ids_bt"),
                                        aggregation=kw.get("aggregation", "token-mean"))
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  return algos.policy_loss(f32(logp), f32(old), f32(adv), mask, normalizer, **kw)
+  return policy_loss(f32(logp), f32(old), f32(adv), mask, normalizer, **kw)
 
 
 def test_ppo_clip_hand_computed():
@@ -98,7 +106,7 @@ def test_kl_and_entropy_terms_hand_computed():
   loss, m = _loss(logp, logp, [[0.0, 0.0]], [[1, 1]], entropy_bt=ent, entropy_coef=0.1)
   np.testing.assert_allclose(loss, -0.1 * LN(2) / 2, rtol=1e-6)
   np.testing.assert_allclose(m["entropy"], LN(2) / 2, rtol=1e-6)
-  with pytest.raises(ValueError, match="ref_logp_bt"):
+  with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logp"):
     _loss(logp, logp, [[0.0, 0.0]], mask, kl_coef=0.1)
 
 
@@ -123,7 +131,7 @@ def test_all_masked_batch_is_explicit():
   norm = algos.loss_normalizer(mask, allow_empty=True)
   assert norm == 0
   nan = jnp.full((2, 3), jnp.nan)
-  f = lambda lp: algos.policy_loss(lp, nan, nan, jnp.asarray(mask), norm, ref_logp_bt=nan, kl_coef=0.1)
+  f = lambda lp: policy_loss(lp, nan, nan, jnp.asarray(mask), norm, ref_logp_bt=nan, kl_coef=0.1)
   (loss, m), grad = jax.value_and_grad(f, has_aux=True)(nan)
   assert float(loss) == 0.0 and float(m["skipped"]) == 1.0 and float(m["loss_tokens"]) == 0
   np.testing.assert_array_equal(grad, 0.0)
@@ -170,7 +178,7 @@ def _compiled(cfg_items, shifted, packed):
   def f(logits, tokens, old, ref, adv, mask, seg, normalizer):
     logp = lp_fn(logits, tokens, mask)
     ent = ent_fn(logits, mask)
-    return algos.policy_loss(logp, old, adv, mask, normalizer, segment_ids_bt=seg if packed else None,
+    return policy_loss(logp, old, adv, mask, normalizer, segment_ids_bt=seg if packed else None,
                              ref_logp_bt=ref, entropy_bt=ent, **cfg)
   return jax.jit(jax.value_and_grad(f, has_aux=True))
 
@@ -240,7 +248,7 @@ def test_micro_batches_sum_to_the_full_batch_gradient(aggregation, cfg, seed, pa
     logits = emb[tokens] @ w
     logp = algos.next_token_logprobs(logits, tokens, mask)
     ent = algos.next_token_entropy(logits, mask)
-    return algos.policy_loss(logp, old, adv, mask, normalizer, segment_ids_bt=seg if pack else None,
+    return policy_loss(logp, old, adv, mask, normalizer, segment_ids_bt=seg if pack else None,
                              ref_logp_bt=ref, entropy_bt=ent, **cfg)[0]
 
   seg = p["seg"] if pack else np.zeros_like(p["tokens"])

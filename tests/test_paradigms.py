@@ -172,8 +172,9 @@ def test_importance_weighted_loss_gradient_is_the_truncated_weight_times_the_adv
   adv = jnp.asarray([[1.0, -2.0, 0.5, 1.0]])
   mask = jnp.asarray([[True, True, True, False]])
   c = 1.5
-  loss = lambda lp, floor=0.0: algos.importance_weighted_loss(lp, behavior, adv, mask, jnp.float32(3.0), max_ratio=c,
-                                                              min_negative_ratio=floor)
+  loss = lambda lp, floor=0.0: algos.importance_weighted_loss(
+      algos.TokenLossInputs(lp, behavior, adv, mask, jnp.float32(3.0)),
+      algos.ImportanceWeightConfig(max_ratio=c, min_negative_ratio=floor))
   grad = jax.grad(lambda lp: loss(lp)[0])(logp)
   expected = -np.minimum([2.0, 0.5, 1.0, 3.0], c) * np.asarray([1.0, -2.0, 0.5, 1.0]) / 3.0 * [1, 1, 1, 0]
   np.testing.assert_allclose(grad[0], expected, rtol=1e-5)

@@ -10,7 +10,6 @@ from flax import nnx
 
 import envs
 import models
-from jaxagent import algos
 from jaxagent import assembly
 from jaxagent import trajectory as tr
 from jaxagent import mesh_rules
@@ -18,6 +17,7 @@ from jaxagent.chat import ControlTokenChat
 from jaxagent.rollout import engine as engine_lib
 from jaxagent.rollout.engine import RolloutEngine, SampledActions
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
+from tests.test_advantages import estimate
 
 FAULTS = envs.get("faults")
 
@@ -50,7 +50,7 @@ def test_failed_reset_ends_the_episode_before_any_turn_and_is_never_trained():
   # GRPO leaves the failed group out: no valid step, so no advantage and no member of any group statistic.
   rewards, mask, groups = assembly.advantage_inputs(trajs, steps=2)
   assert not mask[2:].any()
-  adv = algos.get_advantage("grpo")(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups))
+  adv = estimate("grpo", jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(groups))
   np.testing.assert_array_equal(np.asarray(adv.advantages)[2:], 0.0)
 
 

@@ -2,15 +2,11 @@
 
 Every registered estimator has the signature
 
-    fn(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None, gamma=1.0,
-       lam=1.0, eps=1e-6, scale_std=True, step_weight=1.0, step_gamma=1.0) -> AdvantageOutput
+    fn(x: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput
 
-Shape letters: N trajectories, S steps (turns). `rewards_ns` holds per-step rewards with the terminal reward
-folded into the last valid step; `mask_ns` marks valid steps (a prefix of each row); `group_ids_n` are dense
-group indices in [0, N) (trajectories of one task). Values at masked steps are never read (they may be NaN).
-`step_groups_ns` (gigpo) are dense anchor-state group indices in [0, N·S), -1 for a step in none
-(`assembly.step_group_indices`). Outputs are per step: trajectory-level estimators (grpo, rloo) broadcast their
-scalar over the valid steps.
+and reads the inputs and settings it uses (`AdvantageInputs`: rewards, step mask, task groups; values and
+bootstraps for GAE; anchor-state groups for GiGPO). Outputs are per step: trajectory-level estimators (grpo,
+rloo) broadcast their scalar over the valid steps.
 
 Each estimator also describes the groups it used, over exactly the trajectories it treats as valid (those with
 at least one valid step; a trajectory with an all-False step mask, e.g. one excluded for an infrastructure
@@ -20,6 +16,7 @@ learning signal for group-relative estimators; counted, never hidden), and the m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -27,6 +24,49 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+@flax.struct.dataclass
+class AdvantageInputs:
+  """What an estimator reads. Shape letters: N trajectories, S steps (turns).
+
+  Attributes:
+    rewards: float[N, S] per-step rewards, the terminal reward folded into the last valid step.
+    mask: bool[N, S] the valid steps (a prefix of each row); values at masked steps are never read (may be NaN).
+    group_ids: int[N] dense group indices in [0, N) (the trajectories of one task).
+    values: float[N, S] value estimates per step (gae).
+    bootstrap: float[N] the value after the last step of a truncated trajectory (0: terminal); None: all 0.
+    step_groups: int[N, S] dense anchor-state group indices in [0, N·S), -1 for a step in none (gigpo;
+      `assembly.step_group_indices`).
+  """
+  rewards: jax.Array
+  mask: jax.Array
+  group_ids: jax.Array
+  values: jax.Array | None = None
+  bootstrap: jax.Array | None = None
+  step_groups: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+  """An estimator's settings (static); `from_algo` reads an `AlgoConfig`.
+
+  Attributes:
+    gamma: discount over turns. lam: GAE λ.
+    eps, scale_std: the group normalisation (R − mean) / (std + eps); scale_std False: no std (Dr. GRPO).
+    step_weight, step_gamma: gigpo's ω and the discount of its step returns.
+  """
+  gamma: float = 1.0
+  lam: float = 1.0
+  eps: float = 1e-6
+  scale_std: bool = True
+  step_weight: float = 1.0
+  step_gamma: float = 0.95
+
+  @classmethod
+  def from_algo(cls, algo) -> "AdvantageConfig":
+    return cls(gamma=algo.gamma, lam=algo.gae_lambda, eps=algo.adv_eps, scale_std=algo.scale_std,
+               step_weight=algo.step_weight, step_gamma=algo.step_gamma)
 
 
 @flax.struct.dataclass
@@ -277,77 +317,60 @@ def _output(advantages_ns, returns_ns, trajectory_returns_n, group_ids_n, mask_n
 # Registered estimators (uniform signature).
 
 
-_STATIC = ("gamma", "lam", "eps", "scale_std", "step_weight", "step_gamma")
-
-
 @register_advantage("grpo")
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _grpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
-          gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
-          eps=1e-6, scale_std=True) -> AdvantageOutput:
-  del values_ns, lam, step_groups_ns, step_weight, step_gamma
-  mask_ns = mask_ns.astype(bool)
-  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  adv_n, _ = grpo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1), eps=eps, scale_std=scale_std)
-  return _output(_broadcast_steps(adv_n, mask_ns), g_ns, g_ns[:, 0], group_ids_n, mask_ns)
+@functools.partial(jax.jit, static_argnames=("config",))
+def _grpo(x: AdvantageInputs, config: AdvantageConfig = AdvantageConfig()) -> AdvantageOutput:
+  mask_ns = x.mask.astype(bool)
+  g_ns = discounted_returns(x.rewards, mask_ns, x.bootstrap, gamma=config.gamma)
+  adv_n, _ = grpo_scalar(g_ns[:, 0], x.group_ids, mask_ns.any(axis=1), eps=config.eps, scale_std=config.scale_std)
+  return _output(_broadcast_steps(adv_n, mask_ns), g_ns, g_ns[:, 0], x.group_ids, mask_ns)
 
 
 @register_advantage("rloo")
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _rloo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
-          gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
-          eps=1e-6, scale_std=True) -> AdvantageOutput:
-  del values_ns, lam, eps, scale_std, step_groups_ns, step_weight, step_gamma
-  mask_ns = mask_ns.astype(bool)
-  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  adv_n, _ = rloo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1))
-  return _output(_broadcast_steps(adv_n, mask_ns), g_ns, g_ns[:, 0], group_ids_n, mask_ns)
+@functools.partial(jax.jit, static_argnames=("config",))
+def _rloo(x: AdvantageInputs, config: AdvantageConfig = AdvantageConfig()) -> AdvantageOutput:
+  mask_ns = x.mask.astype(bool)
+  g_ns = discounted_returns(x.rewards, mask_ns, x.bootstrap, gamma=config.gamma)
+  adv_n, _ = rloo_scalar(g_ns[:, 0], x.group_ids, mask_ns.any(axis=1))
+  return _output(_broadcast_steps(adv_n, mask_ns), g_ns, g_ns[:, 0], x.group_ids, mask_ns)
 
 
 @register_advantage("gae")
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _gae(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
-         gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
-         eps=1e-6, scale_std=True) -> AdvantageOutput:
-  del eps, scale_std, step_groups_ns, step_weight, step_gamma
-  if values_ns is None:
-    raise ValueError("gae needs values_ns (value estimates per step)")
-  mask_ns = mask_ns.astype(bool)
-  adv_ns, ret_ns = gae(rewards_ns, values_ns, mask_ns, bootstrap_n, gamma=gamma, lam=lam)
-  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  return _output(adv_ns, ret_ns, g_ns[:, 0], group_ids_n, mask_ns)
+@functools.partial(jax.jit, static_argnames=("config",))
+def _gae(x: AdvantageInputs, config: AdvantageConfig = AdvantageConfig()) -> AdvantageOutput:
+  if x.values is None:
+    raise ValueError("gae needs values (value estimates per step)")
+  mask_ns = x.mask.astype(bool)
+  adv_ns, ret_ns = gae(x.rewards, x.values, mask_ns, x.bootstrap, gamma=config.gamma, lam=config.lam)
+  g_ns = discounted_returns(x.rewards, mask_ns, x.bootstrap, gamma=config.gamma)
+  return _output(adv_ns, ret_ns, g_ns[:, 0], x.group_ids, mask_ns)
 
 
 @register_advantage("returns")
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _returns(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
-             gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=1.0,
-             eps=1e-6, scale_std=True) -> AdvantageOutput:
+@functools.partial(jax.jit, static_argnames=("config",))
+def _returns(x: AdvantageInputs, config: AdvantageConfig = AdvantageConfig()) -> AdvantageOutput:
   """REINFORCE: the advantage is the discounted return-to-go itself (no baseline)."""
-  del values_ns, lam, eps, scale_std, step_groups_ns, step_weight, step_gamma
-  mask_ns = mask_ns.astype(bool)
-  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  return _output(g_ns, g_ns, g_ns[:, 0], group_ids_n, mask_ns)
+  mask_ns = x.mask.astype(bool)
+  g_ns = discounted_returns(x.rewards, mask_ns, x.bootstrap, gamma=config.gamma)
+  return _output(g_ns, g_ns, g_ns[:, 0], x.group_ids, mask_ns)
 
 
 @register_advantage("gigpo")
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _gigpo(rewards_ns, mask_ns, group_ids_n, *, values_ns=None, bootstrap_n=None, step_groups_ns=None,
-           gamma=1.0, lam=1.0, step_weight=1.0, step_gamma=0.95, eps=1e-6, scale_std=True) -> AdvantageOutput:
+@functools.partial(jax.jit, static_argnames=("config",))
+def _gigpo(x: AdvantageInputs, config: AdvantageConfig = AdvantageConfig()) -> AdvantageOutput:
   """GiGPO (Feng et al. 2025, arXiv:2505.10978): `A = A_E(τ) + ω·A_S(s_t, a_t)`.
 
   A_E is GRPO's episode advantage (the return with `gamma` normalised over the task group); A_S normalises the
   `step_gamma`-discounted return-to-go R_t = Σ_k step_gamma^k r_{t+k} over the steps of the group taken in the
-  same anchor state (`step_group_advantages`); ω = `step_weight`. Without anchor keys (`step_groups_ns` None or
+  same anchor state (`step_group_advantages`); ω = `step_weight`. Without anchor keys (`x.step_groups` None or
   all -1) it is GRPO exactly.
   """
-  del values_ns, lam
-  mask_ns = mask_ns.astype(bool)
-  g_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=gamma)
-  adv_n, _ = grpo_scalar(g_ns[:, 0], group_ids_n, mask_ns.any(axis=1), eps=eps, scale_std=scale_std)
-  if step_groups_ns is None:
-    step_groups_ns = jnp.full(mask_ns.shape, -1, jnp.int32)
-  r_ns = discounted_returns(rewards_ns, mask_ns, bootstrap_n, gamma=step_gamma)
-  step_adv, stats = step_group_advantages(r_ns, step_groups_ns, mask_ns, eps=eps, scale_std=scale_std)
-  out = _output(_broadcast_steps(adv_n, mask_ns) + step_weight * step_adv, g_ns, g_ns[:, 0], group_ids_n, mask_ns)
+  mask_ns = x.mask.astype(bool)
+  g_ns = discounted_returns(x.rewards, mask_ns, x.bootstrap, gamma=config.gamma)
+  adv_n, _ = grpo_scalar(g_ns[:, 0], x.group_ids, mask_ns.any(axis=1), eps=config.eps, scale_std=config.scale_std)
+  step_groups_ns = jnp.full(mask_ns.shape, -1, jnp.int32) if x.step_groups is None else x.step_groups
+  r_ns = discounted_returns(x.rewards, mask_ns, x.bootstrap, gamma=config.step_gamma)
+  step_adv, stats = step_group_advantages(r_ns, step_groups_ns, mask_ns, eps=config.eps, scale_std=config.scale_std)
+  out = _output(_broadcast_steps(adv_n, mask_ns) + config.step_weight * step_adv, g_ns, g_ns[:, 0], x.group_ids,
+                mask_ns)
   return out.replace(step_stats=stats)

@@ -19,9 +19,11 @@ depends on the token's own sequence and `normalizer` is computed ONCE over the w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,134 +278,199 @@ def _ratio_stats(ratio_bt, mask_bt, count) -> dict[str, jax.Array]:
 # Losses.
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "aggregation", "ratio_level", "eps_low", "eps_high", "dual_clip", "kl_estimator", "kl_coef",
-    "entropy_coef", "behavior_weight_cap"))
-def policy_loss(logp_bt: jax.Array, old_logp_bt: jax.Array, advantages_bt: jax.Array,
-                loss_mask_bt: jax.Array, normalizer: jax.Array, *, segment_ids_bt: jax.Array | None = None,
-                ref_logp_bt: jax.Array | None = None, entropy_bt: jax.Array | None = None,
-                behavior_logp_bt: jax.Array | None = None, behavior_weight_cap: float = 2.0,
-                aggregation: Aggregation = "token-mean", ratio_level: Literal["token", "sequence"] = "token",
-                eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
-                kl_estimator: str = "k3", kl_coef: float = 0.0, entropy_coef: float = 0.0
+@flax.struct.dataclass
+class TokenLossInputs:
+  """The per-token inputs of a policy-gradient loss: float/bool [B, T] each, None where a loss does not use it.
+
+  Attributes:
+    logp: log π_θ of the taken tokens (differentiated).
+    old_logp: the log-probs the ratio is taken against: the policy that sampled the tokens (behavior μ), or the
+      proximal policy π_prox when `behavior_logp` is given (decoupled PPO).
+    advantages: per-token advantages.
+    loss_mask: only these positions count; anything may sit elsewhere (NaN, Inf).
+    normalizer: scalar from `loss_normalizer` over the whole batch; 0 means skip (loss 0, zero gradient).
+    segment_ids: int packed sequence ids (0 = pad); None: one sequence per row.
+    ref_logp: reference log-probs (the KL term).
+    entropy: the policy's entropy per position (e.g. `next_token_entropy`); reported when given.
+    behavior_logp: the recorded behavior log-probs μ under decoupled PPO; None: `old_logp` is μ.
+  """
+  logp: jax.Array
+  old_logp: jax.Array
+  advantages: jax.Array
+  loss_mask: jax.Array
+  normalizer: jax.Array
+  segment_ids: jax.Array | None = None
+  ref_logp: jax.Array | None = None
+  entropy: jax.Array | None = None
+  behavior_logp: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+  """`policy_loss`'s settings (static: a change compiles a new program); `from_algo` reads an `AlgoConfig`.
+
+  Attributes:
+    aggregation: how token losses are summed (module docstring).
+    ratio_level: "token" (PPO) or "sequence" (GSPO).
+    eps_low, eps_high: the clip range 1 − ε_low … 1 + ε_high.
+    dual_clip: c > 1 bounds the loss of a negative-advantage token at −c Â; None: off.
+    kl_estimator, kl_coef: the reference-KL term (`KL_ESTIMATORS`; 0: off).
+    entropy_coef: the entropy bonus (0: off).
+    behavior_weight_cap: the truncation of π_prox/μ (decoupled PPO).
+  """
+  aggregation: Aggregation = "token-mean"
+  ratio_level: Literal["token", "sequence"] = "token"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: float | None = None
+  kl_estimator: str = "k3"
+  kl_coef: float = 0.0
+  entropy_coef: float = 0.0
+  behavior_weight_cap: float = 2.0
+
+  @classmethod
+  def from_algo(cls, algo) -> "PolicyLossConfig":
+    """The settings of a `jaxagent.config.AlgoConfig`."""
+    return cls(aggregation=algo.aggregation, ratio_level=algo.ratio_level, eps_low=algo.eps_low,
+               eps_high=algo.eps_high, dual_clip=algo.dual_clip, kl_estimator=algo.kl_estimator,
+               kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef, behavior_weight_cap=algo.behavior_weight_cap)
+
+  def check(self, x: TokenLossInputs) -> None:
+    if self.kl_coef > 0 and x.ref_logp is None:
+      raise ValueError("kl_coef > 0 needs ref_logp")
+    if self.entropy_coef > 0 and x.entropy is None:
+      raise ValueError("entropy_coef > 0 needs entropy")
+    if self.dual_clip is not None and self.dual_clip <= 1.0:
+      raise ValueError(f"dual_clip={self.dual_clip}: must be > 1")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"kl_estimator={self.kl_estimator!r}: not one of {sorted(KL_ESTIMATORS)}")
+    if x.behavior_logp is not None and self.behavior_weight_cap <= 0:
+      raise ValueError(f"behavior_weight_cap={self.behavior_weight_cap}: must be > 0")
+
+
+def _log_ratio(x: TokenLossInputs, mask_bt, logp_bt, token_log_ratio_bt, ratio_level: str) -> jax.Array:
+  """log ρ per token: the token's own (PPO) or its sequence's geometric mean (GSPO-token form: value `s_i`,
+  gradient `s_i ∇log π(z_t)`)."""
+  if ratio_level == "token":
+    log_ratio_bt = token_log_ratio_bt
+  elif ratio_level == "sequence":
+    ids_bt, num = _sequence_ids(mask_bt, x.segment_ids)
+    n_bt = _segment_sum_per_token(mask_bt.astype(jnp.float32), ids_bt, num)
+    seq_log_ratio_bt = _segment_sum_per_token(token_log_ratio_bt, ids_bt, num) / jnp.maximum(n_bt, 1.0)
+    log_ratio_bt = jax.lax.stop_gradient(seq_log_ratio_bt) + logp_bt - jax.lax.stop_gradient(logp_bt)
+  else:
+    raise ValueError(f"ratio_level={ratio_level!r}: not 'token' or 'sequence'")
+  return jnp.where(mask_bt, log_ratio_bt, 0.0)
+
+
+def _clipped(adv_bt, ratio_bt, config: PolicyLossConfig) -> tuple[jax.Array, jax.Array]:
+  """PPO's clipped term per token (with the dual clip when set), and where it clipped."""
+  unclipped_bt = -adv_bt * ratio_bt
+  clipped_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - config.eps_low, 1.0 + config.eps_high)
+  pg_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  is_clipped_bt = clipped_bt > unclipped_bt
+  if config.dual_clip is not None:
+    dual_bt = -adv_bt * config.dual_clip
+    is_clipped_bt = is_clipped_bt | ((adv_bt < 0) & (pg_bt > dual_bt))
+    pg_bt = jnp.where(adv_bt < 0, jnp.minimum(pg_bt, dual_bt), pg_bt)
+  return pg_bt, is_clipped_bt
+
+
+def _behavior_weight(x: TokenLossInputs, mask_bt, old_bt, count, cap: float) -> tuple[jax.Array, dict]:
+  """Decoupled PPO's truncated behavior weight min(π_prox/μ, cap) per token (no gradient), and its metrics."""
+  mu_bt = jnp.where(mask_bt, x.behavior_logp, 0.0).astype(jnp.float32)
+  raw_w_bt = jnp.exp(jnp.minimum(jnp.where(mask_bt, old_bt - mu_bt, 0.0), 80.0))
+  return jnp.minimum(raw_w_bt, cap), dict(
+      behavior_weight_mean=_masked_mean(raw_w_bt, mask_bt, count),
+      behavior_weight_max=jnp.where(count > 0, jnp.max(jnp.where(mask_bt, raw_w_bt, -jnp.inf)), 0.0),
+      truncated_fraction=_masked_mean((raw_w_bt > cap).astype(jnp.float32), mask_bt, count))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def policy_loss(x: TokenLossInputs, config: PolicyLossConfig = PolicyLossConfig()
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped policy-gradient loss (PPO, Schulman et al. 2017) with reference-KL and entropy terms.
 
   Per loss token: `ρ = π_θ/π_old`, `ℓ = max(−Â ρ, −Â clip(ρ, 1−ε_low, 1+ε_high))`; with `dual_clip = c > 1`
   (Ye et al. 2020, arXiv:1912.09729) `ℓ = min(ℓ, −c Â)` where `Â < 0`. `ratio_level="sequence"` uses the
   GSPO ratio (Zheng et al. 2025, arXiv:2507.18071): the geometric mean of token ratios over the sequence,
-  applied to every token of it (GSPO-token form: value `s_i`, gradient `s_i ∇log π(z_t)`). Then
-  `ℓ += kl_coef · KL_est(π_θ‖π_ref) − entropy_coef · H`, aggregated by `aggregate`.
+  applied to every token of it. Then `ℓ += kl_coef · KL_est(π_θ‖π_ref) − entropy_coef · H`, aggregated by
+  `aggregate`.
 
-  Decoupled PPO (Hilton et al. 2021, arXiv:2110.00641; AReaL, arXiv:2505.24298): with `behavior_logp_bt` = μ
-  given, `old_logp_bt` is the proximal policy π_prox (the parameters at the start of the update) and the clipped
+  Decoupled PPO (Hilton et al. 2021, arXiv:2110.00641; AReaL, arXiv:2505.24298): with `x.behavior_logp` = μ
+  given, `x.old_logp` is the proximal policy π_prox (the parameters at the start of the update) and the clipped
   term is weighted by the behavior weight `w = min(π_prox/μ, behavior_weight_cap)` (no gradient): the clip keeps
   the update near π_prox, the weight corrects for data μ sampled (an older policy, in flight or queued).
 
-  Args:
-    logp_bt: float[B, T] log π_θ of the taken tokens (differentiated).
-    old_logp_bt: float[B, T] log-probs of the policy that sampled them (behavior / old policy), or of the
-      proximal policy when `behavior_logp_bt` is given.
-    advantages_bt: float[B, T] per-token advantages.
-    loss_mask_bt: bool[B, T]; only these positions count. Anything may sit elsewhere (NaN, Inf).
-    normalizer: scalar from `loss_normalizer` over the whole batch; 0 means skip (loss 0, zero gradient).
-    segment_ids_bt: int[B, T] packed sequence ids (0 = pad); None: one sequence per row.
-    ref_logp_bt: float[B, T] reference log-probs; needed when kl_coef > 0.
-    entropy_bt: float[B, T] policy entropy per position (e.g. `next_token_entropy`); needed when
-      entropy_coef > 0, and reported when given.
-    behavior_logp_bt: float[B, T] the recorded behavior log-probs μ (decoupled PPO); None: `old_logp_bt` is μ.
-    behavior_weight_cap: the truncation of π_prox/μ (decoupled PPO).
-    aggregation, ratio_level, eps_low, eps_high, dual_clip, kl_estimator, kl_coef, entropy_coef: see above.
   Returns:
     (loss scalar, metrics): loss_tokens, skipped, clip_fraction, ratio_mean/min/max, approx_kl (k3 between
-    old and current policy), entropy, kl (when a reference is given), pg_loss, and with `behavior_logp_bt`
+    old and current policy), entropy, kl (when a reference is given), pg_loss, and with `x.behavior_logp`
     behavior_weight_mean / behavior_weight_max (before truncation) and truncated_fraction; means over this
     call's loss tokens.
   """
-  mask_bt = loss_mask_bt.astype(bool)
-  if kl_coef > 0 and ref_logp_bt is None:
-    raise ValueError("kl_coef > 0 needs ref_logp_bt")
-  if entropy_coef > 0 and entropy_bt is None:
-    raise ValueError("entropy_coef > 0 needs entropy_bt")
-  if dual_clip is not None and dual_clip <= 1.0:
-    raise ValueError(f"dual_clip={dual_clip}: must be > 1")
-  if kl_estimator not in KL_ESTIMATORS:
-    raise ValueError(f"kl_estimator={kl_estimator!r}: not one of {sorted(KL_ESTIMATORS)}")
-
-  logp_bt = jnp.where(mask_bt, logp_bt, 0.0).astype(jnp.float32)
-  old_bt = jnp.where(mask_bt, old_logp_bt, 0.0).astype(jnp.float32)
-  adv_bt = jnp.where(mask_bt, advantages_bt, 0.0).astype(jnp.float32)
+  config.check(x)
+  mask_bt = x.loss_mask.astype(bool)
+  logp_bt = jnp.where(mask_bt, x.logp, 0.0).astype(jnp.float32)
+  old_bt = jnp.where(mask_bt, x.old_logp, 0.0).astype(jnp.float32)
+  adv_bt = jnp.where(mask_bt, x.advantages, 0.0).astype(jnp.float32)
   token_log_ratio_bt = logp_bt - old_bt
-
-  if ratio_level == "token":
-    log_ratio_bt = token_log_ratio_bt
-  elif ratio_level == "sequence":
-    ids_bt, num = _sequence_ids(mask_bt, segment_ids_bt)
-    n_bt = _segment_sum_per_token(mask_bt.astype(jnp.float32), ids_bt, num)
-    seq_log_ratio_bt = _segment_sum_per_token(token_log_ratio_bt, ids_bt, num) / jnp.maximum(n_bt, 1.0)
-    log_ratio_bt = jax.lax.stop_gradient(seq_log_ratio_bt) + logp_bt - jax.lax.stop_gradient(logp_bt)
-  else:
-    raise ValueError(f"ratio_level={ratio_level!r}: not 'token' or 'sequence'")
-  log_ratio_bt = jnp.where(mask_bt, log_ratio_bt, 0.0)
-  ratio_bt = jnp.exp(log_ratio_bt)
-
-  unclipped_bt = -adv_bt * ratio_bt
-  clipped_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - eps_low, 1.0 + eps_high)
-  pg_bt = jnp.maximum(unclipped_bt, clipped_bt)
-  is_clipped_bt = clipped_bt > unclipped_bt
-  if dual_clip is not None:
-    dual_bt = -adv_bt * dual_clip
-    is_dual_bt = (adv_bt < 0) & (pg_bt > dual_bt)
-    pg_bt = jnp.where(adv_bt < 0, jnp.minimum(pg_bt, dual_bt), pg_bt)
-    is_clipped_bt = is_clipped_bt | is_dual_bt
+  ratio_bt = jnp.exp(_log_ratio(x, mask_bt, logp_bt, token_log_ratio_bt, config.ratio_level))
+  pg_bt, is_clipped_bt = _clipped(adv_bt, ratio_bt, config)
 
   metrics = {}
   sg = jax.lax.stop_gradient
   count = jnp.sum(mask_bt.astype(jnp.float32))
-  if behavior_logp_bt is not None:
-    if behavior_weight_cap <= 0:
-      raise ValueError(f"behavior_weight_cap={behavior_weight_cap}: must be > 0")
-    mu_bt = jnp.where(mask_bt, behavior_logp_bt, 0.0).astype(jnp.float32)
-    raw_w_bt = jnp.exp(jnp.minimum(jnp.where(mask_bt, old_bt - mu_bt, 0.0), 80.0))
-    pg_bt = jnp.minimum(raw_w_bt, behavior_weight_cap) * pg_bt
-    metrics.update(behavior_weight_mean=_masked_mean(raw_w_bt, mask_bt, count),
-                   behavior_weight_max=jnp.where(count > 0, jnp.max(jnp.where(mask_bt, raw_w_bt, -jnp.inf)), 0.0),
-                   truncated_fraction=_masked_mean((raw_w_bt > behavior_weight_cap).astype(jnp.float32), mask_bt,
-                                                   count))
+  if x.behavior_logp is not None:
+    weight_bt, weight_metrics = _behavior_weight(x, mask_bt, old_bt, count, config.behavior_weight_cap)
+    pg_bt = weight_bt * pg_bt
+    metrics.update(weight_metrics)
 
   loss_bt = pg_bt
-  if ref_logp_bt is not None:
-    ref_bt = jnp.where(mask_bt, ref_logp_bt, 0.0).astype(jnp.float32)
-    kl_bt = KL_ESTIMATORS[kl_estimator](ref_bt - logp_bt)
-    if kl_coef > 0:
-      loss_bt = loss_bt + kl_coef * kl_bt
-  loss_bt, ent_bt = _entropy_bonus(loss_bt, entropy_bt, mask_bt, entropy_coef)
+  if x.ref_logp is not None:
+    ref_bt = jnp.where(mask_bt, x.ref_logp, 0.0).astype(jnp.float32)
+    kl_bt = KL_ESTIMATORS[config.kl_estimator](ref_bt - logp_bt)
+    if config.kl_coef > 0:
+      loss_bt = loss_bt + config.kl_coef * kl_bt
+  loss_bt, ent_bt = _entropy_bonus(loss_bt, x.entropy, mask_bt, config.entropy_coef)
 
-  agg = functools.partial(aggregate, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
-  loss = agg(loss_bt, mask_bt, normalizer)
-
+  agg = functools.partial(aggregate, segment_ids_bt=x.segment_ids, aggregation=config.aggregation)
+  loss = agg(loss_bt, mask_bt, x.normalizer)
   metrics.update(
       loss_tokens=count,
-      skipped=(jnp.asarray(normalizer) <= 0).astype(jnp.float32),
-      pg_loss=sg(agg(pg_bt, mask_bt, normalizer)),
+      skipped=(jnp.asarray(x.normalizer) <= 0).astype(jnp.float32),
+      pg_loss=sg(agg(pg_bt, mask_bt, x.normalizer)),
       clip_fraction=_masked_mean(is_clipped_bt.astype(jnp.float32), mask_bt, count),
       **_ratio_stats(sg(ratio_bt), mask_bt, count),
       approx_kl=_masked_mean(KL_ESTIMATORS["k3"](sg(token_log_ratio_bt)), mask_bt, count),
   )
-  if ref_logp_bt is not None:
+  if x.ref_logp is not None:
     metrics["kl"] = _masked_mean(sg(kl_bt), mask_bt, count)
-  if entropy_bt is not None:
+  if x.entropy is not None:
     metrics["entropy"] = _masked_mean(sg(ent_bt), mask_bt, count)
   return loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("aggregation", "max_ratio", "min_negative_ratio", "entropy_coef"))
-def importance_weighted_loss(logp_bt: jax.Array, behavior_logp_bt: jax.Array, advantages_bt: jax.Array,
-                             loss_mask_bt: jax.Array, normalizer: jax.Array, *, segment_ids_bt: jax.Array | None = None,
-                             entropy_bt: jax.Array | None = None, aggregation: Aggregation = "token-mean",
-                             max_ratio: float = 1.0, min_negative_ratio: float = 0.0, entropy_coef: float = 0.0
+@dataclasses.dataclass(frozen=True)
+class ImportanceWeightConfig:
+  """`importance_weighted_loss`'s settings (static).
+
+  Attributes:
+    aggregation: how token losses are summed.
+    max_ratio: c > 0, the truncation of the importance weight.
+    min_negative_ratio: m in [0, 1): a negative-advantage token whose ratio fell below it gets no gradient (0: off).
+    entropy_coef: the entropy bonus (0: off).
+  """
+  aggregation: Aggregation = "token-mean"
+  max_ratio: float = 1.0
+  min_negative_ratio: float = 0.0
+  entropy_coef: float = 0.0
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def importance_weighted_loss(x: TokenLossInputs, config: ImportanceWeightConfig = ImportanceWeightConfig()
                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Off-policy policy gradient with truncated importance weights, for data of another policy μ.
+  """Off-policy policy gradient with truncated importance weights, for data of another policy μ (`x.old_logp`:
+  the recorded behavior log-probs).
 
   Per loss token: `ρ = π_θ/μ` against the recorded behavior log-prob, `ℓ = −sg(w) Â log π_θ` with
   `w = min(ρ, c)`. Its gradient `w Â ∇log π_θ` is the importance-sampled on-policy gradient with the weight
@@ -417,33 +484,32 @@ def importance_weighted_loss(logp_bt: jax.Array, behavior_logp_bt: jax.Array, ad
   (a weak policy learning from a stronger one's store) drove held-out success from 2 % to 0 % within 100 steps:
   the mass went to garbage, not to the successful actions, whose small ratios give them small weights.
 
-  Args: as `policy_loss`; `max_ratio` is c > 0; `min_negative_ratio` in [0, 1) (0: off).
   Returns:
     (loss, metrics): loss_tokens, skipped, pg_loss, ratio_mean/min/max (untruncated ρ), clip_fraction (share of
     tokens whose weight was truncated or cut), approx_kl (k3 between μ and π_θ), entropy when given.
   """
-  if max_ratio <= 0:
-    raise ValueError(f"max_ratio={max_ratio}: must be > 0")
-  if not 0.0 <= min_negative_ratio < 1.0:
-    raise ValueError(f"min_negative_ratio={min_negative_ratio}: must be in [0, 1)")
-  mask_bt = loss_mask_bt.astype(bool)
-  logp_bt = jnp.where(mask_bt, logp_bt, 0.0).astype(jnp.float32)
-  mu_bt = jnp.where(mask_bt, behavior_logp_bt, 0.0).astype(jnp.float32)
-  adv_bt = jnp.where(mask_bt, advantages_bt, 0.0).astype(jnp.float32)
+  if config.max_ratio <= 0:
+    raise ValueError(f"max_ratio={config.max_ratio}: must be > 0")
+  if not 0.0 <= config.min_negative_ratio < 1.0:
+    raise ValueError(f"min_negative_ratio={config.min_negative_ratio}: must be in [0, 1)")
+  mask_bt = x.loss_mask.astype(bool)
+  logp_bt = jnp.where(mask_bt, x.logp, 0.0).astype(jnp.float32)
+  mu_bt = jnp.where(mask_bt, x.old_logp, 0.0).astype(jnp.float32)
+  adv_bt = jnp.where(mask_bt, x.advantages, 0.0).astype(jnp.float32)
   sg = jax.lax.stop_gradient
   log_ratio_bt = jnp.where(mask_bt, sg(logp_bt) - mu_bt, 0.0)
   ratio_bt = jnp.exp(jnp.minimum(log_ratio_bt, 80.0))
-  cut_bt = (adv_bt < 0) & (ratio_bt < min_negative_ratio)
-  weight_bt = jnp.where(cut_bt, 0.0, jnp.minimum(ratio_bt, max_ratio))
-  loss_bt, ent_bt = _entropy_bonus(-weight_bt * adv_bt * logp_bt, entropy_bt, mask_bt, entropy_coef)
-  agg = functools.partial(aggregate, segment_ids_bt=segment_ids_bt, aggregation=aggregation)
-  loss = agg(loss_bt, mask_bt, normalizer)
+  cut_bt = (adv_bt < 0) & (ratio_bt < config.min_negative_ratio)
+  weight_bt = jnp.where(cut_bt, 0.0, jnp.minimum(ratio_bt, config.max_ratio))
+  loss_bt, ent_bt = _entropy_bonus(-weight_bt * adv_bt * logp_bt, x.entropy, mask_bt, config.entropy_coef)
+  agg = functools.partial(aggregate, segment_ids_bt=x.segment_ids, aggregation=config.aggregation)
+  loss = agg(loss_bt, mask_bt, x.normalizer)
   count = jnp.sum(mask_bt.astype(jnp.float32))
   metrics = dict(
       loss_tokens=count,
-      skipped=(jnp.asarray(normalizer) <= 0).astype(jnp.float32),
-      pg_loss=sg(agg(-weight_bt * adv_bt, mask_bt, normalizer)),
-      clip_fraction=_masked_mean(((ratio_bt > max_ratio) | cut_bt).astype(jnp.float32), mask_bt, count),
+      skipped=(jnp.asarray(x.normalizer) <= 0).astype(jnp.float32),
+      pg_loss=sg(agg(-weight_bt * adv_bt, mask_bt, x.normalizer)),
+      clip_fraction=_masked_mean(((ratio_bt > config.max_ratio) | cut_bt).astype(jnp.float32), mask_bt, count),
       **_ratio_stats(ratio_bt, mask_bt, count),
       approx_kl=_masked_mean(KL_ESTIMATORS["k3"](log_ratio_bt), mask_bt, count),
   )

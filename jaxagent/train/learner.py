@@ -65,10 +65,9 @@ def _estimate(cfg: Config, rewards_ns, mask_ns, group_ids, values_ns=None, boots
   step_groups = None
   if cfg.algo.advantage == "gigpo":
     step_groups = step_group_indices(trajectories, steps=mask_ns.shape[1])
-  return algos.get_advantage(cfg.algo.advantage)(put(rewards_ns), put(mask_ns), put(group_ids),
-                                                 values_ns=put(values_ns), bootstrap_n=put(bootstrap_n),
-                                                 step_groups_ns=put(step_groups),
-                                                 **algos.advantage_kwargs(cfg.algo))
+  inputs = algos.AdvantageInputs(put(rewards_ns), put(mask_ns), put(group_ids), values=put(values_ns),
+                                 bootstrap=put(bootstrap_n), step_groups=put(step_groups))
+  return algos.get_advantage(cfg.algo.advantage)(inputs, algos.AdvantageConfig.from_algo(cfg.algo))
 
 
 def _turn_advantages(cfg: Config, trajectories, mask_ns, group_ids) -> np.ndarray:

@@ -163,8 +163,8 @@ def prepare(run: Run, run_state: RunState, index: int) -> StageData:
                    behavior_versions=selection.policy_versions)
   if stage.importance_weighted:
     estimate = algos.get_advantage(cfg.algo.advantage)(
-        jnp.asarray(selection.rewards), jnp.asarray(selection.mask), jnp.asarray(selection.groups),
-        **algos.advantage_kwargs(cfg.algo))
+        algos.AdvantageInputs(jnp.asarray(selection.rewards), jnp.asarray(selection.mask),
+                              jnp.asarray(selection.groups)), algos.AdvantageConfig.from_algo(cfg.algo))
     data.advantages = np.asarray(estimate.advantages, np.float32)
     flat = int(estimate.zero_variance_groups)
     run.print(f"stage {stage.name!r}: {int(estimate.groups)} groups of the stored returns, {flat} with equal "

@@ -110,17 +110,17 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
     return loss, {"loss_tokens": count.astype(jnp.float32), "nll": mean(nll_bt), "entropy": mean(entropy_bt)}
   # Policy lag: updates between the behavior policy of each trained token and the policy being updated.
   lag_bt = (policy_version - batch.policy_versions).astype(jnp.float32)
+  tokens = algos.TokenLossInputs(logp=logp_bt, old_logp=batch.behavior_logprobs, advantages=batch.advantages,
+                                 loss_mask=mask_bt, normalizer=normalizer, segment_ids=batch.segment_ids,
+                                 entropy=entropy_bt)
   if mode == "offline":
-    loss, metrics = algos.importance_weighted_loss(
-        logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
-        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=o.max_ratio,
-        min_negative_ratio=o.min_negative_ratio, entropy_coef=algo.entropy_coef)
+    loss, metrics = algos.importance_weighted_loss(tokens, algos.ImportanceWeightConfig(
+        aggregation=algo.aggregation, max_ratio=o.max_ratio, min_negative_ratio=o.min_negative_ratio,
+        entropy_coef=algo.entropy_coef))
     return loss, dict(metrics, policy_lag=token_mean(lag_bt), **kept)
   if algo.loss == "tis":
-    loss, metrics = algos.importance_weighted_loss(
-        logp_bt, batch.behavior_logprobs, batch.advantages, mask_bt, normalizer, segment_ids_bt=batch.segment_ids,
-        entropy_bt=entropy_bt, aggregation=algo.aggregation, max_ratio=algo.behavior_weight_cap,
-        entropy_coef=algo.entropy_coef)
+    loss, metrics = algos.importance_weighted_loss(tokens, algos.ImportanceWeightConfig(
+        aggregation=algo.aggregation, max_ratio=algo.behavior_weight_cap, entropy_coef=algo.entropy_coef))
     loss, metrics = _with_router(loss, dict(metrics, policy_lag=token_mean(lag_bt), **kept), router, o)
     return _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo)
   ref_logp_bt = None
@@ -135,13 +135,9 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   decoupled = algo.loss == "decoupled_ppo"
   if decoupled and batch.proximal_logprobs is None:
     raise ValueError("algo.loss='decoupled_ppo' needs the batch's proximal_logprobs (make_logprob_fn)")
-  loss, metrics = algos.policy_loss(logp_bt, batch.proximal_logprobs if decoupled else batch.behavior_logprobs,
-                                    batch.advantages, mask_bt, normalizer,
-                                    ref_logp_bt=ref_logp_bt, segment_ids_bt=batch.segment_ids,
-                                    entropy_bt=entropy_bt,
-                                    behavior_logp_bt=batch.behavior_logprobs if decoupled else None,
-                                    behavior_weight_cap=algo.behavior_weight_cap,
-                                    **algos.policy_loss_kwargs(algo))
+  tokens = tokens.replace(old_logp=batch.proximal_logprobs if decoupled else batch.behavior_logprobs,
+                          ref_logp=ref_logp_bt, behavior_logp=batch.behavior_logprobs if decoupled else None)
+  loss, metrics = algos.policy_loss(tokens, algos.PolicyLossConfig.from_algo(algo))
   metrics = dict(metrics, policy_lag=token_mean(lag_bt), **kept)
   loss, metrics = _with_router(loss, metrics, router, o)
   return _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo)
