@@ -52,7 +52,7 @@ def measure(model_kwargs: dict, batch: int, length: int, memory: dict) -> Footpr
   from jaxagent.assembly import Batch
   from jaxagent.config import AlgoConfig, OptimConfig
   from jaxagent.train.state import TrainState, make_optimizer
-  from jaxagent.train.step import make_train_step
+  from jaxagent.train.step import StepOptions, make_train_step
 
   config = models.ModelConfig(**model_kwargs)
   model = nnx.eval_shape(lambda: models.Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
@@ -73,7 +73,7 @@ def measure(model_kwargs: dict, batch: int, length: int, memory: dict) -> Footpr
   abstract_batch = Batch(tokens=s(jnp.int32), positions=s(jnp.int32), segment_ids=s(jnp.int32), loss_mask=s(bool),
                          roles=s(jnp.int8), behavior_logprobs=s(jnp.float32), advantages=s(jnp.float32),
                          policy_versions=s(jnp.int32), trajectory_index=s(jnp.int32))
-  step = make_train_step({"policy": graphdef}, optimizer, AlgoConfig(), mode="rl", **memory)
+  step = make_train_step({"policy": graphdef}, optimizer, StepOptions(AlgoConfig(), mode="rl", **memory))
   start = time.perf_counter()
   compiled = step.lower(state, abstract_batch, jax.ShapeDtypeStruct((), jnp.float32)).compile()
   seconds = time.perf_counter() - start

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> Result:
   from jaxagent.config import AlgoConfig, OptimConfig
   from jaxagent.rollout.sampler import Sampler, SamplingConfig
   from jaxagent.train.state import TrainState, make_optimizer
-  from jaxagent.train.step import make_train_step
+  from jaxagent.train.step import StepOptions, make_train_step
 
   shape = TINY if args.tiny else QWEN25_05B
   b, t = (2, 64) if args.tiny else (args.batch, args.length)
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> Result:
   model = models.Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
   graphdef, policy = nnx.split(model)
   optimizer = make_optimizer(OptimConfig(), optax.constant_schedule(1e-5))
-  step = make_train_step({"policy": graphdef}, optimizer, AlgoConfig(), mode="rl", logits_chunk=max(t // 8, 1),
-                         remat="full", compute_dtype=jnp.bfloat16)
+  step = make_train_step({"policy": graphdef}, optimizer, StepOptions(AlgoConfig(), mode="rl", logits_chunk=max(t // 8, 1),
+                                                                   remat="full", compute_dtype=jnp.bfloat16))
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, config.vocab_size, (b, t)).astype(np.int32)
   mask = np.ones((b, t), bool)

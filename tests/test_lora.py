@@ -15,7 +15,7 @@ import models
 from jaxagent import algos
 from jaxagent.config import AlgoConfig, OptimConfig
 from jaxagent.train.state import TrainState, make_optimizer
-from jaxagent.train.step import make_train_step
+from jaxagent.train.step import StepOptions, make_train_step
 from tests import test_train_step as ts
 
 CONFIG = ts.CONFIG
@@ -57,8 +57,8 @@ def test_a_lora_step_changes_the_adapters_only_and_the_optimizer_holds_only_them
   moments = sum(x.size for x in jax.tree.leaves(state.opt_state))
   assert moments <= 2 * sum(x.size for x in jax.tree.leaves(adapters)) + 8  # mu and nu of the adapters (+ counts)
   batch = ts._batch(model, seed=1)
-  step = make_train_step({"policy": graphdef}, optimizer, AlgoConfig(), mode="rl", temperature=ts.TEMPERATURE,
-                         frozen=("policy",), lora_scale=4.0)
+  step = make_train_step({"policy": graphdef}, optimizer, StepOptions(AlgoConfig(), mode="rl", temperature=ts.TEMPERATURE,
+                                                                   frozen=("policy",), lora_scale=4.0))
   state, metrics = step(state, batch, jnp.float32(algos.loss_normalizer(batch.loss_mask, batch.segment_ids)))
   after = jax.device_get(state.params)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before["policy"]), jax.tree.leaves(after["policy"])))

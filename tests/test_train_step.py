@@ -12,7 +12,7 @@ from jaxagent import algos
 from jaxagent.assembly import Batch
 from jaxagent.config import AlgoConfig, OptimConfig
 from jaxagent.train.state import TrainState, make_optimizer
-from jaxagent.train.step import make_train_step, make_value_fn
+from jaxagent.train.step import StepOptions, make_train_step, make_value_fn
 from jaxagent.train.value import ValueHead, ValueTargets
 
 CONFIG = models.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -98,7 +98,8 @@ def _setup(algo: AlgoConfig, *, value: bool, reference: bool):
 def _compare(graphdefs, optimizer, state, algo, mode, batch, normalizer, value_targets=None, value_normalizer=0.0):
   results = {}
   for micro in (1, M):
-    step = make_train_step(graphdefs, optimizer, algo, micro_batches=micro, mode=mode, temperature=TEMPERATURE)
+    step = make_train_step(graphdefs, optimizer, StepOptions(algo, micro_batches=micro, mode=mode,
+                                                             temperature=TEMPERATURE))
     new, metrics = step(state(), batch, jnp.float32(normalizer), value_targets, jnp.float32(value_normalizer))
     results[micro] = jax.device_get((new.params, metrics))
   (p1, m1), (pm, mm) = results[1], results[M]
@@ -197,8 +198,8 @@ def test_chunked_logits_and_remat_leave_the_train_step_unchanged(monkeypatch):
     for memory in ({}, {"logits_chunk": 6}, {"logits_chunk": 6, "remat": "full"}, {"remat": "dots"},
                    {"attention": "dot_product"}, {"attention": "dot_product", "remat": "full", "logits_chunk": 5},
                    {"attention": "chunked"}, {"attention": "chunked", "remat": "full"}):
-      step = make_train_step(graphdefs, optimizer, algo, micro_batches=2, mode=mode, temperature=TEMPERATURE,
-                             **memory)
+      step = make_train_step(graphdefs, optimizer, StepOptions(algo, micro_batches=2, mode=mode,
+                                                               temperature=TEMPERATURE, **memory))
       new, metrics = step(state(), batch, normalizer)
       results.append(jax.device_get((new.params, metrics)))
     for params, metrics in results[1:]:
@@ -234,7 +235,8 @@ def test_mixed_precision_keeps_float32_master_weights_and_moments_and_tracks_flo
   normalizer = jnp.float32(algos.loss_normalizer(batch.loss_mask, batch.segment_ids))
   runs = {}
   for dtype in (None, jnp.bfloat16):
-    step = make_train_step(graphdefs, optimizer, algo, mode="rl", temperature=TEMPERATURE, compute_dtype=dtype)
+    step = make_train_step(graphdefs, optimizer, StepOptions(algo, mode="rl", temperature=TEMPERATURE,
+                                                             compute_dtype=dtype))
     s, losses = state(), []
     for _ in range(3):
       s, metrics = step(s, batch, normalizer)

@@ -508,20 +508,18 @@ def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
   experts = multihost.expert_placement(policy.model.config.num_experts, policy.layout.mesh,
                                        policy.layout.learner_rules)
   if purpose == "train":
-    shared = dict(logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat,
-                  state_shardings=policy.layout.state_shardings, compute_dtype=policy.mixed,
-                  attention=cfg.model.attention, frozen=policy.frozen, lora_scale=policy.lora_scale,
-                  expert_dispatch=experts)
-    rl_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=cfg.train.micro_batches,
-                              mode="rl", temperature=cfg.rollout.temperature, **shared)
-    bc_step = make_train_step(policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="bc", **shared)
+    shared = StepOptions(cfg.algo, logits_chunk=cfg.train.logits_chunk, remat=cfg.train.remat,
+                         compute_dtype=policy.mixed, attention=cfg.model.attention, frozen=policy.frozen,
+                         lora_scale=policy.lora_scale, temperature=cfg.rollout.temperature)
+    make = functools.partial(make_train_step, policy.graphdefs, policy.optimizer,
+                             state_shardings=policy.layout.state_shardings, expert_dispatch=experts)
+    rl_step = make(dataclasses.replace(shared, micro_batches=cfg.train.micro_batches, mode="rl"))
+    bc_step = make(dataclasses.replace(shared, mode="bc", temperature=1.0))
     for stage in config_lib.stages(cfg):
       key = (stage.max_ratio, stage.min_negative_ratio)
       if stage.importance_weighted and key not in offline_steps:
-        offline_steps[key] = make_train_step(
-            policy.graphdefs, policy.optimizer, cfg.algo, micro_batches=1, mode="offline",
-            temperature=cfg.rollout.temperature, max_ratio=stage.max_ratio,
-            min_negative_ratio=stage.min_negative_ratio, **shared)
+        offline_steps[key] = make(dataclasses.replace(shared, mode="offline", max_ratio=stage.max_ratio,
+                                                      min_negative_ratio=stage.min_negative_ratio))
   value_fn = (make_value_fn(policy.graphdefs, policy.mixed, policy.lora_scale, cfg.model.attention, experts)
               if cfg.algo.name == "ppo" and purpose == "train" else None)
   logprob_fn = None

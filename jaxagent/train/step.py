@@ -1,7 +1,7 @@
 """The jitted train step: masked policy-gradient (GRPO/PPO) or behavior-cloning loss, micro-batch gradient
 accumulation inside the step, one optimizer update, donated state.
 
-    step_fn = make_train_step({"policy": graphdef}, optimizer, algo, micro_batches=4, mode="rl")
+    step_fn = make_train_step({"policy": graphdef}, optimizer, StepOptions(algo, micro_batches=4, mode="rl"))
     state, metrics = step_fn(state, batch, normalizer)
 
 The loss normalizer is computed over the whole batch on the host (`algos.loss_normalizer`) and passed in,
@@ -228,31 +228,25 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.GradientTransformation,
-                    algo: AlgoConfig, *, micro_batches: int = 1, mode: Mode = "rl", state_shardings: Any = None,
-                    temperature: float = 1.0, logits_chunk: int | None = None, remat: str = "none",
-                    compute_dtype=None, attention: str = "einsum", frozen: tuple[str, ...] = (),
-                    lora_scale: float = 0.0, max_ratio: float = 1.0, min_negative_ratio: float = 0.0,
+                    options: StepOptions, *, state_shardings: Any = None,
                     expert_dispatch: models.ExpertPlacement | None = None):
   """Returns `step(state, batch, normalizer, value_targets=None, value_normalizer=0) -> (state, metrics)`.
 
-  `expert_dispatch`: a mixture-of-experts policy's placement on the learner mesh: each batch shard's tokens are
-  dispatched on its own devices, to experts split over the expert axis (`models.dispatch_experts_over`); None: a
-  micro-batch dispatches as one.
+  `options`: everything static about the step (`StepOptions`: the losses, mode, micro-batches, temperature,
+  memory trades, mixed precision, frozen parameters). `expert_dispatch`: a mixture-of-experts policy's placement
+  on the learner mesh: each batch shard's tokens are dispatched on its own devices, to experts split over the
+  expert axis (`models.dispatch_experts_over`); None: a micro-batch dispatches as one.
 
-  `temperature`: the rollout's sampling temperature (RL mode scores tokens under it). `logits_chunk`: score
-  each row's positions this many at a time (no [B, T, V] logits); `remat`: per-layer rematerialization policy
-  (`models.REMAT_POLICIES`); `attention`: the kernel for training (`models.ATTENTION_IMPLEMENTATIONS`). None
-  of the three changes the values. `compute_dtype`: mixed precision (see `_loss`). The keywords are the
-  fields of `StepOptions`, which the step and its loss share. `frozen`: keys of
-  `state.params` that are inputs only (LoRA: "policy"): no gradient is computed for them and the optimizer state
-  covers the rest. A batch with nothing to learn from (normalizer and value normalizer 0) is an explicit skip:
-  metrics say `skipped=1` and the state is returned unchanged (no optimizer step, no weight decay, same step and
-  policy version).
+  `options.frozen`: keys of `state.params` that are inputs only (LoRA: "policy"): no gradient is computed for them
+  and the optimizer state covers the rest. A batch with nothing to learn from (normalizer and value normalizer 0)
+  is an explicit skip: metrics say `skipped=1` and the state is returned unchanged (no optimizer step, no weight
+  decay, same step and policy version).
 
   Jitted with the state donated (and its layout pinned to `state_shardings` when given). The gradient is
-  accumulated over `micro_batches` slices of the batch in a `lax.scan`; every slice's loss is divided by the
-  whole batch's normalizer, so the sum is the full loss.
+  accumulated over `options.micro_batches` slices of the batch in a `lax.scan`; every slice's loss is divided by
+  the whole batch's normalizer, so the sum is the full loss.
   """
+  micro_batches, mode, frozen = options.micro_batches, options.mode, tuple(options.frozen)
 
   def split(x):
     b = x.shape[0]
@@ -260,13 +254,9 @@ def make_train_step(graphdefs: dict[str, nnx.GraphDef], optimizer: optax.Gradien
       raise ValueError(f"batch of {b} rows is not divisible into {micro_batches} micro-batches")
     return x.reshape((micro_batches, b // micro_batches) + x.shape[1:])
 
-  options = StepOptions(algo=algo, mode=mode, micro_batches=micro_batches, temperature=temperature,
-                        logits_chunk=logits_chunk, remat=remat, compute_dtype=compute_dtype, attention=attention,
-                        frozen=tuple(frozen), lora_scale=lora_scale, max_ratio=max_ratio,
-                        min_negative_ratio=min_negative_ratio)
-  if mode != "bc" and not temperature > 0:
-    raise ValueError(f"temperature={temperature}: RL needs a sampling temperature > 0 (greedy rollouts have no "
-                     "behavior distribution to correct for)")
+  if mode != "bc" and not options.temperature > 0:
+    raise ValueError(f"temperature={options.temperature}: RL needs a sampling temperature > 0 (greedy rollouts "
+                     "have no behavior distribution to correct for)")
   loss = functools.partial(_loss, graphdefs=graphdefs, options=options)
   # Differentiated with respect to the trained parameters only; the frozen ones are a plain input.
   grad_fn = jax.value_and_grad(lambda trained, fixed, **kw: loss({**fixed, **trained}, **kw), has_aux=True)
