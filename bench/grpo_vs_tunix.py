@@ -82,15 +82,15 @@ def run_ours(args) -> dict:
 
   engine_lib.SampledActions._actions = actions_budget_is_stop
   seen = []
-  engine_run = run.engine.run
+  engine_run = run.rollout.engine.run
 
   def run_and_count(*a, **k):
     trajs, stats = engine_run(*a, **k)
-    seen.append(dict(tokens=sum(int(np.sum(t.tokens != run.tokenizer.pad_id)) for t in trajs),
+    seen.append(dict(tokens=sum(int(np.sum(t.tokens != run.interface.tokenizer.pad_id)) for t in trajs),
                      turns=float(np.mean([len(t.turns) for t in trajs]))))
     return trajs, stats
 
-  run.engine.run = run_and_count
+  run.rollout.engine.run = run_and_count
   iters = []
   try:
     for i in range(args.warmup + args.iters):

@@ -51,10 +51,10 @@ def main(argv: list[str]) -> int:
 
   engine_lib.finished_actions = budget_is_stop
   try:
-    state = run.init_state()
+    state = run.policy.init_state()
     # One round's tasks and env seeds (this process's share of the global batch), rolled out twice.
     tasks = run.new_supplies().for_stage(0).draw(0, 0)
-    env_seeds = seeds.episodes(cfg.run.seed, 0, run.rows, jax.process_index())
+    env_seeds = seeds.episodes(cfg.run.seed, 0, run.rows.local, jax.process_index())
     records, walls = {}, {"host_loop": [], "callback": []}
     exchange, calls = engine_lib._Scheduler.exchange, []  # the program's host exchanges, per pass
 
@@ -64,11 +64,11 @@ def main(argv: list[str]) -> int:
 
     engine_lib._Scheduler.exchange = counted
     for transport in ("host_loop", "callback") * 2:  # the second pass is warm: its times are the comparison
-      run.engine.transport = transport
+      run.rollout.engine.transport = transport
       calls.append(0)
       t0 = time.perf_counter()
       state, trajectories, _ = rollouts.collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size,
-                                                rng=run.rollout_key(state.rng, 0, 0))
+                                                rng=run.rollout.key(state.rng, 0, 0))
       walls[transport].append(time.perf_counter() - t0)
       if transport in records:
         continue

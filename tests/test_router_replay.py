@@ -57,7 +57,7 @@ def _first_update(tmp_path: Path, replay: bool, *extra: str, check_run=None):
                                                    f"model.moe.router_replay={str(replay).lower()}", *extra])
   run = build_run(cfg, tmp_path / "run")
   try:
-    state = run.init_state()
+    state = run.policy.init_state()
     if check_run:
       check_run(run, state)
     progress = run.new_state(state.replace(params=_fragile(state.params)))
@@ -94,7 +94,7 @@ def test_router_replay_holds_on_an_expert_parallel_mesh(tmp_path):
   assert jax.device_count() == 8, "tests/conftest.py must give 8 CPU devices"
 
   def experts_split(run, state):
-    assert dict(run.layout.mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
+    assert dict(run.policy.layout.mesh.shape) == {"data": 4, "fsdp": 1, "expert": 2, "tensor": 1}
     gate = state.params["policy"]["layer_stacks"][0]["mlp"]["w_gate_edf"][...]  # [L, E, D, F]
     assert {shard.data.shape[1] for shard in gate.addressable_shards} == {3}
 

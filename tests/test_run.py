@@ -25,9 +25,9 @@ from tests.test_train import _COMPILES, ROOT, TINY, _config
 
 def _scripted(run, scripts, *, group_size):
   """Runs `scripts` (one action list per row) through the engine, as demonstrations are."""
-  tasks = run.env_spec.tasks("train", len(scripts) // group_size, 0)
-  tokens = [[run.chat.action_tokens(a) for a in s] for s in scripts]
-  trajs, _ = run.engine.run(ScriptedActions(tokens, run.config.rollout.max_context), tasks,
+  tasks = run.interface.env_spec.tasks("train", len(scripts) // group_size, 0)
+  tokens = [[run.interface.chat.action_tokens(a) for a in s] for s in scripts]
+  trajs, _ = run.rollout.engine.run(ScriptedActions(tokens, run.config.rollout.max_context), tasks,
                             list(range(len(scripts))), group_size=group_size, policy_version=0)
   return trajs
 
@@ -39,7 +39,7 @@ def test_infrastructure_failures_are_recorded_but_never_trained_or_grouped(tmp_p
                                   "train.eval_episodes=0",
                                   "train.bc_steps=0"), tmp_path / "run")
   try:
-    state = run.init_state()
+    state = run.policy.init_state()
     # Two groups of 4: group 0 = three solved + one tool fault; group 1 = two solved, two failed by the verifier
     # (an action the env rejects, then max turns).
     scripts = ([["ok", "done"]] * 3 + [["ok", "raise"]]) + ([["ok", "done"]] * 2 + [["ok", "ok", "ok"]] * 2)
@@ -102,7 +102,7 @@ def test_resume_refuses_a_changed_env_unless_allowed_and_recorded(tmp_path):
     assert meta["env_change_allowed"]["to"]["verifier"] == "calculator-v2"
     resume.save(allowed, dataclasses.replace(progress, iteration=1), None, meta["env_change_allowed"])  # recorded
     run.checkpointer.wait()
-    _, _, stored = run.checkpointer.restore_latest(progress.train, run.model_config)
+    _, _, stored = run.checkpointer.restore_latest(progress.train, run.policy.model_config)
   finally:
     run.close()
   assert stored["env_change_allowed"]["from"]["verifier"] == run.env_versions["verifier"]

@@ -169,7 +169,7 @@ def test_update_batches_take_the_smallest_bucket_and_equal_the_context_length_up
     for p in (prepared, full):
       batch = p.batch.replace(advantages=jax.numpy.asarray(advantages[:, :p.batch.shape[1]], np.float32))
       copy = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), state)
-      new, metrics = run.rl_step(copy, batch, np.float32(p.normalizer), None, np.float32(0.0))
+      new, metrics = run.steps.rl(copy, batch, np.float32(p.normalizer), None, np.float32(0.0))
       results.append((jax.device_get(new.params), jax.device_get(metrics)))
     (cut_params, cut), (full_params, whole) = results
     assert whole["grad_norm"] > 0 and whole["loss_tokens"] == cut["loss_tokens"] > 0
@@ -289,7 +289,7 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
     progress, metrics = _iterate.rl_iteration(run, run.new_state())  # end to end
     assert np.isfinite(metrics["value_loss"]) and np.isfinite(metrics["loss"])
     # Solved demonstrations have return 1: GAE targets are non-zero, so the value head must move.
-    demos = loop.demonstrations(run, run.rows, seed=0)
+    demos = loop.demonstrations(run, run.rows.local, seed=0)
     prepared = learner.prepare_batch(run, progress.train, demos)
     adv = prepared.estimate
     assert prepared.value_normalizer == sum(len(t.turns) for t in demos)
@@ -306,8 +306,8 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
     # last token; a completed one from 0.
     cut = [dataclasses.replace(t, termination=tr.Termination.MAX_TURNS) if i % 2 else t
            for i, t in enumerate(demos)]
-    plain = assembly.assemble(cut, length=run.config.rollout.max_context, rows=run.rows, pad_id=run.tokenizer.pad_id)
-    values = np.asarray(run.value_fn(state.params, run.layout.to_global(plain)))
+    plain = assembly.assemble(cut, length=run.config.rollout.max_context, rows=run.rows.local, pad_id=run.interface.tokenizer.pad_id)
+    values = np.asarray(run.steps.value_fn(state.params, run.policy.layout.to_global(plain)))
     returns = np.asarray(learner.prepare_batch(run, state, cut).estimate.returns)
   finally:
     run.close()
@@ -339,7 +339,7 @@ def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path
   run, progress = _run(tmp_path, "algo.kl_coef=0.5", "train.eval_episodes=0", "optim.learning_rate=1e-2",
                        "mesh.rules.reference=replicated", "mesh.ici.data=2", "mesh.ici.fsdp=4")
   try:
-    layout = run.layout.state_shardings
+    layout = run.policy.layout.state_shardings
     assert all(s.is_fully_replicated for s in jax.tree.leaves(layout.ref_params))
     assert not all(s.is_fully_replicated for s in jax.tree.leaves(layout.params["policy"]))
     with metrics_lib.MetricsLogger(tmp_path / "run", tensorboard=False) as logger:
@@ -353,15 +353,15 @@ def test_reference_policy_is_frozen_at_the_start_of_rl_and_checkpointed(tmp_path
     ref = jax.tree.map(np.asarray, progress.train.ref_params)
     resume.save(run, progress, None)
     run.checkpointer.wait()
-    _, restored, _ = run.checkpointer.restore_latest(progress.train, run.model_config)
+    _, restored, _ = run.checkpointer.restore_latest(progress.train, run.policy.model_config)
     # Resuming with algo.kl_coef turned off drops the stored reference; turned on, a checkpoint without one
     # makes its policy the reference.
     with pytest.warns(RuntimeWarning, match="dropped"):
-      _, without, _ = run.checkpointer.restore_latest(progress.train.replace(ref_params=None), run.model_config)
-    run.checkpointer.save(99, progress.train.replace(ref_params=None), {"iteration": 99}, run.model_config, {})
+      _, without, _ = run.checkpointer.restore_latest(progress.train.replace(ref_params=None), run.policy.model_config)
+    run.checkpointer.save(99, progress.train.replace(ref_params=None), {"iteration": 99}, run.policy.model_config, {})
     run.checkpointer.wait()
     with pytest.warns(RuntimeWarning, match="becomes the reference"):
-      _, with_new_ref, _ = run.checkpointer.restore_latest(progress.train, run.model_config)
+      _, with_new_ref, _ = run.checkpointer.restore_latest(progress.train, run.policy.model_config)
   finally:
     run.close()
   assert without.ref_params is None
@@ -460,7 +460,7 @@ def test_all_masked_batch_is_an_explicit_skip(tmp_path):
   versions)."""
   run, progress = _run(tmp_path, "train.bc_steps=0", "train.eval_episodes=0", "optim.weight_decay=0.1")
   try:
-    prepared = learner.prepare_batch(run, progress.train, loop.demonstrations(run, run.rows, seed=0))
+    prepared = learner.prepare_batch(run, progress.train, loop.demonstrations(run, run.rows.local, seed=0))
     prepared = dataclasses.replace(prepared, batch=prepared.batch.replace(
         loss_mask=jax.numpy.zeros_like(prepared.batch.loss_mask)), normalizer=0.0)
     before = jax.tree.map(np.array, progress.train.params)

@@ -149,8 +149,8 @@ def run_condition(run: Run, state, condition: Condition, suite: Suite, tasks: Se
 def run_pass_k(run: Run, state, suite: Suite, tasks: Sequence) -> tuple[Any, dict[str, Any]]:
   """k samples of each of the first `suite.pass_k_tasks` tasks (evaluation temperature)."""
   cfg, k = run.config, suite.pass_k
-  if run.rows % k:
-    raise config_lib.ConfigError(f"pass_k.k={k}: must divide the run's {run.rows} rollout rows per process "
+  if run.rows.local % k:
+    raise config_lib.ConfigError(f"pass_k.k={k}: must divide the run's {run.rows.local} rollout rows per process "
                                  "(train.tasks_per_iteration x train.group_size)")
   tasks = list(tasks[:suite.pass_k_tasks])
   state, done = over_tasks(run, state, tasks, samples=k, evaluation=True,
@@ -167,7 +167,7 @@ def run_pass_k(run: Run, state, suite: Suite, tasks: Sequence) -> tuple[Any, dic
 def run_probes(run: Run, suite: Suite, tasks: Sequence) -> dict[str, Any]:
   """The env's exploit probes (`EnvSpec.probes`) on the first `suite.probe_tasks` tasks, scripted through the
   run's engine and pool (the production parser, tool permissions and verifier). Each probe must score 0."""
-  spec, cfg = run.env_spec, run.config
+  spec, cfg = run.interface.env_spec, run.config
   if spec.probes is None or not suite.probe_tasks:
     return {"defined": [] if spec.probes is None else sorted(spec.probes(tasks[0], 0)), "runs": 0, "passed": 0,
             "by_probe": {}}
@@ -177,10 +177,10 @@ def run_probes(run: Run, suite: Suite, tasks: Sequence) -> dict[str, Any]:
   episodes = [(name, task, seed, actions) for task, seed in zip(tasks, env_seeds)
               for name, actions in sorted(spec.probes(task, seed).items())]
   by_probe: dict[str, dict[str, Any]] = {}
-  for start in range(0, len(episodes), run.rows):
-    chunk = episodes[start:start + run.rows]
-    scripts = [[run.chat.action_tokens(scripted_action(run, a)) for a in actions] for *_, actions in chunk]
-    trajs, _ = run.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), [task for _, task, *_ in chunk],
+  for start in range(0, len(episodes), run.rows.local):
+    chunk = episodes[start:start + run.rows.local]
+    scripts = [[run.interface.chat.action_tokens(scripted_action(run, a)) for a in actions] for *_, actions in chunk]
+    trajs, _ = run.rollout.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), [task for _, task, *_ in chunk],
                               [seed for _, _, seed, _ in chunk], group_size=1, policy_version=-1)
     for (name, task, _, actions), t in zip(chunk, trajs):
       row = by_probe.setdefault(name, {"runs": 0, "passed": 0, "max_reward": 0.0, "examples": []})
@@ -236,7 +236,7 @@ def run_suite(run_dir: Path | str, suite: Suite, overrides: Sequence[str] = (), 
       run_state, meta = resume.restore(run)
       report.setdefault("checkpoint_step", int(run_state.train.step))
       report.setdefault("policy_version", int(run_state.train.policy_version))
-      tasks = held_out_tasks(run.config, run.env_spec, suite.split, suite.episodes)
+      tasks = held_out_tasks(run.config, run.interface.env_spec, suite.split, suite.episodes)
       say(f"[{suite.name}] {condition.name} ({condition.kind}{': ' + ' '.join(extra) if extra else ''}): "
           f"{len(tasks)} episodes", flush=True)
       state, result = run_condition(run, run_state.train, condition, suite, tasks, extra,

@@ -92,10 +92,10 @@ class Freshness:
     self.supply = run_state.supply
     state = run_state.train
     self.version = int(state.policy_version)  # the actor's
-    actor = SampledActions(run.sampler, run.layout.rollout_snapshot(state.params),
-                           run.layout.rollout_key(run.rollout_key(state.rng, np.int32(-1), np.int32(0))),
+    actor = SampledActions(run.rollout.sampler, run.policy.layout.rollout_snapshot(state.params),
+                           run.policy.layout.rollout_key(run.rollout.key(state.rng, np.int32(-1), np.int32(0))),
                            decode_chunk=cfg.rollout.decode_chunk, version=self.version, track_cache=self.refill)
-    self.stream = RolloutStream(run.engine, actor, group_size=self.G)
+    self.stream = RolloutStream(run.rollout.engine, actor, group_size=self.G)
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxagent-learner")
     restored = dict(run_state.saved_stream or {})
     self.next_draw = int(restored.get("next_draw", 0))
@@ -121,7 +121,7 @@ class Freshness:
     if not self.drawn:
       d, cfg = self.next_draw, self.cfg
       tasks = self.supply.draw(d, 0)
-      env_seeds = seeds.episodes(cfg.run.seed, d, self.run.rows, jax.process_index())
+      env_seeds = seeds.episodes(cfg.run.seed, d, self.run.rows.local, jax.process_index())
       self.drawn = [Slot(d * self.B + j, task, tuple(int(s) for s in env_seeds[j * self.G:(j + 1) * self.G]))
                     for j, task in enumerate(tasks)]
       self.next_draw += 1
@@ -145,7 +145,7 @@ class Freshness:
     prepared = learner.prepare_batch(self.run, state, trajectories)
     state, m = learner.update(self.run, state, prepared)
     t1 = time.perf_counter()
-    snapshot = self.run.layout.rollout_snapshot(state.params) if self.mode == "async" else None
+    snapshot = self.run.policy.layout.rollout_snapshot(state.params) if self.mode == "async" else None
     jax.block_until_ready(snapshot)
     return state, m, prepared, snapshot, t1 - t0, time.perf_counter() - t1
 
@@ -187,7 +187,7 @@ class Freshness:
     wait_s = time.perf_counter() - t0
     if self.mode == "one_step_off":  # the next round samples with the policy this update starts from
       if version != self.version:
-        self.stream.set_params(run.layout.rollout_snapshot(state.params), version)
+        self.stream.set_params(run.policy.layout.rollout_snapshot(state.params), version)
         self.version = version
       self.updates += 1  # counted as started: the next round is admitted now, while the update runs
       self._top_up()
@@ -203,7 +203,7 @@ class Freshness:
       self._top_up()
     stats = self.stream.stats()
     curriculum = record_outcomes(run, self.supply, [self.slots.pop(slot).task for slot, _ in taken], trajs)
-    counts = episode_counts(trajs, replays=run.pool.replays, replay_divergences=run.pool.replay_divergences)
+    counts = episode_counts(trajs, replays=run.rollout.pool.replays, replay_divergences=run.rollout.pool.replay_divergences)
     counters = metrics_lib.advance(run_state.counters, env_interactions=stats.env_steps,
                                    action_tokens=stats.action_tokens,
                                    device_s=stats.decode_s + stats.extend_s + learn_s)

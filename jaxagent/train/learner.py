@@ -122,9 +122,9 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
   train = infrastructure_ok & kept
   rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
   mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
-  layout = dict(length=batch_length(cfg, trajectories), rows=run.train_rows, pad_id=run.tokenizer.pad_id,
+  layout = dict(length=batch_length(cfg, trajectories), rows=run.rows.train, pad_id=run.interface.tokenizer.pad_id,
                 thresholds=config_lib.truncates(cfg.rollout),
-                routes=RouteShape.of(run.model.config) if replays_routes(cfg, run.model.config) else None)
+                routes=RouteShape.of(run.policy.model.config) if replays_routes(cfg, run.policy.model.config) else None)
   values_ns = bootstrap_n = value_targets = None
   if cfg.algo.name == "ppo":
     # V(s_t) is read at the token before action t; V(s_T) of a cut-off episode at its last token (unpacked
@@ -134,7 +134,7 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
       for j, turn in enumerate(t.turns):
         state_pos[i, j] = turn.action.span[0] - 1
     plain = assemble(trajectories, **layout)
-    values_bt = multihost.local_rows(run.value_fn(state.params, run.layout.to_global(plain)))
+    values_bt = multihost.local_rows(run.steps.value_fn(state.params, run.policy.layout.to_global(plain)))
     rows = np.arange(len(trajectories))
     values_ns = np.where(mask_ns, values_bt[rows[:, None], state_pos], 0.0)
     cut = np.asarray([t.termination in TRUNCATIONS and bool(t.turns) for t in trajectories]) & train
@@ -161,11 +161,11 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
   sums = multihost.host_sums({"normalizer": float(normalizer), "value_normalizer": value_normalizer,
                               "excluded": int((~infrastructure_ok).sum()),
                               "variance_filtered": int((infrastructure_ok & ~kept).sum())})
-  batch = run.layout.to_global(batch)
-  if run.logprob_fn is not None:  # decoupled PPO: π_prox, the parameters this update starts from
-    batch = batch.replace(proximal_logprobs=run.logprob_fn(state.params, batch))
+  batch = run.policy.layout.to_global(batch)
+  if run.steps.logprob_fn is not None:  # decoupled PPO: π_prox, the parameters this update starts from
+    batch = batch.replace(proximal_logprobs=run.steps.logprob_fn(state.params, batch))
   return Prepared(batch=batch, normalizer=float(sums["normalizer"]),
-                  value_targets=None if value_targets is None else run.layout.to_global(value_targets),
+                  value_targets=None if value_targets is None else run.policy.layout.to_global(value_targets),
                   value_normalizer=float(sums["value_normalizer"]),
                   stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums["excluded"]), **_step_stats(adv),
                          **({"variance_filter/dropped_trajectories": int(sums["variance_filtered"])}
@@ -207,6 +207,6 @@ def group_statistics(run: Run, trajectories: Sequence[tr.Trajectory],
 def update(run: Run, state: TrainState, prepared: Prepared) -> tuple[TrainState, dict[str, Any]]:
   """`train.updates_per_iteration` jitted steps on one prepared batch; metrics of the last one (on the host)."""
   for _ in range(run.config.train.updates_per_iteration):
-    state, m = run.rl_step(state, prepared.batch, jnp.float32(prepared.normalizer), prepared.value_targets,
+    state, m = run.steps.rl(state, prepared.batch, jnp.float32(prepared.normalizer), prepared.value_targets,
                            jnp.float32(prepared.value_normalizer))
   return state, jax.device_get(m)

@@ -56,15 +56,15 @@ def set_reference(run: Run, state: TrainState) -> TrainState:
   if run.config.algo.kl_coef <= 0:
     return state
   return jax.jit(lambda s: s.replace(ref_params=s.params["policy"]), donate_argnums=0,
-                 out_shardings=run.layout.state_shardings)(state)
+                 out_shardings=run.policy.layout.state_shardings)(state)
 
 
 def scripted_action(run: Run, line: str) -> str:
   """A scripted action (written `NAME ARG`) in the run's action syntax (a JSON call for `json`)."""
-  if run.action_syntax == "line":
+  if run.interface.syntax == "line":
     return line
-  text = run.action_parser.format(run.demo_parser.parse(line))
-  run.action_parser.parse(text)  # a demonstration the env would refuse is an error here, not a silent BC target
+  text = run.interface.action_parser.format(run.interface.env_info.parser.parse(line))
+  run.interface.action_parser.parse(text)  # a demonstration the env would refuse is an error here, not a silent BC target
   return text
 
 
@@ -76,15 +76,15 @@ def demonstrations(run: Run, n: int, seed: int, options: Mapping[str, Any] | Non
   """
   cfg = run.config
   options = cfg.env.options if options is None else options
-  tasks = run.env_spec.tasks("train", n, seeds.demos(seed), **dict(options or {}))
+  tasks = run.interface.env_spec.tasks("train", n, seeds.demos(seed), **dict(options or {}))
   out = []
-  for start in range(0, n, run.rows):
-    chunk = tasks[start:start + run.rows]
+  for start in range(0, n, run.rows.local):
+    chunk = tasks[start:start + run.rows.local]
     # The episode's seed goes to the script too: a seeded env (guess draws its secret from it) needs it.
-    scripts = [[run.chat.action_tokens(scripted_action(run, a))
-                for a in run.env_spec.demo(task, start + k, **dict(cfg.env.demo_options or {}))]
+    scripts = [[run.interface.chat.action_tokens(scripted_action(run, a))
+                for a in run.interface.env_spec.demo(task, start + k, **dict(cfg.env.demo_options or {}))]
                for k, task in enumerate(chunk)]
-    trajs, _ = run.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), chunk,
+    trajs, _ = run.rollout.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), chunk,
                               list(range(start, start + len(chunk))), group_size=1, policy_version=-1)
     out += [dataclasses.replace(t, metadata={**t.metadata, "source": "scripted_demo"}) for t in trajs]
   return out
@@ -110,9 +110,9 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
   shown = start_step  # steps the bar has counted (it redraws with the logged metrics, every 10 steps)
   for step in range(start_step, end):
     pick = rng.choice(len(demos), train.bc_batch_size, replace=False)
-    mine = pick[jax.process_index() * run.bc_rows:(jax.process_index() + 1) * run.bc_rows]
+    mine = pick[jax.process_index() * run.rows.bc:(jax.process_index() + 1) * run.rows.bc]
     batch = paradigms.supervised_batch(run, [demos[i] for i in mine])
-    state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(paradigms.loss_normalizer(run, batch)))
+    state, m = run.steps.bc(state, run.policy.layout.to_global(batch), jnp.float32(paradigms.loss_normalizer(run, batch)))
     if step % 10 == 0 or step == end - 1:
       m = jax.device_get(m)
       # The last step's line also has the stage's wall time (demonstrations included; a resumed stage: since

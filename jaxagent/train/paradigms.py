@@ -127,7 +127,7 @@ def prepare(run: Run, run_state: RunState, index: int) -> StageData:
   where = f"stage {stage.name!r} data={stage.data!r}"
   if stage.paradigm == "sft" and chats.is_chat_file(stage.data):
     try:
-      loaded = chats.read_chats(stage.data, run.chat, run.action_parser)
+      loaded = chats.read_chats(stage.data, run.interface.chat, run.interface.action_parser)
     except chats.ChatDataError as e:
       raise config_lib.ConfigError(f"stage {stage.name!r}: {e}") from None
     long = [t.id for t in loaded.trajectories if not _fits(run, t)]
@@ -182,7 +182,7 @@ def supervised_batch(run: Run, trajectories, advantages=None):
   cfg = run.config
   # Offline iw_pg scores logged tokens as the rollout samples (thresholds included); behavior cloning does not.
   return assemble(trajectories, advantages, level="turn", length=learner.batch_length(cfg, trajectories),
-                  rows=run.bc_rows, pad_id=run.tokenizer.pad_id, thresholds=advantages is not None and config_lib.truncates(cfg.rollout))
+                  rows=run.rows.bc, pad_id=run.interface.tokenizer.pad_id, thresholds=advantages is not None and config_lib.truncates(cfg.rollout))
 
 
 def loss_normalizer(run: Run, batch) -> float:
@@ -204,9 +204,9 @@ def supervised_iteration(run: Run, run_state: RunState, data: StageData) -> tupl
   advantages = [data.advantages[p, :len(t.turns)] for p, t in zip(positions, trajs)] if iw else None
   batch = supervised_batch(run, trajs, advantages)
   normalizer = loss_normalizer(run, batch)
-  step_fn = run.offline_steps[(stage.max_ratio, stage.min_negative_ratio)] if iw else run.bc_step
+  step_fn = run.steps.offline[(stage.max_ratio, stage.min_negative_ratio)] if iw else run.steps.bc
   update0 = time.perf_counter()
-  state, m = step_fn(run_state.train, run.layout.to_global(batch), jnp.float32(normalizer))
+  state, m = step_fn(run_state.train, run.policy.layout.to_global(batch), jnp.float32(normalizer))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
   counters = metrics_lib.advance(run_state.counters, device_s=time.perf_counter() - update0)
   prefix = stage.paradigm
@@ -257,8 +257,8 @@ def rft_round(run: Run, run_state: RunState, data: StageData
               if data.kept else None)
   for u in range(stage.updates):
     # Nothing kept yet (on this process): an empty batch, whose step is skipped when no process has one.
-    batch = supervised_batch(run, examples.batch(u, run.bc_rows)[1] if examples is not None else [])
-    state, m = run.bc_step(state, run.layout.to_global(batch), jnp.float32(loss_normalizer(run, batch)))
+    batch = supervised_batch(run, examples.batch(u, run.rows.bc)[1] if examples is not None else [])
+    state, m = run.steps.bc(state, run.policy.layout.to_global(batch), jnp.float32(loss_normalizer(run, batch)))
     nll.append(float(jax.device_get(m["nll"])))
   update_s = time.perf_counter() - update0
   counts = {k: int(v) for k, v in multihost.host_sums({

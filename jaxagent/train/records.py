@@ -86,7 +86,7 @@ def metric_line(run: Run, state: RunState, record: IterationRecord) -> dict[str,
   """The metrics.jsonl line of the iteration that ended in `state` (before the hooks that may end its stage):
   the record's metrics, the learning rate of its last step, its wall time, the x-axes and (with
   curriculum.stages) the stage."""
-  line = {**record.metrics, "learning_rate": float(run.schedule(int(state.train.step) - 1)),
+  line = {**record.metrics, "learning_rate": float(run.policy.schedule(int(state.train.step) - 1)),
           metrics_lib.ITERATION_SECONDS: record.seconds, **state.counters}
   if run.config.curriculum.stages:
     line["curriculum/stage"] = state.stage

@@ -43,7 +43,7 @@ def save(run: Run, run_state: RunState, writer: trajectory_store.TrajectoryWrite
           "lora": lora_settings(run.config)}
   if env_change:
     meta["env_change_allowed"] = dict(env_change)
-  run.checkpointer.save(run_state.iteration, run_state.train, meta, run.model_config, config_lib.to_dict(run.config))
+  run.checkpointer.save(run_state.iteration, run_state.train, meta, run.policy.model_config, config_lib.to_dict(run.config))
 
 
 def run_directory(path: Path | str, flag: str = "--checkpoint") -> Path:
@@ -94,16 +94,16 @@ def restore(run: Run) -> tuple[RunState, dict[str, Any]]:
   """The newest intact checkpoint of the run as `RunState`, and its metadata (the task iterator continues from
   it when the run has one). Raises `models.CheckpointError` if there is none."""
   # Restored straight into the learner layout: no train state is initialized first (one copy in memory).
-  restored = run.checkpointer.restore_latest(run.abstract_state, run.model_config,
+  restored = run.checkpointer.restore_latest(run.policy.abstract_state, run.policy.model_config,
                                              require={"lora": lora_settings(run.config)})
   if restored is None:
     raise models.CheckpointError(f"{run.run_dir}: no complete checkpoint under {run.run_dir / 'checkpoints'}")
   iteration, state, meta = restored
-  missing = [k for k in run.abstract_state.params if k not in state.params]
+  missing = [k for k in run.policy.abstract_state.params if k not in state.params]
   if missing:  # frozen parameters (LoRA's base policy) are not in checkpoints: from model.path or the seed
-    base = run.init_state().params
+    base = run.policy.init_state().params
     state = state.replace(params={**state.params, **{k: base[k] for k in missing}})
-  state = jax.jit(lambda x: x, out_shardings=run.layout.state_shardings, donate_argnums=0)(state)  # pinned
+  state = jax.jit(lambda x: x, out_shardings=run.policy.layout.state_shardings, donate_argnums=0)(state)  # pinned
   sharding_lib.check_replication(state.params, run.config.mesh.max_replicated_fraction)
   change = check_env_versions(run, meta.get("env"))
   if change:

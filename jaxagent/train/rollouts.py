@@ -65,20 +65,20 @@ def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], env_seeds: 
             ) -> tuple[TrainState, list[tr.Trajectory], RolloutStats]:
   """Reshards the policy into the rollout layout, rolls out, reshards back (donating each time)."""
   t0 = time.perf_counter()
-  policy = run.layout.to_rollout(state.params)
-  transfer_s = time.perf_counter() - t0 if run.layout.disaggregated else 0.0
+  policy = run.policy.layout.to_rollout(state.params)
+  transfer_s = time.perf_counter() - t0 if run.policy.layout.disaggregated else 0.0
   try:
-    source = SampledActions(run.eval_sampler if evaluation else run.sampler, policy, run.layout.rollout_key(rng),
+    source = SampledActions(run.rollout.eval_sampler if evaluation else run.rollout.sampler, policy, run.policy.layout.rollout_key(rng),
                             decode_chunk=run.config.rollout.decode_chunk, version=int(state.policy_version))
-    trajs, stats = run.engine.run(source, tasks, env_seeds, group_size=group_size,
+    trajs, stats = run.rollout.engine.run(source, tasks, env_seeds, group_size=group_size,
                                   policy_version=int(state.policy_version), branches=branches)
     stats = dataclasses.replace(stats, transfer_s=transfer_s)
   finally:
-    state = state.replace(params={**state.params, "policy": run.layout.to_learner(policy, state.params["policy"])})
+    state = state.replace(params={**state.params, "policy": run.policy.layout.to_learner(policy, state.params["policy"])})
   return state, trajs, stats
 
 
-# The sampling round of an iteration's branches (`run.rollout_key(rng, iteration, round_)`): apart from any
+# The sampling round of an iteration's branches (`run.rollout.key(rng, iteration, round_)`): apart from any
 # dynamic-sampling or rft round.
 BRANCH_ROUND = 1 << 20
 
@@ -99,14 +99,14 @@ def branch_points(cfg, tasks: Sequence[envs.Task], trajectories: Sequence[tr.Tra
 def branch_round(run: Run, state: TrainState, first: SampledRound, iteration: int
                  ) -> tuple[TrainState, list[tr.Trajectory], RolloutStats | None]:
   """The branches of an rl iteration's first round (`branch_points`), rolled out with the same policy."""
-  if not run.env_spec.deterministic:
-    raise config_lib.ConfigError(f"rollout.branch: env {run.env_spec.name!r} is not deterministic (EnvSpec."
+  if not run.interface.env_spec.deterministic:
+    raise config_lib.ConfigError(f"rollout.branch: env {run.interface.env_spec.name!r} is not deterministic (EnvSpec."
                                  "deterministic): replaying the parent's actions would not reach its state")
   points = branch_points(run.config, first.tasks, first.trajectories)
   if not points:
     return state, [], None
   state, trajs, stats = collect(run, state, [], [], group_size=run.config.train.group_size,
-                                rng=run.rollout_key(state.rng, iteration, BRANCH_ROUND), branches=points)
+                                rng=run.rollout.key(state.rng, iteration, BRANCH_ROUND), branches=points)
   return state, trajs, stats
 
 
@@ -150,12 +150,12 @@ def sample_round(run: Run, state: TrainState, supply: task_supply.TaskSupply, it
   """Round `round_` of `iteration` (the one rule rl, dynamic sampling and rft sample by): the supply's draw
   (this process's slice of the global batch), the env seeds of `seeds.episodes` (`kind` None: an rl
   iteration's round 0; "refill": dynamic sampling's; "rft": rejection sampling's), the round's sampling key
-  `run.rollout_key(state.rng, iteration, round_)`, the rollout, and the supply told how each group did."""
+  `run.rollout.key(state.rng, iteration, round_)`, the rollout, and the supply told how each group did."""
   cfg = run.config
   tasks = supply.draw(iteration, round_)
-  env_seeds = seeds.episodes(cfg.run.seed, iteration, run.rows, jax.process_index(), kind=kind, round_=round_)
+  env_seeds = seeds.episodes(cfg.run.seed, iteration, run.rows.local, jax.process_index(), kind=kind, round_=round_)
   state, trajs, stats = collect(run, state, tasks, env_seeds, group_size=cfg.train.group_size,
-                                rng=run.rollout_key(state.rng, iteration, round_))
+                                rng=run.rollout.key(state.rng, iteration, round_))
   return state, SampledRound(tasks, trajs, stats, record_outcomes(run, supply, tasks, trajs))
 
 
@@ -164,15 +164,15 @@ def over_tasks(run: Run, state: TrainState, tasks: Sequence[envs.Task], *, sampl
                evaluation: bool = False) -> tuple[TrainState, list[tuple[int, list[tr.Trajectory]]]]:
   """`samples` episodes of every task in `tasks` (the same list on every process).
 
-  Calls of `run.global_rows // samples` tasks, this process running its `run.rows // samples` of them; the last
+  Calls of `run.rows.total // samples` tasks, this process running its `run.rows.local // samples` of them; the last
   call padded with copies of its first task, which are never returned. `env_seeds(start, rows)`: the env seeds of
   this process's global rows `rows` in the call whose first task is `start`; `rng_seed(start)`: its sampling seed.
   Returns the state and, for each of this process's real tasks, (its index in `tasks`, its `samples` episodes).
   """
-  per_call, local = run.global_rows // samples, run.rows // samples
+  per_call, local = run.rows.total // samples, run.rows.local // samples
   process = jax.process_index()
   mine = range(process * local, (process + 1) * local)
-  rows = range(process * run.rows, (process + 1) * run.rows)
+  rows = range(process * run.rows.local, (process + 1) * run.rows.local)
   out = []
   for start in range(0, len(tasks), per_call):
     chunk = list(tasks[start:start + per_call])
@@ -191,7 +191,7 @@ def evaluate(run: Run, state: TrainState, split: str | None = None, episodes: in
   t0 = time.perf_counter()
   split = split or cfg.train.eval_split
   episodes = cfg.train.eval_episodes if episodes is None else episodes
-  tasks = held_out_tasks(cfg, run.env_spec, split, episodes, options)
+  tasks = held_out_tasks(cfg, run.interface.env_spec, split, episodes, options)
   state, done = over_tasks(run, state, tasks, samples=1, evaluation=True,
                            env_seeds=lambda start, rows: seeds.eval_episodes(cfg.run.seed, split, start, rows),
                            rng_seed=lambda start: seeds.eval_rng(cfg.run.seed, start))
@@ -211,8 +211,8 @@ def policy_outcomes(run_dir: Path | str, tasks: Sequence[envs.Task], samples: in
   run_dir = resume.run_directory(run_dir, "--policy")
   run = build_run(config_lib.load(run_dir / "config.yaml", list(overrides)), run_dir, purpose="eval", echo=False)
   try:
-    if samples < 1 or run.rows % samples:
-      raise config_lib.ConfigError(f"--samples {samples}: must divide the run's {run.rows} rollout rows "
+    if samples < 1 or run.rows.local % samples:
+      raise config_lib.ConfigError(f"--samples {samples}: must divide the run's {run.rows.local} rollout rows "
                                    "(train.tasks_per_iteration x train.group_size)")
     run_state, _ = resume.restore(run)
     _, done = over_tasks(run, run_state.train, tasks, samples=samples,

