@@ -1,4 +1,5 @@
-"""GRPO iteration throughput: our sync rl iteration (`jaxagent.train.rl.iteration`) vs tunix's agentic GRPO learner, in one run.
+"""GRPO iteration throughput: our sync rl iteration (`jaxagent.train.rl.iteration`) vs tunix's agentic GRPO
+learner, in one run.
 
     .venv/bin/python bench/grpo_vs_tunix.py [--tasks 4 --group 4 --iters 3] \
         [--tunix-python /tmp/tunixvenv/bin/python]

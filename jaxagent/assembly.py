@@ -200,33 +200,48 @@ def _pack(lengths: Sequence[int], length: int) -> list[list[int]]:
   return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+  """The shape and the carried fields of a batch `assemble` builds (static: every process builds batches of
+  one structure).
+
+  Attributes:
+    buckets: allowed lengths T; the batch uses the smallest that fits (ignored when `length` is given).
+    length: fixed T instead of a bucket.
+    rows: fixed B (empty rows are all padding); default: as many as needed.
+    pad_id: token id at padding.
+    pack: place several trajectories per row (segment ids 1, 2, …), first-fit decreasing.
+    thresholds: carry the recorded `sampling_thresholds` (rollouts sampled with top-k / top-p).
+    routes: carry the recorded `expert_routes` of a policy of this `RouteShape` (router replay). A trajectory
+      without routes gets -1 (routed by the learner); one recorded on a model of another shape is refused
+      (`check_routes`).
+  """
+  buckets: Sequence[int] = DEFAULT_BUCKETS
+  length: int | None = None
+  rows: int | None = None
+  pad_id: int = 0
+  pack: bool = False
+  thresholds: bool = False
+  routes: RouteShape | None = None
+
+
 def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarray | None = None, *,
-             level: Literal["trajectory", "turn", "token"] = "trajectory",
-             buckets: Sequence[int] = DEFAULT_BUCKETS, length: int | None = None, rows: int | None = None,
-             pad_id: int = 0, pack: bool = False, train: Sequence[bool] | None = None,
-             thresholds: bool = False, routes: RouteShape | None = None) -> Batch:
-  """Copies recorded token streams into a padded `Batch`.
+             level: Literal["trajectory", "turn", "token"] = "trajectory", shape: BatchShape = BatchShape(),
+             train: Sequence[bool] | None = None) -> Batch:
+  """Copies recorded token streams into a padded `Batch` of `shape`.
 
   Args:
     trajectories: the records; their `tokens`/`roles`/`loss_mask`/`behavior_logprobs` are used verbatim.
     advantages: per trajectory, by `level`: "trajectory" a scalar (e.g. GRPO), "turn" one value per turn
       (e.g. `AdvantageOutput.advantages[i]`, spread over that turn's action span), "token" one per token.
       Only loss tokens keep a non-zero advantage. None: zeros.
-    buckets: allowed lengths T; the batch uses the smallest that fits (ignored when `length` is given).
-    length: fixed T instead of a bucket.
-    rows: fixed B (empty rows are all padding); default: as many as needed.
-    pad_id: token id at padding.
-    pack: place several trajectories per row (segment ids 1, 2, …), first-fit decreasing.
+    shape: the batch's length, rows, padding, packing and carried fields (`BatchShape`).
     train: per trajectory, whether its loss tokens count (False: its tokens are in the batch, its loss mask
       and advantages are all zero; e.g. an episode ended by an infrastructure failure). Default: all True.
-    thresholds: carry the recorded `sampling_thresholds` (rollouts sampled with top-k / top-p); a static
-      choice, so that every process of a run builds batches of one structure.
-    routes: carry the recorded `expert_routes` of a policy of this `RouteShape` (router replay; static like
-      `thresholds`). A trajectory without routes gets -1 (routed by the learner); one recorded on a model of
-      another shape is refused (`check_routes`).
   Returns:
     `Batch` of numpy arrays, shapes `[B, T]`.
   """
+  length, rows, pad_id, thresholds, routes = shape.length, shape.rows, shape.pad_id, shape.thresholds, shape.routes
   if advantages is not None and len(advantages) != len(trajectories):
     raise ValueError(f"{len(advantages)} advantages for {len(trajectories)} trajectories")
   if train is not None and len(train) != len(trajectories):
@@ -234,10 +249,10 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
   lengths = [len(t) for t in trajectories]
   longest = max(lengths, default=1)
   if length is None:
-    length = bucket_length(longest, buckets)
+    length = bucket_length(longest, shape.buckets)
   elif longest > length:
     raise ValueError(f"trajectory of {longest} tokens does not fit length={length} (never truncated)")
-  layout = _pack(lengths, length) if pack else [[i] for i in range(len(trajectories))]
+  layout = _pack(lengths, length) if shape.pack else [[i] for i in range(len(trajectories))]
   b = len(layout) if rows is None else rows
   if len(layout) > b:
     raise ValueError(f"{len(trajectories)} trajectories need {len(layout)} rows > rows={rows}")

@@ -291,7 +291,20 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxagent", description=__doc__)
   parser.add_argument("--version", action="version", version=f"jaxagent {__import__('jaxagent').__version__}")
   sub = parser.add_subparsers(dest="command", required=True)
+  _add_training_verbs(sub)
+  _add_evaluation_verbs(sub)
+  _add_model_verbs(sub)
+  __import__("jaxagent.inspect_cli", fromlist=["register"]).register(sub)
+  __import__("envs.cli", fromlist=["register"]).register(sub)
+  __import__("jaxagent.tasks.cli", fromlist=["register"]).register(sub)
+  __import__("jaxagent.plan.cli", fromlist=["register"]).register(sub)
+  return parser
 
+
+
+
+def _add_training_verbs(sub) -> None:
+  """config, train, and the other paradigms' verbs (sft, rft, offline)."""
   p = sub.add_parser("config", help="print a config after defaults and overrides (validates it)")
   _add_config_args(p, required=False)
   p.set_defaults(func=_cmd_config)
@@ -334,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "negative-advantage token whose ratio is below this (0: off)")
     p.set_defaults(func=_cmd_paradigm)
 
+
+def _add_evaluation_verbs(sub) -> None:
+  """eval (held-out success, release suites) and compare."""
   p = sub.add_parser("eval", help="held-out success rate of a run's latest checkpoint; with --suite, a release "
                      "evaluation (perturbed tools, cut budgets, pass^k, exploit probes, cost) and --gate")
   p.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/)")
@@ -356,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "success, train success, mean reward)")
   p.set_defaults(func=_cmd_compare)
 
+
+def _add_model_verbs(sub) -> None:
+  """demo, convert and generate: the model and its checkpoints without training."""
   p = sub.add_parser("demo", help="tiny model through init, HF save, Orbax convert, restore, KV-cache decode")
   _add_config_args(p)
   p.set_defaults(func=_cmd_demo)
@@ -386,11 +405,6 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.set_defaults(func=_cmd_generate)
-  __import__("jaxagent.inspect_cli", fromlist=["register"]).register(sub)
-  __import__("envs.cli", fromlist=["register"]).register(sub)
-  __import__("jaxagent.tasks.cli", fromlist=["register"]).register(sub)
-  __import__("jaxagent.plan.cli", fromlist=["register"]).register(sub)
-  return parser
 
 
 def main(argv: list[str] | None = None) -> int:

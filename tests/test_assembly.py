@@ -73,7 +73,7 @@ def test_policy_tokens_are_the_sampled_bytes_and_observations_stay_plain(which, 
     for t, _ in made:
       w.write(t)
   stored = list(trajectory_store.read(tmp_path))
-  batch = assembly.assemble(stored, pack=pack, length=256 if pack else None)
+  batch = assembly.assemble(stored, shape=assembly.BatchShape(pack=pack, length=256 if pack else None))
   specials = {tok.special(n) for n in (EOT, "<bos>", "<|assistant|>", "<|tool|>")}
   for i, (t, sampled) in enumerate(made):
     row, col = np.argwhere(batch.trajectory_index == i)[0]
@@ -134,18 +134,18 @@ def test_update_batch_length_is_the_bucket_of_the_longest_and_refuses_a_too_long
   too_long = learner.batch_length(cfg("bucket", 64), trajs)   # the context: assembly names what does not fit
   assert too_long == 64
   with pytest.raises(ValueError, match="trajectory of 81 tokens does not fit length=64"):
-    assembly.assemble(trajs, level="turn", length=too_long)
+    assembly.assemble(trajs, level="turn", shape=assembly.BatchShape(length=too_long))
 
 
 def test_buckets_rows_and_no_recompile():
   trajs = [_trajectories.make(seed=s) for s in range(3)]      # 81 tokens each
   longer = _trajectories.make(seed=9, turns=(("x" * 60, "y" * 60),))
   assert assembly.assemble(trajs).shape == (3, 128)
-  assert assembly.assemble(trajs + [longer], rows=8).shape == (8, 256)
+  assert assembly.assemble(trajs + [longer], shape=assembly.BatchShape(rows=8)).shape == (8, 256)
   with pytest.raises(ValueError, match="exceeds the largest bucket"):
-    assembly.assemble([longer], buckets=(64, 128))
+    assembly.assemble([longer], shape=assembly.BatchShape(buckets=(64, 128)))
   with pytest.raises(ValueError, match="rows"):
-    assembly.assemble(trajs, rows=2)
+    assembly.assemble(trajs, shape=assembly.BatchShape(rows=2))
   traces = []
 
   @jax.jit
@@ -155,7 +155,7 @@ def test_buckets_rows_and_no_recompile():
 
   other = [_trajectories.make(seed=s, turns=(("cat b.txt", "bbb"),)) for s in range(5)]   # new data, lengths
   for group in (trajs, other):
-    consume(assembly.assemble(group, np.ones(len(group)), rows=8))
+    consume(assembly.assemble(group, np.ones(len(group)), shape=assembly.BatchShape(rows=8)))
   assert len(traces) == 1   # a second iteration with new data does not recompile
   assert len(jax.tree.leaves(assembly.assemble(trajs))) == 9
 
@@ -163,8 +163,9 @@ def test_buckets_rows_and_no_recompile():
 def test_padding_and_packing_layout():
   trajs = [_trajectories.make(seed=s, turns=(("a" * k, "b"),)) for s, k in enumerate((40, 5, 30))]
   assert [len(t) for t in trajs] == [78, 43, 68]
-  assert assembly.assemble(trajs, pack=True, length=128).shape == (2, 128)   # first-fit decreasing: 78+43, 68
-  batch = assembly.assemble(trajs, pack=True, length=256, pad_id=7)
+  # First-fit decreasing: 78+43, 68.
+  assert assembly.assemble(trajs, shape=assembly.BatchShape(pack=True, length=128)).shape == (2, 128)
+  batch = assembly.assemble(trajs, shape=assembly.BatchShape(pack=True, length=256, pad_id=7))
   assert batch.shape == (1, 256)
   seg, pos = batch.segment_ids[0], batch.positions[0]
   assert sorted(set(seg.tolist())) == [0, 1, 2, 3]

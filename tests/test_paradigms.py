@@ -21,7 +21,7 @@ from jaxagent import algos, seeds, weights
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
-from jaxagent.assembly import assemble
+from jaxagent.assembly import BatchShape, assemble
 from jaxagent.chat import make_chat
 from jaxagent.data import chats
 from jaxagent.data import trajectories as stored
@@ -64,7 +64,7 @@ def _calculator_parser(syntax="line"):
 
 def _check_masks(trajectories, chat, expected_actions):
   """The batch's loss mask is exactly the assistant actions' tokens, in the run's framing."""
-  batch = assemble(trajectories, pad_id=0)
+  batch = assemble(trajectories, shape=BatchShape(pad_id=0))
   policy = batch.roles == int(tr.Role.POLICY)
   np.testing.assert_array_equal(batch.loss_mask, policy)
   for row, (t, actions) in enumerate(zip(trajectories, expected_actions)):

@@ -173,16 +173,18 @@ def test_routes_round_trip_in_both_stored_forms_and_bad_ones_are_refused():
 def test_assembly_lays_out_routes_and_refuses_those_of_another_model_by_name():
   shape = assembly.RouteShape(sparse_layers=3, experts_per_token=2, experts=6, model="qwen3_moe")
   routes = np.random.default_rng(1).integers(0, 6, (6, 3, 2)).astype(np.int16)
-  batch = assembly.assemble([_trajectory(routes), _trajectory(None, n=4)], length=8, routes=shape)
+  batch = assembly.assemble([_trajectory(routes), _trajectory(None, n=4)],
+                           shape=assembly.BatchShape(length=8, routes=shape))
   assert batch.expert_routes.shape == (2, 8, 3, 2) and batch.expert_routes.dtype == np.int16
   np.testing.assert_array_equal(batch.expert_routes[0, :6], routes)
   assert (batch.expert_routes[0, 6:] == -1).all() and (batch.expert_routes[1] == -1).all()
-  assert assembly.assemble([_trajectory(routes)], length=8).expert_routes is None  # replay off: none carried
+  # Replay off: none carried.
+  assert assembly.assemble([_trajectory(routes)], shape=assembly.BatchShape(length=8)).expert_routes is None
   with pytest.raises(ValueError, match=r"2 sparse layers x top-2 .*this policy \(qwen3_moe\) has 3 sparse layers "
                                        r"x top-2 of 6 experts"):
-    assembly.assemble([_trajectory(routes[:, :2])], length=8, routes=shape)
+    assembly.assemble([_trajectory(routes[:, :2])], shape=assembly.BatchShape(length=8, routes=shape))
   with pytest.raises(ValueError, match=r"largest expert id 9"):
-    assembly.assemble([_trajectory(np.full((6, 3, 2), 9))], length=8, routes=shape)
+    assembly.assemble([_trajectory(np.full((6, 3, 2), 9))], shape=assembly.BatchShape(length=8, routes=shape))
   assert assembly.RouteShape.of(MOE_CONFIG).sparse_layers == 1 and assembly.RouteShape.of(
       dataclasses.replace(MOE_CONFIG, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)) is None
 

@@ -28,7 +28,7 @@ def _scripted(run, scripts, *, group_size):
   tasks = run.interface.env_spec.tasks("train", len(scripts) // group_size, 0)
   tokens = [[run.interface.chat.action_tokens(a) for a in s] for s in scripts]
   trajs, _ = run.rollout.engine.run(ScriptedActions(tokens, run.config.rollout.max_context), tasks,
-                            list(range(len(scripts))), group_size=group_size, policy_version=0)
+                                    list(range(len(scripts))), group_size=group_size, policy_version=0)
   return trajs
 
 

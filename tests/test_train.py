@@ -306,7 +306,8 @@ def test_ppo_smoke_iteration_trains_the_value_head(tmp_path):
     # last token; a completed one from 0.
     cut = [dataclasses.replace(t, termination=tr.Termination.MAX_TURNS) if i % 2 else t
            for i, t in enumerate(demos)]
-    plain = assembly.assemble(cut, length=run.config.rollout.max_context, rows=run.rows.local, pad_id=run.interface.tokenizer.pad_id)
+    plain = assembly.assemble(cut, shape=assembly.BatchShape(length=run.config.rollout.max_context, rows=run.rows.local,
+                                                             pad_id=run.interface.tokenizer.pad_id))
     values = np.asarray(run.steps.value_fn(state.params, run.policy.layout.to_global(plain)))
     returns = np.asarray(learner.prepare_batch(run, state, cut).estimate.returns)
   finally:

@@ -180,8 +180,9 @@ def run_probes(run: Run, suite: Suite, tasks: Sequence) -> dict[str, Any]:
   for start in range(0, len(episodes), run.rows.local):
     chunk = episodes[start:start + run.rows.local]
     scripts = [[run.interface.chat.action_tokens(scripted_action(run, a)) for a in actions] for *_, actions in chunk]
-    trajs, _ = run.rollout.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), [task for _, task, *_ in chunk],
-                              [seed for _, _, seed, _ in chunk], group_size=1, policy_version=-1)
+    trajs, _ = run.rollout.engine.run(ScriptedActions(scripts, cfg.rollout.max_context),
+                                      [task for _, task, *_ in chunk], [seed for _, _, seed, _ in chunk],
+                                      group_size=1, policy_version=-1)
     for (name, task, _, actions), t in zip(chunk, trajs):
       row = by_probe.setdefault(name, {"runs": 0, "passed": 0, "max_reward": 0.0, "examples": []})
       row["runs"] += 1

@@ -425,20 +425,47 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
   (`ok[b]` False): the caller ends that trajectory as context-exhausted. Rows with nothing to append cost no
   model work beyond the call's fixed shape, and when no row appends anything there is no forward at all.
   """
-  w = f.tokens.shape[1]
-  size = state.cache.size
-  # 1. New episodes: an empty row keyed by its episode.
+  state = _reset_episodes(state, f)
+  state, ok = _append_chunks(model, state, f, attention)
+  # 3. Completed prompts are remembered for forks.
+  done = f.prompt_done & ok
+  state = state.replace(prompt_logits=jnp.where(done[:, None], state.next_logits, state.prompt_logits),
+                        prompt_length=jnp.where(done, state.cache.index, state.prompt_length))
+  state = _remember_prompt_rings(state, done)
+  state, ok = _fork_prompts(state, f, ok)
+  # 5. Rows that begin an action.
+  start = f.start & ok
+  state = state.replace(
+      running=state.running | start, n=jnp.where(start, 0, state.n),
+      recent=jnp.where(start[:, None], -2, state.recent),
+      tokens=jnp.where(start[:, None], pad_id, state.tokens),
+      logprobs=jnp.where(start[:, None], 0.0, state.logprobs),
+      raw_logprobs=jnp.where(start[:, None], 0.0, state.raw_logprobs),
+      thresholds=jnp.where(start[:, None], jnp.nan, state.thresholds),
+      finish=jnp.where(start, Finish.NONE, state.finish))
+  return _constrain_state(state, mesh, rules), ok
+
+
+def _reset_episodes(state: SamplerState, f: Feed) -> SamplerState:
+  """Feed step 1. New episodes: an empty row keyed by its episode."""
   cache = state.cache
   keys = jax.vmap(lambda e: jax.random.key_data(jax.random.fold_in(state.rng, e)))(f.episode)
-  state = state.replace(
+  return state.replace(
       cache=cache.replace(segment_ids=jnp.where(f.reset[:, None], 0, cache.segment_ids),
                           index=jnp.where(f.reset, 0, cache.index)),
       next_position=jnp.where(f.reset, 0, state.next_position),
       row_key=_rows_where(f.reset, keys, state.row_key),
       prompt_length=jnp.where(f.reset, 0, state.prompt_length),
       running=state.running & ~f.reset, finish=jnp.where(f.reset, Finish.NONE, state.finish))
-  # 2. Append each row's chunk where it fits. Compact feeds gather the appending rows (and their caches) into
-  # R rows, run them and scatter them back (index B: a padding entry, dropped).
+
+
+def _append_chunks(model: models.Transformer, state: SamplerState, f: Feed, attention: str
+                   ) -> tuple[SamplerState, jax.Array]:
+  """Feed step 2. Appends each row's chunk where it fits (ok False where it does not). Compact feeds gather the
+  appending rows (and their caches) into R rows, run them and scatter them back (index B: a padding entry,
+  dropped)."""
+  w = f.tokens.shape[1]
+  size = state.cache.size
   b = state.next_position.shape[0]
   rows = jnp.arange(b) if f.rows is None else f.rows
   take = jnp.minimum(rows, b - 1)
@@ -458,15 +485,14 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
                          next_logits=state.next_logits.at[rows].set(last, mode="drop"),
                          next_position=state.next_position.at[rows].add(lengths, mode="drop"))
 
-  state = jax.lax.cond(jnp.any(lengths > 0), append, lambda s: s, state)
-  # 3. Completed prompts are remembered for forks.
-  done = f.prompt_done & ok
-  state = state.replace(prompt_logits=jnp.where(done[:, None], state.next_logits, state.prompt_logits),
-                        prompt_length=jnp.where(done, state.cache.index, state.prompt_length))
-  state = _remember_prompt_rings(state, done)
+  return jax.lax.cond(jnp.any(lengths > 0), append, lambda s: s, state), ok
 
-  # 4. Forks: the prompt's slots, logits and length of another row (its later slots stay invisible: segment 0).
-  # A source whose prompt did not fit (or is not complete) has nothing to give: that fork is refused (ok False).
+
+def _fork_prompts(state: SamplerState, f: Feed, ok: jax.Array) -> tuple[SamplerState, jax.Array]:
+  """Feed step 4. Forks: the prompt's slots, logits and length of another row (its later slots stay invisible:
+  segment 0). A source whose prompt did not fit (or is not complete) has nothing to give: that fork is refused
+  (ok False)."""
+  size = state.cache.size
   src = jnp.maximum(f.fork, 0)
   valid_fork = (f.fork >= 0) & ok[src] & (state.prompt_length[src] > 0)
   ok = ok & ((f.fork < 0) | valid_fork)
@@ -496,18 +522,7 @@ def feed(model: models.Transformer, state: SamplerState, f: Feed, *, pad_id: int
 
     return jax.lax.fori_loop(0, jnp.sum(valid_fork), copy, state)
 
-  state = jax.lax.cond(jnp.any(valid_fork), fork, lambda s: s, state)
-  # 5. Rows that begin an action.
-  start = f.start & ok
-  state = state.replace(
-      running=state.running | start, n=jnp.where(start, 0, state.n),
-      recent=jnp.where(start[:, None], -2, state.recent),
-      tokens=jnp.where(start[:, None], pad_id, state.tokens),
-      logprobs=jnp.where(start[:, None], 0.0, state.logprobs),
-      raw_logprobs=jnp.where(start[:, None], 0.0, state.raw_logprobs),
-      thresholds=jnp.where(start[:, None], jnp.nan, state.thresholds),
-      finish=jnp.where(start, Finish.NONE, state.finish))
-  return _constrain_state(state, mesh, rules), ok
+  return jax.lax.cond(jnp.any(valid_fork), fork, lambda s: s, state), ok
 
 
 def _remember_prompt_rings(state: SamplerState, done_b: jax.Array) -> SamplerState:

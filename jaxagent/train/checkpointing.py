@@ -327,16 +327,9 @@ class TrainCheckpointer:
           raise IncompatibleCheckpointError(f"{self.directory / str(step)}: cannot resume: {key} is "
                                             f"{meta.get(key)!r} in the checkpoint, {value!r} in the config")
       integrity = meta.pop(INTEGRITY_KEY, None)
-      target = _to_saveable(abstract_state, self.frozen)
-      target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                            target)
-      # The target is the state as it was saved: a run may resume with `algo.kl_coef` turned on (the
-      # checkpoint has no reference: its policy becomes one) or off (the stored reference is dropped).
-      target.pop("ref_params", None)
-      if meta.get("has_reference", False):
-        target["ref_params"] = target["params"]["policy"]
       try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+            _restore_target(abstract_state, self.frozen, meta))))
         error = None
       except Exception as e:
         error = _error(e)
@@ -356,18 +349,9 @@ class TrainCheckpointer:
                 f"has digests of an unknown algorithm {integrity.get('algorithm')!r}")
         warnings.warn(f"checkpoint {self.directory / str(step)} {what}: its state cannot be verified",
                       RuntimeWarning, stacklevel=2)
-      ref = s.get("ref_params")
-      if abstract_state.ref_params is None and ref is not None:
-        warnings.warn(f"checkpoint {self.directory / str(step)} has a KL reference policy; algo.kl_coef is 0 now, "
-                      "so it is dropped", RuntimeWarning, stacklevel=2)
-        ref = None
-      elif abstract_state.ref_params is not None and ref is None:
-        warnings.warn(f"checkpoint {self.directory / str(step)} has no KL reference policy (saved with "
-                      "algo.kl_coef = 0); its policy becomes the reference from here", RuntimeWarning, stacklevel=2)
-        ref = jax.tree.map(jnp.copy, s["params"]["policy"])  # its own buffers: the state is donated per step
       state = TrainState(params=s["params"], opt_state=s["opt_state"], step=s["step"],
                          policy_version=s["policy_version"], rng=jax.random.wrap_key_data(s["rng"]),
-                         ref_params=ref)
+                         ref_params=_reference(abstract_state, s, self.directory / str(step)))
       self._set_aside_pending = list(self.skipped)
       meta[SKIPPED_KEY] = list(self.skipped)
       meta[VERIFIED_KEY] = verified
@@ -377,6 +361,33 @@ class TrainCheckpointer:
       raise CheckpointIntegrityError(f"{self.directory}: no intact checkpoint to restore ({len(steps)} tried, "
                                      f"newest first). {detail}")
     return None
+
+
+def _restore_target(abstract_state: TrainState, frozen, meta: dict[str, Any]) -> dict[str, Any]:
+  """The structure to restore a step into: the state as it was saved. A run may resume with `algo.kl_coef`
+  turned on (the checkpoint has no reference: its policy becomes one) or off (the stored reference is dropped)."""
+  target = _to_saveable(abstract_state, frozen)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        target)
+  target.pop("ref_params", None)
+  if meta.get("has_reference", False):
+    target["ref_params"] = target["params"]["policy"]
+  return target
+
+
+def _reference(abstract_state: TrainState, restored: dict[str, Any], where: Path):
+  """The restored KL reference as the run now wants it: dropped when algo.kl_coef is 0 now, the checkpoint's
+  policy when the checkpoint has none (each with a warning)."""
+  ref = restored.get("ref_params")
+  if abstract_state.ref_params is None and ref is not None:
+    warnings.warn(f"checkpoint {where} has a KL reference policy; algo.kl_coef is 0 now, so it is dropped",
+                  RuntimeWarning, stacklevel=3)
+    return None
+  if abstract_state.ref_params is not None and ref is None:
+    warnings.warn(f"checkpoint {where} has no KL reference policy (saved with algo.kl_coef = 0); its policy "
+                  "becomes the reference from here", RuntimeWarning, stacklevel=3)
+    return jax.tree.map(jnp.copy, restored["params"]["policy"])  # its own buffers: the state is donated per step
+  return ref
 
 
 def _check_compatible(stored: dict[str, Any], current: dict[str, Any], where: Path) -> None:

@@ -203,7 +203,8 @@ class Freshness:
       self._top_up()
     stats = self.stream.stats()
     curriculum = record_outcomes(run, self.supply, [self.slots.pop(slot).task for slot, _ in taken], trajs)
-    counts = episode_counts(trajs, replays=run.rollout.pool.replays, replay_divergences=run.rollout.pool.replay_divergences)
+    pool = run.rollout.pool
+    counts = episode_counts(trajs, replays=pool.replays, replay_divergences=pool.replay_divergences)
     counters = metrics_lib.advance(run_state.counters, env_interactions=stats.env_steps,
                                    action_tokens=stats.action_tokens,
                                    device_s=stats.decode_s + stats.extend_s + learn_s)

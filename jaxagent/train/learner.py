@@ -25,7 +25,8 @@ from jaxagent import algos, multihost
 from jaxagent import buckets as buckets_lib
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
-from jaxagent.assembly import Batch, RouteShape, advantage_inputs, assemble, step_group_indices, turn_rewards
+from jaxagent.assembly import (Batch, BatchShape, RouteShape, advantage_inputs, assemble, step_group_indices,
+                               turn_rewards)
 from jaxagent.config import Config
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.rollouts import trained_rows
@@ -122,9 +123,10 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
   train = infrastructure_ok & kept
   rewards_ns, mask_ns, group_ids = advantage_inputs(trajectories, steps=cfg.env.max_turns, gamma=cfg.algo.gamma)
   mask_ns &= train[:, None]  # excluded rows: no valid step, so in no group statistic and without advantage
-  layout = dict(length=batch_length(cfg, trajectories), rows=run.rows.train, pad_id=run.interface.tokenizer.pad_id,
-                thresholds=config_lib.truncates(cfg.rollout),
-                routes=RouteShape.of(run.policy.model.config) if replays_routes(cfg, run.policy.model.config) else None)
+  routes = RouteShape.of(run.policy.model.config) if replays_routes(cfg, run.policy.model.config) else None
+  batch_shape = BatchShape(length=batch_length(cfg, trajectories), rows=run.rows.train,
+                           pad_id=run.interface.tokenizer.pad_id, thresholds=config_lib.truncates(cfg.rollout),
+                           routes=routes)
   values_ns = bootstrap_n = value_targets = None
   if cfg.algo.name == "ppo":
     # V(s_t) is read at the token before action t; V(s_T) of a cut-off episode at its last token (unpacked
@@ -133,7 +135,7 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     for i, t in enumerate(trajectories):
       for j, turn in enumerate(t.turns):
         state_pos[i, j] = turn.action.span[0] - 1
-    plain = assemble(trajectories, **layout)
+    plain = assemble(trajectories, shape=batch_shape)
     values_bt = multihost.local_rows(run.steps.value_fn(state.params, run.policy.layout.to_global(plain)))
     rows = np.arange(len(trajectories))
     values_ns = np.where(mask_ns, values_bt[rows[:, None], state_pos], 0.0)
@@ -145,7 +147,7 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
   if cfg.algo.turn_reward_weight:
     adv_ns = adv_ns + _turn_advantages(cfg, trajectories, mask_ns, group_ids)
   batch = assemble(trajectories, [adv_ns[i, :len(t.turns)] for i, t in enumerate(trajectories)], level="turn",
-                   train=train, **layout)
+                   shape=batch_shape, train=train)
   value_normalizer = 0.0
   if values_ns is not None:
     shape = batch.tokens.shape
@@ -208,5 +210,5 @@ def update(run: Run, state: TrainState, prepared: Prepared) -> tuple[TrainState,
   """`train.updates_per_iteration` jitted steps on one prepared batch; metrics of the last one (on the host)."""
   for _ in range(run.config.train.updates_per_iteration):
     state, m = run.steps.rl(state, prepared.batch, jnp.float32(prepared.normalizer), prepared.value_targets,
-                           jnp.float32(prepared.value_normalizer))
+                            jnp.float32(prepared.value_normalizer))
   return state, jax.device_get(m)

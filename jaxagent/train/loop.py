@@ -64,7 +64,8 @@ def scripted_action(run: Run, line: str) -> str:
   if run.interface.syntax == "line":
     return line
   text = run.interface.action_parser.format(run.interface.env_info.parser.parse(line))
-  run.interface.action_parser.parse(text)  # a demonstration the env would refuse is an error here, not a silent BC target
+  # A demonstration the env would refuse is an error here, not a silent BC target.
+  run.interface.action_parser.parse(text)
   return text
 
 
@@ -85,7 +86,7 @@ def demonstrations(run: Run, n: int, seed: int, options: Mapping[str, Any] | Non
                 for a in run.interface.env_spec.demo(task, start + k, **dict(cfg.env.demo_options or {}))]
                for k, task in enumerate(chunk)]
     trajs, _ = run.rollout.engine.run(ScriptedActions(scripts, cfg.rollout.max_context), chunk,
-                              list(range(start, start + len(chunk))), group_size=1, policy_version=-1)
+                                      list(range(start, start + len(chunk))), group_size=1, policy_version=-1)
     out += [dataclasses.replace(t, metadata={**t.metadata, "source": "scripted_demo"}) for t in trajs]
   return out
 
@@ -112,7 +113,8 @@ def behavior_cloning(run: Run, state: TrainState, logger: metrics_lib.MetricsLog
     pick = rng.choice(len(demos), train.bc_batch_size, replace=False)
     mine = pick[jax.process_index() * run.rows.bc:(jax.process_index() + 1) * run.rows.bc]
     batch = paradigms.supervised_batch(run, [demos[i] for i in mine])
-    state, m = run.steps.bc(state, run.policy.layout.to_global(batch), jnp.float32(paradigms.loss_normalizer(run, batch)))
+    normalizer = jnp.float32(paradigms.loss_normalizer(run, batch))
+    state, m = run.steps.bc(state, run.policy.layout.to_global(batch), normalizer)
     if step % 10 == 0 or step == end - 1:
       m = jax.device_get(m)
       # The last step's line also has the stage's wall time (demonstrations included; a resumed stage: since

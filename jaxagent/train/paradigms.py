@@ -35,7 +35,7 @@ from jaxagent import algos, multihost, seeds
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
-from jaxagent.assembly import assemble
+from jaxagent.assembly import BatchShape, assemble
 from jaxagent.data import chats
 from jaxagent.data import trajectories as stored
 from jaxagent.train import metrics as metrics_lib
@@ -181,8 +181,9 @@ def supervised_batch(run: Run, trajectories, advantages=None):
   `learner.batch_length` picks (every process calls it)."""
   cfg = run.config
   # Offline iw_pg scores logged tokens as the rollout samples (thresholds included); behavior cloning does not.
-  return assemble(trajectories, advantages, level="turn", length=learner.batch_length(cfg, trajectories),
-                  rows=run.rows.bc, pad_id=run.interface.tokenizer.pad_id, thresholds=advantages is not None and config_lib.truncates(cfg.rollout))
+  return assemble(trajectories, advantages, level="turn", shape=BatchShape(
+      length=learner.batch_length(cfg, trajectories), rows=run.rows.bc, pad_id=run.interface.tokenizer.pad_id,
+      thresholds=advantages is not None and config_lib.truncates(cfg.rollout)))
 
 
 def loss_normalizer(run: Run, batch) -> float:

@@ -1,6 +1,7 @@
 """Checkpoints of a run and resuming from them: what a checkpoint's metadata holds besides the train state
 (iteration, curriculum stage, counters, task-iterator state, env and library versions, trajectory shards,
-LoRA settings, the monitors' windows), and the checks a resume makes (env unchanged, same LoRA settings, stage in range).
+LoRA settings, the monitors' windows), and the checks a resume makes (env unchanged, same LoRA settings, stage in
+range).
 
   save(run, run_state, writer)   -> None                    (asynchronous; `run.checkpointer` waits on close)
   restore(run)                  -> RunState, metadata     (the newest intact checkpoint)
@@ -43,7 +44,8 @@ def save(run: Run, run_state: RunState, writer: trajectory_store.TrajectoryWrite
           "lora": lora_settings(run.config)}
   if env_change:
     meta["env_change_allowed"] = dict(env_change)
-  run.checkpointer.save(run_state.iteration, run_state.train, meta, run.policy.model_config, config_lib.to_dict(run.config))
+  run.checkpointer.save(run_state.iteration, run_state.train, meta, run.policy.model_config,
+                        config_lib.to_dict(run.config))
 
 
 def run_directory(path: Path | str, flag: str = "--checkpoint") -> Path:

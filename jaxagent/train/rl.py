@@ -111,13 +111,15 @@ def iteration(run: Run, run_state: RunState) -> tuple[RunState, IterationRecord]
   stage = timer.pop()
   # Env determinism measured too: episodes replayed after a worker restart and how many diverged, since this
   # process started.
-  counts = episode_counts(sampled, replays=run.rollout.pool.replays, replay_divergences=run.rollout.pool.replay_divergences,
+  pool = run.rollout.pool
+  counts = episode_counts(sampled, replays=pool.replays, replay_divergences=pool.replay_divergences,
                           env_steps=stats.env_steps + extra_steps, action_tokens=stats.action_tokens + extra_tokens)
   counters = metrics_lib.advance(run_state.counters, env_interactions=counts["env_steps"],
                                  action_tokens=counts["action_tokens"],
                                  device_s=stats.decode_s + stats.extend_s + stage.get("time/update_s", 0.0))
   out = {**policy_metrics(run, sampled, prepared, m, counts, grouped=trajs is sampled),
-         **rollout_times(stats), **({"time/weight_transfer_s": stats.transfer_s} if run.policy.layout.disaggregated else {}),
+         **rollout_times(stats),
+         **({"time/weight_transfer_s": stats.transfer_s} if run.policy.layout.disaggregated else {}),
          **metrics_lib.device_memory(), **stage, **curriculum, **extra,
          "env/replays": int(counts["replays"]), "env/replay_divergences": int(counts["replay_divergences"])}
   stored = [learner.stored(t, why) for t, why in zip(trajs, prepared.excluded)]

@@ -68,13 +68,15 @@ def collect(run: Run, state: TrainState, tasks: Sequence[envs.Task], env_seeds: 
   policy = run.policy.layout.to_rollout(state.params)
   transfer_s = time.perf_counter() - t0 if run.policy.layout.disaggregated else 0.0
   try:
-    source = SampledActions(run.rollout.eval_sampler if evaluation else run.rollout.sampler, policy, run.policy.layout.rollout_key(rng),
+    sampler = run.rollout.eval_sampler if evaluation else run.rollout.sampler
+    source = SampledActions(sampler, policy, run.policy.layout.rollout_key(rng),
                             decode_chunk=run.config.rollout.decode_chunk, version=int(state.policy_version))
     trajs, stats = run.rollout.engine.run(source, tasks, env_seeds, group_size=group_size,
-                                  policy_version=int(state.policy_version), branches=branches)
+                                          policy_version=int(state.policy_version), branches=branches)
     stats = dataclasses.replace(stats, transfer_s=transfer_s)
   finally:
-    state = state.replace(params={**state.params, "policy": run.policy.layout.to_learner(policy, state.params["policy"])})
+    learner_policy = run.policy.layout.to_learner(policy, state.params["policy"])
+    state = state.replace(params={**state.params, "policy": learner_policy})
   return state, trajs, stats
 
 
