@@ -54,7 +54,7 @@ ENV, MAX_TURNS, OBS_TOKENS, MAX_CONTEXT, LR = "guess", 2, 16, 128, 1e-4
 
 def run_ours(args) -> dict:
   from jaxagent import config as config_lib
-  from jaxagent.rollout import engine as engine_lib
+  from jaxagent.rollout import actors
   from jaxagent.rollout.sampler import Finish
   from jaxagent.train import rl
   from jaxagent.train.run import build_run
@@ -75,13 +75,13 @@ def run_ours(args) -> dict:
   run = build_run(cfg, run_dir, echo=False)
   progress = run.new_state()
 
-  actions = engine_lib.SampledActions._actions
+  actions = actors.SampledActions._actions
 
   def actions_budget_is_stop(self, running):  # see the module docstring
     return {i: a if a.finish != Finish.BUDGET else dataclasses.replace(a, finish=Finish.STOP)
             for i, a in actions(self, running).items()}
 
-  engine_lib.SampledActions._actions = actions_budget_is_stop
+  actors.SampledActions._actions = actions_budget_is_stop
   seen = []
   engine_run = run.rollout.engine.run
 

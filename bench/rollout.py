@@ -38,7 +38,8 @@ import envs  # noqa: E402
 import models  # noqa: E402
 from jaxagent import config as config_lib  # noqa: E402
 from jaxagent.chat import ControlTokenChat  # noqa: E402
-from jaxagent.rollout.engine import RolloutEngine, SampledActions  # noqa: E402
+from jaxagent.rollout.actors import SampledActions  # noqa: E402
+from jaxagent.rollout.engine import RolloutEngine  # noqa: E402
 from jaxagent.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
 
 MODES = (("lockstep", "lockstep", "host_loop"), ("continuous", "continuous", "host_loop"),

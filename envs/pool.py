@@ -514,6 +514,21 @@ class Pool:
         raise ReplayDiverged(f"{what} answered {got[0]!r:.120}, the episode saw {s.seen[k][0]!r:.120}")
     s.generation = gen
 
+  @property
+  def num_slots(self) -> int:
+    return len(self.slots)
+
+  def slot_worker(self, slot: int) -> int:
+    """The index of the worker that runs `slot`'s env instance."""
+    self._check_slot(slot)
+    return self.slots[slot].worker
+
+  def slot_termination(self, slot: int) -> Termination | None:
+    """How `slot`'s episode ended, as the pool decided it (a reset or step the pool answered for a failed worker,
+    the env's own end); None while it runs."""
+    self._check_slot(slot)
+    return self.slots[slot].termination
+
   def worker_pids(self) -> list[int | None]:
     return [w.pid() for w in self.workers]
 

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from jaxagent import config as config_lib  # noqa: E402
 from jaxagent import seeds  # noqa: E402
-from jaxagent.rollout import engine as engine_lib  # noqa: E402
+from jaxagent.rollout import actors, scheduler  # noqa: E402
 from jaxagent.rollout.sampler import Finish  # noqa: E402
 from jaxagent.train import rollouts  # noqa: E402
 from jaxagent.train.run import build_run  # noqa: E402
@@ -43,26 +43,26 @@ def main(argv: list[str]) -> int:
   # An untrained policy's actions run into the turn budget, which ends the episode after one turn. Handed to
   # the env instead (as bench/grpo_vs_tunix.py does), they are invalid actions answered with an error
   # observation: every episode runs `env.max_turns` turns, so frames are fed and envs stepped mid-program.
-  finished = engine_lib.finished_actions
+  finished = actors.finished_actions
 
   def budget_is_stop(*args):
     return {i: a if a.finish != Finish.BUDGET else dataclasses.replace(a, finish=Finish.STOP)
             for i, a in finished(*args).items()}
 
-  engine_lib.finished_actions = budget_is_stop
+  actors.finished_actions = budget_is_stop
   try:
     state = run.policy.init_state()
     # One round's tasks and env seeds (this process's share of the global batch), rolled out twice.
     tasks = run.new_supplies().for_stage(0).draw(0, 0)
     env_seeds = seeds.episodes(cfg.run.seed, 0, run.rows.local, jax.process_index())
     records, walls = {}, {"host_loop": [], "callback": []}
-    exchange, calls = engine_lib._Scheduler.exchange, []  # the program's host exchanges, per pass
+    exchange, calls = scheduler.Scheduler.exchange, []  # the program's host exchanges, per pass
 
     def counted(self, *args):
       calls[-1] += 1
       return exchange(self, *args)
 
-    engine_lib._Scheduler.exchange = counted
+    scheduler.Scheduler.exchange = counted
     for transport in ("host_loop", "callback") * 2:  # the second pass is warm: its times are the comparison
       run.rollout.engine.transport = transport
       calls.append(0)

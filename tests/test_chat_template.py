@@ -12,7 +12,8 @@ import models
 from envs.builtin.calculator import CalculatorEnv
 from jaxagent import trajectory as tr
 from jaxagent.chat import ControlTokenChat, TemplateChat, TemplateError, make_chat
-from jaxagent.rollout.engine import RolloutEngine, ScriptedActions
+from jaxagent.rollout.actors import ScriptedActions
+from jaxagent.rollout.engine import RolloutEngine
 
 TOOLS = [t.schema() for t in CalculatorEnv.parser.tools]
 JSON = CalculatorEnv.parser.with_syntax("json")

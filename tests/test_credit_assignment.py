@@ -182,7 +182,9 @@ def test_branches_continue_their_parent_and_equal_a_brute_force_replay():
   import models
   from envs.builtin import sokoban
   from jaxagent.chat import ControlTokenChat
-  from jaxagent.rollout.engine import Branch, RolloutEngine, ScriptedActions
+  from jaxagent.rollout.actors import ScriptedActions
+  from jaxagent.rollout.engine import RolloutEngine
+  from jaxagent.rollout.episodes import Branch
   chat = ControlTokenChat(models.ByteTokenizer(), max_observation_tokens=40)
   spec = envs.get("sokoban")
   task = next(t for t in sokoban.tasks("train", 20, 0) if t.payload["moves"] >= 3)

@@ -22,7 +22,8 @@ from jaxagent import config as config_lib
 from jaxagent import trajectory_store
 from jaxagent.chat import ControlTokenChat
 from jaxagent.evals import compare
-from jaxagent.rollout.engine import RolloutEngine, RolloutStream, SampledActions
+from jaxagent.rollout.actors import SampledActions
+from jaxagent.rollout.engine import RolloutEngine, RolloutStream
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import freshness, loop
 from jaxagent.train import metrics as metrics_lib

@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DRIVER = """
 import json, sys
 from jaxagent import cli
-from jaxagent.rollout import engine
-actions, sampled = engine.SampledActions._actions, []
+from jaxagent.rollout import actors
+actions, sampled = actors.SampledActions._actions, []
 def recording_actions(self, running):
   out = actions(self, running)
   sampled.extend(list(a.tokens) for a in out.values())
   return out
-engine.SampledActions._actions = recording_actions
+actors.SampledActions._actions = recording_actions
 code = cli.main(sys.argv[2:])
 open(sys.argv[1], "w").write(json.dumps(sampled))
 sys.exit(code)

@@ -14,8 +14,9 @@ from jaxagent import assembly
 from jaxagent import trajectory as tr
 from jaxagent import mesh_rules
 from jaxagent.chat import ControlTokenChat
-from jaxagent.rollout import engine as engine_lib
-from jaxagent.rollout.engine import RolloutEngine, SampledActions
+from jaxagent import config as config_lib
+from jaxagent.rollout.actors import SampledActions
+from jaxagent.rollout.engine import RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from tests.test_advantages import estimate
 
@@ -102,7 +103,7 @@ def test_same_trajectories_under_every_transport_schedule_and_slot_count():
   tasks = FAULTS.tasks("train", 6, 0)
   runs = {(transport, schedule, slots): _run(sampler, params, tasks, slots=slots, group_size=2,
                                              schedule=schedule, transport=transport)[0]
-          for transport in engine_lib.TRANSPORTS for schedule, slots in (("continuous", 5), ("lockstep", 12))}
+          for transport in config_lib.TRANSPORTS for schedule, slots in (("continuous", 5), ("lockstep", 12))}
   reference = runs["host_loop", "continuous", 5]
   assert len({tuple(t.tokens) for t in reference}) > 6  # the G samples of a task differ
   for key, trajs in runs.items():
@@ -119,7 +120,7 @@ def test_same_trajectories_under_every_transport_schedule_and_slot_count():
 
 def test_callback_program_with_the_batch_sharded_over_devices_equals_host_loop():
   """The callback transport with the batch in 8 row blocks (one per device): the program calls the host once
-  per block, concurrently; the blocks meet in one exchange (`engine._BlockExchange`) and get their own rows'
+  per block, concurrently; the blocks meet in one exchange (`actors._BlockExchange`) and get their own rows'
   feeds back. Same trajectories as host_loop on the same mesh."""
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(8, 1, 1), ("data", "fsdp", "tensor"))
   model = models.Transformer(SMALL, rngs=nnx.Rngs(0))
@@ -206,14 +207,14 @@ def test_a_row_left_waiting_for_a_prompt_copy_whose_source_ended_is_fed_in_the_s
   must carry B's prompt; a plan that noticed it only after building the feed came back empty and the host loop
   stopped with "rollout stalled"."""
   import types
-  from jaxagent.rollout import engine as engine_lib
+  from jaxagent.rollout import episodes, scheduler
   fake_engine = types.SimpleNamespace(pool=types.SimpleNamespace(worker_pids=lambda: [None]),
                                       chat=types.SimpleNamespace(tokenizer=types.SimpleNamespace(pad_id=0)),
                                       schedule="continuous", slots=2)
   actor = types.SimpleNamespace(width=16, width_for=lambda n: 16)
-  waiting = engine_lib._Episode(index=1, task=None, seed=0, group_id="g", state=engine_lib._State.FEEDING, slot=0,
-                                prompt=(5, 6, 7))
-  sched = engine_lib._Scheduler(fake_engine, actor, [waiting], policy_version=0)
+  waiting = episodes.Episode(index=1, task=None, seed=0, group_id="g", state=episodes.EpisodeState.FEEDING, slot=0,
+                             prompt=(5, 6, 7))
+  sched = scheduler.Scheduler(fake_engine, actor, [waiting], policy_version=0)
   sched.slot_episode[0] = waiting  # A (slot 1) ended: nothing resident, nothing prefilling
   feed, plan = sched._plan()
   assert feed is not None and [(kind, n) for _, kind, n in plan] == [("prompt", 3)]

@@ -16,7 +16,7 @@ from jaxagent import cli
 from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent.rollout import sampler as sampler_lib
-from jaxagent.rollout.engine import ScriptedActions
+from jaxagent.rollout.actors import ScriptedActions
 from jaxagent.train import learner, loop, resume, rollouts
 from jaxagent.train import run as run_lib
 from tests import test_envs_plugin

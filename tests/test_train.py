@@ -410,7 +410,7 @@ def test_dynamic_sampling_refills_zero_variance_groups_within_its_bound(tmp_path
   """Selection logic on scripted rewards: flat slots take varied groups of later rounds in the same slot;
   rounds are bounded and counted."""
   from types import SimpleNamespace
-  from jaxagent.rollout.engine import RolloutStats
+  from jaxagent.rollout.episodes import RolloutStats
   run, progress = _run(tmp_path, "train.tasks_per_iteration=3", "train.group_size=2", "train.dynamic_sampling=true",
                        "train.dynamic_sampling_rounds=2", "train.eval_episodes=0")
   # Rewards per round (3 groups of 2): round 0 has one varied group, round 1 one more, round 2 none. None: a

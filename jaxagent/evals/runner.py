@@ -36,7 +36,7 @@ from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
 from jaxagent.evals import report as report_lib
 from jaxagent.evals.suite import Condition, Suite
-from jaxagent.rollout.engine import ScriptedActions
+from jaxagent.rollout.actors import ScriptedActions
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import resume
 from jaxagent.train.loop import scripted_action

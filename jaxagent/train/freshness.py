@@ -42,7 +42,8 @@ import envs
 from jaxagent import seeds
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
-from jaxagent.rollout.engine import RolloutStream, SampledActions
+from jaxagent.rollout.actors import SampledActions
+from jaxagent.rollout.engine import RolloutStream
 from jaxagent.train import learner
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.records import IterationRecord, policy_metrics, rollout_times

@@ -37,7 +37,7 @@ from jaxagent import config as config_lib
 from jaxagent import trajectory as tr
 from jaxagent import trajectory_store
 from jaxagent.config import Config
-from jaxagent.rollout.engine import ScriptedActions
+from jaxagent.rollout.actors import ScriptedActions
 from jaxagent.train import hooks as hooks_lib
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import freshness, paradigms, rl

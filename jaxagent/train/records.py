@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxagent import multihost
 from jaxagent import trajectory as tr
-from jaxagent.rollout.engine import RolloutStats
+from jaxagent.rollout.episodes import RolloutStats
 from jaxagent.train import learner, monitors
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train.run import Run

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxagent import multihost
 from jaxagent import trajectory as tr
-from jaxagent.rollout.engine import RolloutStats
+from jaxagent.rollout.episodes import RolloutStats
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import learner
 from jaxagent.train import metrics as metrics_lib

@@ -28,7 +28,8 @@ import envs
 from jaxagent import config as config_lib
 from jaxagent import multihost, seeds
 from jaxagent import trajectory as tr
-from jaxagent.rollout.engine import Branch, RolloutStats, SampledActions
+from jaxagent.rollout.actors import SampledActions
+from jaxagent.rollout.episodes import Branch, RolloutStats
 from jaxagent.tasks import supply as task_supply
 from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import resume

@@ -37,7 +37,8 @@ from jaxagent import config as config_lib
 from jaxagent import sharding as sharding_lib
 from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateError, make_chat
 from jaxagent.config import Config
-from jaxagent.rollout.engine import ROUTES_NEED_HOST_LOOP, RolloutEngine
+from jaxagent.rollout.actors import ROUTES_NEED_HOST_LOOP
+from jaxagent.rollout.engine import RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.tasks import contamination, pipeline
 from jaxagent.tasks import supply as task_supply
