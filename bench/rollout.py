@@ -39,7 +39,7 @@ import models  # noqa: E402
 from jaxagent import config as config_lib  # noqa: E402
 from jaxagent.chat import ControlTokenChat  # noqa: E402
 from jaxagent.rollout.actors import SampledActions  # noqa: E402
-from jaxagent.rollout.engine import RolloutEngine  # noqa: E402
+from jaxagent.rollout.engine import EpisodeRules, RolloutEngine  # noqa: E402
 from jaxagent.rollout.sampler import Sampler, SamplingConfig  # noqa: E402
 
 MODES = (("lockstep", "lockstep", "host_loop"), ("continuous", "continuous", "host_loop"),
@@ -47,7 +47,8 @@ MODES = (("lockstep", "lockstep", "host_loop"), ("continuous", "continuous", "ho
 
 
 def run_mode(pool, sampler, params, chat, tasks, group, turns, schedule, transport, decode_chunk):
-  engine = RolloutEngine(pool, envs.get("faults"), chat, max_turns=turns, schedule=schedule, transport=transport)
+  engine = RolloutEngine(pool, envs.get("faults"), chat,
+                         EpisodeRules(max_turns=turns, schedule=schedule, transport=transport))
   seeds = list(range(len(tasks) * group))
   t0 = time.perf_counter()
   trajs, stats = engine.run(SampledActions(sampler, params, jax.random.key(0), decode_chunk=decode_chunk), tasks,

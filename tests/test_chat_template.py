@@ -13,7 +13,7 @@ from envs.builtin.calculator import CalculatorEnv
 from jaxagent import trajectory as tr
 from jaxagent.chat import ControlTokenChat, TemplateChat, TemplateError, make_chat
 from jaxagent.rollout.actors import ScriptedActions
-from jaxagent.rollout.engine import RolloutEngine
+from jaxagent.rollout.engine import EpisodeRules, RolloutEngine
 
 TOOLS = [t.schema() for t in CalculatorEnv.parser.tools]
 JSON = CalculatorEnv.parser.with_syntax("json")
@@ -138,7 +138,8 @@ def test_engine_records_template_tokens_reasoning_and_tool_replies_by_role(tok, 
   task = envs.get("calculator").tasks("train", 1, 0)[0]
   task = envs.Task(task.id, "train", {**task.payload, "question": "3*4+5"}, task.version)
   with envs.pool.Pool(config, num_slots=1) as pool:
-    engine = RolloutEngine(pool, envs.get("calculator"), chat, max_turns=4, train_reasoning=train_reasoning)
+    engine = RolloutEngine(pool, envs.get("calculator"), chat,
+                           EpisodeRules(max_turns=4, train_reasoning=train_reasoning))
     (t,), _ = engine.run(ScriptedActions([script], 1024), [task], [0], group_size=1, policy_version=0)
   assert t.termination == envs.Termination.COMPLETED and t.verifier.passed
   assert t.reasoning == tr.Reasoning(kept=True, trained=train_reasoning)

@@ -183,7 +183,7 @@ def test_branches_continue_their_parent_and_equal_a_brute_force_replay():
   from envs.builtin import sokoban
   from jaxagent.chat import ControlTokenChat
   from jaxagent.rollout.actors import ScriptedActions
-  from jaxagent.rollout.engine import RolloutEngine
+  from jaxagent.rollout.engine import EpisodeRules, RolloutEngine
   from jaxagent.rollout.episodes import Branch
   chat = ControlTokenChat(models.ByteTokenizer(), max_observation_tokens=40)
   spec = envs.get("sokoban")
@@ -199,7 +199,7 @@ def test_branches_continue_their_parent_and_equal_a_brute_force_replay():
   from_two = [f"move {m}" for m in sokoban.solve(p["room"], probe.player, probe.boxes, p["goals"])]
   cont = [from_two, ["move right"] * 2 + solution]  # two continuations from turn 2: one solves it
   with envs.pool.make_pool(2, env="sokoban", kind="inprocess") as pool:
-    engine = RolloutEngine(pool, spec, chat, max_turns=12)
+    engine = RolloutEngine(pool, spec, chat, EpisodeRules(max_turns=12))
     script = lambda acts: [chat.action_tokens(a) for a in acts]
     (parent,), _ = engine.run(ScriptedActions([script(parent_actions)], 1024), [task], [7], group_size=1,
                               policy_version=0)

@@ -23,7 +23,7 @@ from jaxagent import trajectory_store
 from jaxagent.chat import ControlTokenChat
 from jaxagent.evals import compare
 from jaxagent.rollout.actors import SampledActions
-from jaxagent.rollout.engine import RolloutEngine, RolloutStream
+from jaxagent.rollout.engine import EpisodeRules, RolloutEngine, RolloutStream
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.train import freshness, loop
 from jaxagent.train import metrics as metrics_lib
@@ -52,7 +52,7 @@ def _sampler(stops, max_new_tokens=8, seed=0):
 
 
 def _stream(pool, sampler, params, *, track_cache=False, chunk=4):
-  engine = RolloutEngine(pool, FAULTS, CHAT, max_turns=3)
+  engine = RolloutEngine(pool, FAULTS, CHAT, EpisodeRules(max_turns=3))
   actor = SampledActions(sampler, params, jax.random.key(3), decode_chunk=chunk, track_cache=track_cache)
   return RolloutStream(engine, actor, group_size=2)
 
@@ -75,7 +75,7 @@ def test_a_stream_without_updates_samples_what_one_rollout_samples():
   tasks = FAULTS.tasks("train", 4, 0)
   seeds = list(range(8))
   with envs.pool.make_pool(4, env="faults", kind="inprocess") as pool:
-    engine = RolloutEngine(pool, FAULTS, CHAT, max_turns=3)
+    engine = RolloutEngine(pool, FAULTS, CHAT, EpisodeRules(max_turns=3))
     ref, _ = engine.run(SampledActions(sampler, params, jax.random.key(3), decode_chunk=4), tasks, seeds,
                         group_size=2, policy_version=0)
     stream = _stream(pool, sampler, params)

@@ -16,7 +16,7 @@ from jaxagent import mesh_rules
 from jaxagent.chat import ControlTokenChat
 from jaxagent import config as config_lib
 from jaxagent.rollout.actors import SampledActions
-from jaxagent.rollout.engine import RolloutEngine
+from jaxagent.rollout.engine import EpisodeRules, RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from tests.test_advantages import estimate
 
@@ -35,7 +35,7 @@ def test_failed_reset_ends_the_episode_before_any_turn_and_is_never_trained():
   tasks = FAULTS.tasks("train", 2, 0)
   tasks[1] = dataclasses.replace(tasks[1], payload={"reset": "raise"})
   with envs.pool.make_pool(4, env="faults", kind="inprocess") as pool:
-    engine = RolloutEngine(pool, FAULTS, chat, max_turns=2)
+    engine = RolloutEngine(pool, FAULTS, chat, EpisodeRules(max_turns=2))
     source = SampledActions(sampler, nnx.split(model)[1], jax.random.key(0))
     trajs, stats = engine.run(source, tasks, [0, 1, 2, 3], group_size=2, policy_version=0)
 
@@ -78,7 +78,8 @@ def _run(sampler, params, tasks, *, slots, group_size=1, max_turns=3, schedule="
          transport="host_loop", seeds=None):
   seeds = list(range(len(tasks) * group_size)) if seeds is None else seeds
   with envs.pool.make_pool(slots, env="faults", kind="inprocess") as pool:
-    engine = RolloutEngine(pool, FAULTS, CHAT, max_turns=max_turns, schedule=schedule, transport=transport)
+    engine = RolloutEngine(pool, FAULTS, CHAT, EpisodeRules(max_turns=max_turns, schedule=schedule,
+                                                            transport=transport))
     return engine.run(SampledActions(sampler, params, jax.random.key(3), decode_chunk=4), tasks, seeds,
                       group_size=group_size, policy_version=0)
 

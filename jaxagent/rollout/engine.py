@@ -52,13 +52,11 @@ _ERROR_REPLIES = (envs.Outcome.PARSER_REJECTED_CONTINUED, envs.Outcome.INVALID_A
 _INVALID = (envs.Outcome.PARSER_REJECTED, envs.Outcome.INVALID_ACTION) + _ERROR_REPLIES
 
 
-class RolloutEngine:
-  """Runs quotas of multi-turn episodes through the env pool's slots.
+@dataclasses.dataclass(frozen=True)
+class EpisodeRules:
+  """How the engine runs and records episodes.
 
-  Args:
-    pool: env pool; its slots are the decode slots (one env instance per slot, reused by later episodes).
-    env_spec: the environment's registry entry (name, version).
-    chat: frames prompts and observations, ends and decodes actions.
+  Attributes:
     max_turns: hard bound on turns per episode.
     gamma: discount for the recorded return.
     invalid_action_rule: as configured on the pool (recorded on every trajectory).
@@ -67,16 +65,36 @@ class RolloutEngine:
       "lockstep" (waves of `slots` episodes, every turn waits for the whole wave).
     transport: "host_loop" or "callback" (see the module docstring); scripted actors always use host_loop.
   """
+  max_turns: int
+  gamma: float = 1.0
+  invalid_action_rule: str = "error_observation"
+  train_reasoning: bool = True
+  schedule: str = "continuous"
+  transport: str = "host_loop"
 
-  def __init__(self, pool: envs.pool.Pool, env_spec: envs.EnvSpec, chat: ChatFormat, *, max_turns: int,
-               gamma: float = 1.0, invalid_action_rule: str = "error_observation", train_reasoning: bool = True,
-               schedule: str = "continuous", transport: str = "host_loop"):
-    if invalid_action_rule not in envs.INVALID_ACTION_RULES:
-      raise ValueError(f"invalid_action_rule={invalid_action_rule!r}: not one of {envs.INVALID_ACTION_RULES}")
-    if schedule not in SCHEDULES:
-      raise ValueError(f"schedule={schedule!r}: not one of {SCHEDULES}")
-    if transport not in TRANSPORTS:
-      raise ValueError(f"transport={transport!r}: not one of {TRANSPORTS}")
+  def __post_init__(self):
+    if self.invalid_action_rule not in envs.INVALID_ACTION_RULES:
+      raise ValueError(f"invalid_action_rule={self.invalid_action_rule!r}: not one of "
+                       f"{envs.INVALID_ACTION_RULES}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule={self.schedule!r}: not one of {SCHEDULES}")
+    if self.transport not in TRANSPORTS:
+      raise ValueError(f"transport={self.transport!r}: not one of {TRANSPORTS}")
+
+
+class RolloutEngine:
+  """Runs quotas of multi-turn episodes through the env pool's slots.
+
+  Args:
+    pool: env pool; its slots are the decode slots (one env instance per slot, reused by later episodes).
+    env_spec: the environment's registry entry (name, version).
+    chat: frames prompts and observations, ends and decodes actions.
+    rules: turns, discount, the invalid-action rule, reasoning loss, schedule and transport (`EpisodeRules`).
+  """
+
+  def __init__(self, pool: envs.pool.Pool, env_spec: envs.EnvSpec, chat: ChatFormat, rules: EpisodeRules):
+    max_turns, gamma, train_reasoning = rules.max_turns, rules.gamma, rules.train_reasoning
+    invalid_action_rule, schedule, transport = rules.invalid_action_rule, rules.schedule, rules.transport
     self.pool = pool
     self.env_spec = env_spec
     self.chat = chat

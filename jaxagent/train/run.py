@@ -38,7 +38,7 @@ from jaxagent import sharding as sharding_lib
 from jaxagent.chat import ChatFormat, ControlTokenChat, TemplateChat, TemplateError, make_chat
 from jaxagent.config import Config
 from jaxagent.rollout.actors import ROUTES_NEED_HOST_LOOP
-from jaxagent.rollout.engine import RolloutEngine
+from jaxagent.rollout.engine import EpisodeRules, RolloutEngine
 from jaxagent.rollout.sampler import Sampler, SamplingConfig
 from jaxagent.tasks import contamination, pipeline
 from jaxagent.tasks import supply as task_supply
@@ -593,9 +593,9 @@ def _build_rollout(cfg: Config, io: Interface, policy: Policy, global_rows: int)
       action_syntax=io.syntax, perturb=cfg.env.perturb, score_heldout=cfg.env.score_heldout), num_slots=slots)
   if replays_routes(cfg, policy.model.config) and cfg.rollout.env_transport == "callback":
     raise config_lib.ConfigError(f"rollout.env_transport=callback with a mixture of experts: {ROUTES_NEED_HOST_LOOP}")
-  engine = RolloutEngine(pool, io.env_spec, io.chat, max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma,
-                         invalid_action_rule=cfg.env.invalid_action, train_reasoning=cfg.train.train_reasoning,
-                         schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport)
+  engine = RolloutEngine(pool, io.env_spec, io.chat, EpisodeRules(
+      max_turns=cfg.env.max_turns, gamma=cfg.algo.gamma, invalid_action_rule=cfg.env.invalid_action,
+      train_reasoning=cfg.train.train_reasoning, schedule=cfg.rollout.schedule, transport=cfg.rollout.env_transport))
   return Rollout(pool=pool, engine=engine, sampler=make_sampler(cfg, io, policy, record_routes=True),
                  eval_sampler=make_sampler(cfg, io, policy, temperature=cfg.train.eval_temperature),
                  key=jax.jit(rollout_key, out_shardings=NamedSharding(policy.layout.mesh, P())))
