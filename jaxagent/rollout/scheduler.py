@@ -356,7 +356,8 @@ class Scheduler:
     now = time.perf_counter()
     live = [e for e in self.slot_episode if e is not None]
     ready = sum(e.state in (EpisodeState.FEEDING, EpisodeState.DECODING) for e in live)
-    soon = [now - e.since for e in live if e.state in (EpisodeState.RESETTING, EpisodeState.STEPPING) and now - e.since < tau]
+    waiting = (EpisodeState.RESETTING, EpisodeState.STEPPING)
+    soon = [now - e.since for e in live if e.state in waiting and now - e.since < tau]
     if not ready or ready >= HOLD_READY_FRACTION * (ready + len(soon)):
       return None
     return tau - max(soon)

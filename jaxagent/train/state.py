@@ -63,8 +63,8 @@ def make_optimizer(config: OptimConfig, schedule: optax.Schedule) -> optax.Gradi
 
 
 class LiveStream(Protocol):
-  """What the run's state needs of an rl stage's rollout stream (`jaxagent.train.freshness.Freshness`: train.freshness
-  one_step_off / async): its checkpoint, a pause for evaluations, and closing."""
+  """What the run's state needs of an rl stage's rollout stream (`jaxagent.train.freshness.Freshness`:
+  train.freshness one_step_off / async): its checkpoint, a pause for evaluations, and closing."""
 
   def checkpoint(self, iteration: int) -> dict[str, Any]: ...
 
@@ -109,6 +109,8 @@ class RunState:
            "monitors": self.monitors.to_checkpoint()}
     if self.stream is not None:
       out["stream"] = self.stream.checkpoint(self.iteration)
+    elif self.saved_stream is not None:  # resumed, the stream not restarted yet: its saved state stands
+      out["stream"] = dict(self.saved_stream)
     return out
 
   @classmethod
