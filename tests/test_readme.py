@@ -354,3 +354,14 @@ def test_every_design_section_the_code_cites_exists_in_docs_design():
   assert "../shared" not in README.read_text()
   for link in ("docs/design.md", "docs/reference.md"):  # the README points at both
     assert f"]({link})" in README.read_text() and (REPO / link).is_file()
+
+
+# The project speaks of itself alone: its measurements carry a date, a machine and a command, never the work
+# session or the tracker entry that produced them.
+_HISTORY = re.compile(r"\bsessions?\b|\bissues? ?#?\d+|\bmachine images?\b", re.IGNORECASE)
+
+
+def test_readme_and_docs_name_no_session_issue_number_or_machine_image():
+  for path in [README, *sorted((REPO / "docs").glob("*.md"))]:
+    found = [(n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), 1) if _HISTORY.search(line)]
+    assert not found, f"{path.relative_to(REPO)} speaks of its history: {found[:5]}"
