@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -24,19 +24,18 @@ from jaxagent.rollout import actors as actors_lib
 from jaxagent.rollout.actors import Actor, RowAction
 from jaxagent.rollout.episodes import Branch, Episode, EpisodeState, RolloutStats
 
-if TYPE_CHECKING:
-  from jaxagent.rollout.engine import RolloutEngine
-
 # The continuous schedule holds the device back while fewer than this fraction of the live episodes are ready
 # (the others about to answer: see `Scheduler._hold`). Measured with bench/rollout.py: holding until a
 # majority (0.5) was ready gave 0.93x lockstep with zero env latency, three quarters 1.06x (3.5x lockstep with
 # lognormal latency either way).
 HOLD_READY_FRACTION = 0.75
 
+
 class Scheduler:
   """One rollout's episodes, slots and env futures; both transports drive it (see the module docstring)."""
 
-  def __init__(self, engine: RolloutEngine, actor: Actor, episodes: list[Episode], policy_version: int):
+  def __init__(self, engine: Any, actor: Actor, episodes: list[Episode], policy_version: int):
+    """`engine`: the `engine.RolloutEngine` that runs this rollout (its pool, chat, rules and records)."""
     self.engine, self.actor, self.episodes = engine, actor, episodes
     self.pool, self.chat = engine.pool, engine.chat
     self.lockstep = engine.schedule == "lockstep"

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import flax.struct
 import jax
@@ -15,8 +15,6 @@ from jaxagent.tasks import supply as task_supply
 from jaxagent.train import monitors as monitors_lib
 from jaxagent.train.metrics import X_AXES
 
-if TYPE_CHECKING:
-  from jaxagent.train import paradigms
 
 
 @flax.struct.dataclass
@@ -94,7 +92,7 @@ class RunState:
   counters: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(X_AXES, 0))
   stream: LiveStream | None = None                  # while an rl stage with train.freshness != sync runs
   saved_stream: Mapping[str, Any] | None = None     # the stream's checkpoint, until a resumed stream restarts
-  stage_data: "paradigms.StageData | None" = None   # the current non-rl stage's data
+  stage_data: Any = None                            # the current non-rl stage's `paradigms.StageData`
 
   @property
   def supply(self) -> task_supply.TaskSupply | None:
