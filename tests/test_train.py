@@ -210,10 +210,13 @@ STOPPING_MONITORS = ["train.monitors.window=2", "train.monitors.identification_f
 
 
 def deterministic_lines(run_dir: Path) -> list[dict]:
-  """metrics.jsonl without what the clock decides (timestamps, durations, device seconds, memory)."""
+  """metrics.jsonl without what the clock and the machine's load decide: timestamps, durations, device seconds,
+  memory, and the env workers' restarts and replays since this process started (`env/replays`: a worker that
+  misses its action timeout under load is restarted and its episode replayed; the trained data is the same)."""
   lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
   return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))
-           and k not in ("time", metrics_lib.WALL_SECONDS, metrics_lib.DEVICE_SECONDS, metrics_lib.BC_SECONDS)}
+           and k not in ("time", metrics_lib.WALL_SECONDS, metrics_lib.DEVICE_SECONDS, metrics_lib.BC_SECONDS,
+                         "env/replays", "env/replay_divergences")}
           for r in lines]
 
 
