@@ -123,6 +123,5 @@ def restore(run: Run) -> tuple[RunState, dict[str, Any]]:
   note = f"; skipped damaged/unreadable step(s) {skipped}" if skipped else ""
   run.print(f"resumed from {run.run_dir / 'checkpoints' / str(iteration)} (iteration {iteration}, step "
             f"{int(state.step)}, policy version {int(state.policy_version)}{note})")
-  fresh = run.new_state(train=state)
   return RunState.from_checkpoint(state, {**meta, "iteration": iteration, "curriculum": where},
-                                  supplies=fresh.supplies, monitors=fresh.monitors), meta
+                                  supplies=run.new_supplies(), monitors_config=run.config.train.monitors), meta

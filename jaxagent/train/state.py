@@ -113,11 +113,11 @@ class RunState:
 
   @classmethod
   def from_checkpoint(cls, train: TrainState, meta: Mapping[str, Any], *, supplies: task_supply.StageSupplies | None,
-                      monitors: monitors_lib.Monitors) -> "RunState":
+                      monitors_config) -> "RunState":
     """The state `to_checkpoint` saved, around the restored `train` state: the current stage's supply continues
-    from its saved draw state, the monitors from their windows (`monitors`: a fresh value, for the config)."""
+    from its saved draw state, the monitors (`monitors_config`: train.monitors) from their windows."""
     where = meta["curriculum"]
-    state = cls(train=train, monitors=monitors_lib.Monitors.from_checkpoint(monitors.config, meta.get("monitors")),
+    state = cls(train=train, monitors=monitors_lib.Monitors.from_checkpoint(monitors_config, meta.get("monitors")),
                 supplies=supplies, iteration=int(meta["iteration"]), stage=int(where["stage"]),
                 stage_start=int(where["stage_start"]), counters=dict(meta["counters"]), saved_stream=meta.get("stream"))
     if state.supply is not None and meta.get("data_iterator") is not None:
