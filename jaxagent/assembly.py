@@ -12,13 +12,16 @@ Shape letters: B rows, T bucket length, N trajectories, S steps (turns).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import flax.struct
 import numpy as np
 
 from jaxagent import buckets as buckets_lib
 from jaxagent.trajectory import PAD_ROLE, Trajectory
+
+if TYPE_CHECKING:
+  from jaxagent.shared_prefix import SharedPrefix
 
 DEFAULT_BUCKETS: tuple[int, ...] = buckets_lib.BATCH
 
@@ -43,6 +46,8 @@ class Batch:
     proximal_logprobs: float32[B, T] decoupled PPO's log π_prox, filled on the device (`make_logprob_fn`).
     expert_routes: int16[B, T, M, k] the experts each token used in the sampler (router replay; -1: the
       learner routes that token itself), or None when the batch was assembled without them.
+    shared: the same sequences as prefix trees (`jaxagent.shared_prefix.SharedPrefix`): the model runs on those,
+      the losses on this batch; None: the model runs on this batch.
   """
   tokens: np.ndarray
   positions: np.ndarray
@@ -56,6 +61,7 @@ class Batch:
   sampling_thresholds: np.ndarray | None = None
   proximal_logprobs: np.ndarray | None = None
   expert_routes: np.ndarray | None = None
+  shared: "SharedPrefix | None" = None
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -184,7 +190,7 @@ def _token_versions(t: Trajectory) -> np.ndarray:
   return np.where(np.isfinite(t.behavior_logprobs), t.behavior_versions, -1).astype(np.int32)
 
 
-def _pack(lengths: Sequence[int], length: int) -> list[list[int]]:
+def first_fit_rows(lengths: Sequence[int], length: int) -> list[list[int]]:
   """First-fit decreasing: rows of trajectory indices whose lengths sum to <= length."""
   rows: list[list[int]] = []
   free: list[int] = []
@@ -252,7 +258,7 @@ def assemble(trajectories: Sequence[Trajectory], advantages: Sequence | np.ndarr
     length = bucket_length(longest, shape.buckets)
   elif longest > length:
     raise ValueError(f"trajectory of {longest} tokens does not fit length={length} (never truncated)")
-  layout = _pack(lengths, length) if shape.pack else [[i] for i in range(len(trajectories))]
+  layout = first_fit_rows(lengths, length) if shape.pack else [[i] for i in range(len(trajectories))]
   b = len(layout) if rows is None else rows
   if len(layout) > b:
     raise ValueError(f"{len(trajectories)} trajectories need {len(layout)} rows > rows={rows}")

@@ -377,6 +377,13 @@ class TrainConfig:
                                    "[B, T, V] logits (same values and gradients); null: all at once")
   remat: Literal["none", "full", "dots"] = field("none", help="per-layer rematerialization in the train step: "
                                                  "full saves nothing inside a layer, dots its matmul outputs")
+  shared_prefix: Literal["auto", "off", "on"] = field(
+      "off", help="rl updates compute the tokens the batch's trajectories share (a group's prompt, a branch's "
+      "history: the longest common token prefix) once, as prefix trees under a tree attention mask; the same "
+      "loss and gradient up to float rounding. auto: when it saves more than train.shared_prefix_min_saving "
+      "of the update's padded tokens; on: every batch; off: never")
+  shared_prefix_min_saving: float = field(0.2, ge=0.0, lt=1.0, help="auto: the fraction of the update's padded "
+                                          "tokens sharing must save to be used")
   batch_length: Literal["bucket", "max_context"] = field(
       "bucket", help="length T of update batches: bucket pads to the smallest of 32, 48, 64, 96, 128, 192, ... "
       "(below rollout.max_context) or rollout.max_context that holds the batch's longest trajectory on any "
@@ -684,6 +691,12 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda c, n: c.algo.loss == "tis" and c.algo.kl_coef > 0,
          lambda c, n: f"algo.loss='tis' with algo.kl_coef={c.algo.kl_coef}: the truncated-IS loss has no "
          "reference-KL term; use algo.loss=ppo or decoupled_ppo, or algo.kl_coef=0"),
+    Rule(lambda c, n: c.train.shared_prefix == "on" and bool(c.algo.moe_load_balance_coef
+                                                            or c.algo.moe_router_z_coef),
+         lambda c, n: "train.shared_prefix='on' with a router loss (algo.moe_load_balance_coef="
+         f"{c.algo.moe_load_balance_coef}, moe_router_z_coef={c.algo.moe_router_z_coef}): router statistics "
+         "count each computed token once, so sharing would change them; set train.shared_prefix to off or auto "
+         "(auto does not share such batches)"),
     Rule(lambda c, n: "completed" in c.train.exclude_terminations,
          lambda c, n: "train.exclude_terminations: 'completed' is task success or failure, never an "
          "infrastructure failure"),
@@ -877,6 +890,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}={value!r}: expected {_type_name(tp)}")
   if origin is Literal:
     valid = typing.get_args(tp)
+    if isinstance(value, bool) and {"on", "off"} <= set(valid):
+      value = "on" if value else "off"  # YAML 1.1 reads an unquoted on / off as a boolean
     if value not in valid:
       close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
       hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -7,6 +7,12 @@ H head dim, F mlp, V vocab, L layers, E experts, k experts per token, A token-ex
 Attention masking has one rule for every case (full forward, padded batches, packing, KV cache):
 a query in segment s at slot i sees key slot j iff `segment[j] == s`, `segment[j] != 0` and `j <= i`.
 Segment 0 marks padding (left, right or in the middle of a cache after a ragged extend).
+
+A tree of segments (shared-prefix packing, no cache) generalises it: segments are numbered in depth-first
+preorder and each key also carries the end of its segment's subtree (`segment_ends`, exclusive), so a query in
+segment s sees key j iff `segment[j] <= s < segment_end[j]` (its own segment or an ancestor's), `segment[j] != 0`
+and `position[j] <= position[i]`; a sliding window also counts positions. With `segment_end = segment + 1` (no
+segment has a descendant) this is the rule above.
 """
 
 from __future__ import annotations
@@ -210,23 +216,25 @@ def _scores_operand(dtype):
 _ACTIVATION = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
-def _visible(key_seg_bs, segment_ids_bt, query_slot_bt, window, key_slot_bs=None):
+def _visible(key_seg_bs, segment_ids_bt, query_slot_bt, window, key_slot_bs=None, key_end_bs=None):
   """bool[B, T, S]: a query sees the keys of its own segment at or before its slot, and with a sliding `window`
   only those less than `window` slots back. The window counts slots, as transformers counts cache positions: the
   sampler and assembly write a segment's tokens in consecutive slots, where slots and positions advance together
   (a padding hole inside a row would count toward the window). `key_slot_bs`: each key's slot (default: its
-  index; a ring's keys say which slot they hold)."""
+  index; a ring's keys say which slot they hold). `key_end_bs`: a tree of segments (the module docstring): a
+  query also sees the keys of its ancestors' segments; slots are then positions."""
   s = key_seg_bs.shape[-1]
   slots_s = jnp.arange(s)[None, None, :] if key_slot_bs is None else key_slot_bs[:, None, :]
-  visible = ((key_seg_bs[:, None, :] == segment_ids_bt[:, :, None]) & (key_seg_bs[:, None, :] != 0)
-             & (slots_s <= query_slot_bt[:, :, None]))
+  key_seg, query_seg = key_seg_bs[:, None, :], segment_ids_bt[:, :, None]
+  own = key_seg == query_seg if key_end_bs is None else (key_seg <= query_seg) & (query_seg < key_end_bs[:, None, :])
+  visible = own & (key_seg != 0) & (slots_s <= query_slot_bt[:, :, None])
   if window is not None:
     visible &= query_slot_bt[:, :, None] - slots_s < window
   return visible
 
 
 def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs, dtype,
-                       scale, window=None, key_slot_bs=None):
+                       scale, window=None, key_slot_bs=None, key_end_bs=None):
   """The einsum path over blocks of `ATTENTION_CHUNK` queries (the last block padded with invisible queries):
   one block's logits [B, K, G, C, S] at a time, recomputed in the backward pass (`jax.checkpoint` on the scan
   body), so memory grows with T x C instead of T x S. The same masking rule, products and accumulation."""
@@ -244,7 +252,7 @@ def _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_sl
   @jax.checkpoint
   def block(_, xs):
     q_bckgh, seg_bc, slot_bc = xs
-    visible_bcs = _visible(key_seg_bs, seg_bc, slot_bc, window, key_slot_bs)
+    visible_bcs = _visible(key_seg_bs, seg_bc, slot_bc, window, key_slot_bs, key_end_bs)
     logits_bkgcs = jnp.einsum("bckgh,bkhs->bkgcs", q_bckgh.astype(operand), keys,
                               preferred_element_type=jnp.float32) * scale
     probs_bkgcs = _masked_softmax(logits_bkgcs, visible_bcs, dtype)
@@ -308,8 +316,11 @@ class Attention(nnx.Module):
     self.window = config.sliding_window if sliding else None
     self.scale = float(config.query_pre_attn_scalar or h) ** -0.5
 
-  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None, attention: str = "einsum"):
+  def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv: tuple | None, attention: str = "einsum",
+               segment_ends_bt=None):
     """Returns (output [B, T, D], the cache stack's updated (keys, values) or None).
+
+    `segment_ends_bt` (no cache): the segments form a tree (the module docstring's rule).
 
     `kv`: None (no cache), or (keys, values: this layer's stack of the `KVCache`, `layer`: this layer's index in
     the stack, the cache's segment ids after this call's writes, each row's first new slot [B], cache_rows or None,
@@ -338,6 +349,10 @@ class Attention(nnx.Module):
       keys_bkhs, values_bksh = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
       key_seg_bs, query_slot_bt = segment_ids_bt, jnp.broadcast_to(jnp.arange(t), segment_ids_bt.shape)
       new_kv = None
+      if segment_ends_bt is not None:  # a tree: causality and the window count positions
+        visible_bts = _visible(key_seg_bs, segment_ids_bt, positions_bt, self.window, positions_bt, segment_ends_bt)
+        return self._attend(q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, positions_bt, key_seg_bs,
+                            attention, x_btd.dtype, positions_bt, segment_ends_bt), None
     else:
       # Row b's T tokens go to its own slots start[b] .. start[b]+T-1 of this layer (`layer`) of the stack (a
       # scatter, in place; slots past S are dropped: `_cache_write`). With `cache_rows`, the B inputs are rows
@@ -385,7 +400,7 @@ class Attention(nnx.Module):
     return out, _cache_write(k_stack, v_stack, rows_b1, layer, ring_slot_bt, k_btkh, v_btkh, heads_minor)
 
   def _attend(self, q_btnh, keys_bkhs, values_bksh, visible_bts, segment_ids_bt, query_slot_bt, key_seg_bs,
-              attention, dtype, key_slot_bs=None):
+              attention, dtype, key_slot_bs=None, key_end_bs=None):
     """Attention of the queries over the given keys and values ([B, K, H, S] / [B, K, S, H]) under the mask."""
     t = q_btnh.shape[1]
 
@@ -402,7 +417,7 @@ class Attention(nnx.Module):
       out_btkgh = out_btnh.reshape(b, t, n // self.num_groups, self.num_groups, h).astype(dtype)
     elif t > 1 and attention == "chunked":
       out_btkgh = _chunked_attention(q_btkgh, keys_bkhs, values_bksh, segment_ids_bt, query_slot_bt, key_seg_bs,
-                                     dtype, self.scale, self.window, key_slot_bs)
+                                     dtype, self.scale, self.window, key_slot_bs, key_end_bs)
     elif t == 1 and target_platform() != "cpu":
       # One query per row (decode) on an accelerator: dots on the cache as it is stored (bf16 stays bf16; the
       # products of bf16 values are exact in the float32 accumulator, so only the order of the sums differs from
@@ -705,11 +720,12 @@ class Block(nnx.Module):
       self.attn_out_norm, self.mlp_out_norm = norm(), norm()
 
   def __call__(self, x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention: str = "einsum", replay_btk=None,
-               router_stats: bool = False):
+               router_stats: bool = False, segment_ends_bt=None):
     """(output, the updated cache or None, the expert ids its tokens used [B, T, k] or None for a dense MLP,
     `MoE.router_stats` over the real tokens when asked (None otherwise, and for a dense MLP))."""
     sandwich = hasattr(self, "attn_out_norm")
-    attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv, attention)
+    attn_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq, kv, attention,
+                                 segment_ends_bt)
     x_btd = x_btd + (self.attn_out_norm(attn_btd) if sandwich else attn_btd)
     experts_btk = stats = None
     if isinstance(self.mlp, MoE):
@@ -739,6 +755,8 @@ class Transformer(nnx.Module):
     positions_bt: int32[B, T] RoPE positions; default `0..T-1` (plus each row's `cache.index` with a cache).
       Left-padded rows pass their own positions (e.g. `cumsum(mask) - 1`).
     segment_ids_bt: int32[B, T]; 0 = padding; tokens attend only within their segment. Default all 1.
+    segment_ends_bt: (`features`, no cache) int32[B, T]: the segments are a tree in preorder and each token's
+      segment's subtree ends before this id: tokens also attend to their ancestors' segments, by position.
     cache: optional `KVCache`; row b's T new tokens are written at `cache.index[b]` and attend to its cache.
     cache_rows: optional int32[B]: the inputs are rows `cache_rows[b]` of a larger cache (an index past its
       end: a padding input that writes nothing). Only those rows' new slots are written.
@@ -763,7 +781,7 @@ class Transformer(nnx.Module):
 
   def features(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None,
                cache_rows=None, remat: str = "none", attention: str = "einsum", routes=None,
-               return_routes: bool = False, router_stats: bool = False):
+               return_routes: bool = False, router_stats: bool = False, segment_ends_bt=None):
     """Final-normed hidden states [B, T, D] (and the updated cache, or None). `__call__` unembeds them.
 
     The layers run as one `lax.scan` per layer stack (`layer_runs`): one compiled layer body whatever the depth.
@@ -783,6 +801,8 @@ class Transformer(nnx.Module):
       raise ValueError(f"remat={remat!r}: not one of {sorted(REMAT_POLICIES)}")
     if attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={attention!r}: not one of {ATTENTION_IMPLEMENTATIONS}")
+    if segment_ends_bt is not None and (cache is not None or positions_bt is None or segment_ids_bt is None):
+      raise ValueError("segment_ends_bt (a tree of segments) needs positions_bt and segment_ids_bt, and no cache")
     b, t = tokens_bt.shape
     start_b = jnp.zeros((b,), jnp.int32) if cache is None else cache.index
     if cache_rows is not None:
@@ -827,7 +847,7 @@ class Transformer(nnx.Module):
         kv = None if k_stack is None else (k_stack, v_stack, layer, cache_seg_bs, start_b, cache_rows,
                                            cache.heads_minor)
         x_btd, layer_kv, experts_btk, layer_stats = nnx.merge(graphdef, layer_params)(
-            x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention, replay_btk, router_stats)
+            x_btd, positions_bt, segment_ids_bt, inv_freq, kv, attention, replay_btk, router_stats, segment_ends_bt)
         if layer_kv is not None:
           k_stack, v_stack = layer_kv
         return (x_btd, k_stack, v_stack), (experts_btk, layer_stats)

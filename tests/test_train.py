@@ -667,3 +667,34 @@ def test_a_bc_only_curriculum_trains_checkpoints_and_resumes(tmp_path):
   assert int(progress.train.step) == 3
   again = loop.train(config, run_dir=tmp_path / "run", resume=True)  # nothing left to do, and no error
   assert int(again.train.step) == 3 and again.stage == progress.stage
+
+
+def test_the_learner_shares_the_prefixes_of_real_rollouts_with_the_unshared_update(tmp_path):
+  """A shared-prefix update of a real rollout batch (groups share the task prompt; top-p thresholds; two
+  micro-batches; 16 rows over the 8 test devices, so blocks of 2 rows: what one device holds of a micro-batch)
+  is on-policy and equals the unshared update of the same trajectories: metrics and weights."""
+  run, progress = _run(tmp_path, "train.shared_prefix=on", "rollout.top_p=0.9", "train.micro_batches=2",
+                       "train.tasks_per_iteration=4",
+                       "train.bc_steps=0", "train.eval_episodes=0", "train.dynamic_sampling=false")
+  initial = jax.tree.map(jax.numpy.array, progress.train)  # the iteration's update donates the state
+  try:
+    with trajectory_store.TrajectoryWriter(tmp_path / "stored") as writer:
+      _, m = _iterate.rl_iteration(run, progress, writer)
+    trajectories = [t for t in trajectory_store.read(tmp_path / "stored") if t.metadata.get("trained", True)]
+    assert abs(m["ratio_min"] - 1) < 1e-4 and abs(m["ratio_max"] - 1) < 1e-4, (m["ratio_min"], m["ratio_max"])
+    assert learner.share_block_rows(run, run.rows.train) == 16 // 8
+    assert 0 < m[metrics_lib.TOKENS_COMPUTED] < m[metrics_lib.TOKENS_UNSHARED]
+    off = dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, shared_prefix="off"))
+    unshared_run = dataclasses.replace(run, config=off)
+    updates = {}
+    for name, r in (("shared", run), ("unshared", unshared_run)):
+      prepared = learner.prepare_batch(r, initial, trajectories)
+      assert (prepared.batch.shared is None) == (name == "unshared")
+      updates[name] = learner.update(r, jax.tree.map(jax.numpy.array, initial), prepared)
+  finally:
+    run.close()
+  (shared_state, shared_m), (state, m) = updates["shared"], updates["unshared"]
+  for key, value in m.items():
+    np.testing.assert_allclose(shared_m[key], value, rtol=1e-5, atol=1e-5, err_msg=key)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(shared_state.params)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

@@ -115,9 +115,14 @@ def truncated_logits(logits_btv: jax.Array, tokens_bt: jax.Array, thresholds_bt:
 
 def next_token_stats(x_btd: jax.Array, unembed_dv: jax.Array, tokens_bt: jax.Array, mask_bt: jax.Array, *,
                      temperature: float = 1.0, chunk: int | None = None, with_entropy: bool = True,
-                     thresholds_bt: jax.Array | None = None
+                     thresholds_bt: jax.Array | None = None, targets_bt: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """`next_token_logprobs` and `next_token_entropy` of the logits `(x_btd @ unembed_dv) / temperature`.
+
+  `targets_bt`: the token each position predicts, given explicitly: position t's hidden state scores
+  `targets_bt[t]` (with `mask_bt[t]`, `thresholds_bt[t]`) and the results are aligned with the predicting
+  position instead of the predicted token (a shared-prefix batch, where a position's successor is not the next
+  slot: `jaxagent.shared_prefix`). `tokens_bt` is then unused.
 
   `chunk=None` builds the float32 logits [B, T, V] once. With `chunk`, each row's positions are taken `chunk`
   at a time (`lax.scan`, the body rematerialized in the backward pass): the largest array is [B, chunk, V], and
@@ -135,14 +140,17 @@ def next_token_stats(x_btd: jax.Array, unembed_dv: jax.Array, tokens_bt: jax.Arr
   logits = lambda x: jnp.einsum("btd,dv->btv", x, unembed_dv, preferred_element_type=jnp.float32)
   scaled = (lambda x: logits(x) / temperature) if temperature != 1.0 else logits
   truncating = thresholds_bt is not None
-  if chunk is None and not truncating:
+  if chunk is None and not truncating and targets_bt is None:
     logits_btv = scaled(x_btd)
     return (next_token_logprobs(logits_btv, tokens_bt, mask_bt),
             next_token_entropy(logits_btv, mask_bt) if with_entropy else None, None)
   b, t, d = x_btd.shape
-  # The hidden state at t-1 predicts token t; position 0 predicts nothing (zeros, masked: as `_shift`).
-  x_btd = jnp.concatenate([jnp.zeros_like(x_btd[:, :1]), x_btd[:, :-1]], axis=1)
-  mask_bt = mask_bt.at[:, 0].set(False)
+  if targets_bt is None:
+    # The hidden state at t-1 predicts token t; position 0 predicts nothing (zeros, masked: as `_shift`).
+    x_btd = jnp.concatenate([jnp.zeros_like(x_btd[:, :1]), x_btd[:, :-1]], axis=1)
+    mask_bt = mask_bt.at[:, 0].set(False)
+  else:
+    tokens_bt = targets_bt
   if truncating:
     thresholds_bt = jnp.where(mask_bt, thresholds_bt, jnp.nan)
 

@@ -45,6 +45,8 @@ ITERATION_SECONDS = "time/iteration_s"                          # of an RL (or s
 REWARD_STD_WITHIN_GROUP = "reward_std_within_group"             # the advantage estimator's groups
 ZERO_VARIANCE_GROUP_FRACTION = "zero_variance_group_fraction"
 EXCLUDED_TRAJECTORIES = "excluded_trajectories"                 # infrastructure failures, never trained
+TOKENS_COMPUTED = "update/tokens_computed"                      # what the update's model ran on (shared once)
+TOKENS_UNSHARED = "update/tokens_unshared"                      # the batch's tokens, each trajectory's own
 ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS = (
     "env_interactions", "action_tokens", "device_seconds", "wall_seconds")
 # Cumulative x-axes of docs/design.md §2.11, in subplot order.

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 from typing import Any, Literal
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -90,15 +91,14 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   while the gradient reaches the master weights in their own dtype.
   """
   o, algo = options, options.algo
-  mode, temperature, logits_chunk = o.mode, o.temperature, o.logits_chunk
-  attention, compute_dtype = o.attention, o.compute_dtype
+  mode, compute_dtype = o.mode, o.compute_dtype
   params = policy_params(params, o.lora_scale)
   if compute_dtype is not None:
     params = cast_floating(params, compute_dtype)
     ref_params = None if ref_params is None else cast_floating(ref_params, compute_dtype)
-  x_btd, logp_bt, entropy_bt, log_kept_bt, router = _scores(params, graphdefs, batch, options)
+  scores = _scores(params, graphdefs, batch, options)
+  logp_bt, entropy_bt, log_kept_bt, router = scores.logp, scores.entropy, scores.log_kept, scores.router
   mask_bt = batch.loss_mask
-  thresholds_bt = None if mode == "bc" else batch.sampling_thresholds
   token_mean = lambda x: jnp.sum(jnp.where(mask_bt, x, 0.0)) / jnp.maximum(jnp.sum(mask_bt), 1)
   kept = {} if log_kept_bt is None else {"kept_mass": token_mean(jnp.exp(log_kept_bt))}
   if mode == "bc":
@@ -122,16 +122,12 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
     loss, metrics = algos.importance_weighted_loss(tokens, algos.ImportanceWeightConfig(
         aggregation=algo.aggregation, max_ratio=algo.behavior_weight_cap, entropy_coef=algo.entropy_coef))
     loss, metrics = _with_router(loss, dict(metrics, policy_lag=token_mean(lag_bt), **kept), router, o)
-    return _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo)
+    return _with_value(params, graphdefs, scores, batch, metrics, loss, value_targets, value_normalizer, algo)
   ref_logp_bt = None
-  if ref_params is not None:
+  if ref_params is not None:  # the reference routes itself
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
-    ref_x_btd, _ = ref.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                                attention=attention)
-    ref_logp_bt, _, _ = algos.next_token_stats(ref_x_btd, ref.unembed_weight(), batch.tokens, mask_bt,
-                                               temperature=temperature, chunk=logits_chunk, with_entropy=False,
-                                               thresholds_bt=thresholds_bt)
-    ref_logp_bt = jax.lax.stop_gradient(ref_logp_bt)
+    scores = _token_scores(ref, batch, dataclasses.replace(options, remat="none"), routes=False, with_entropy=False)
+    ref_logp_bt = jax.lax.stop_gradient(scores.logp)
   decoupled = algo.loss == "decoupled_ppo"
   if decoupled and batch.proximal_logprobs is None:
     raise ValueError("algo.loss='decoupled_ppo' needs the batch's proximal_logprobs (make_logprob_fn)")
@@ -140,7 +136,7 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   loss, metrics = algos.policy_loss(tokens, algos.PolicyLossConfig.from_algo(algo))
   metrics = dict(metrics, policy_lag=token_mean(lag_bt), **kept)
   loss, metrics = _with_router(loss, metrics, router, o)
-  return _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo)
+  return _with_value(params, graphdefs, scores, batch, metrics, loss, value_targets, value_normalizer, algo)
 
 
 def _with_router(loss, metrics, router, options: StepOptions):
@@ -154,33 +150,70 @@ def _with_router(loss, metrics, router, options: StepOptions):
   return loss, {**metrics, "moe/load_balance": router["load_balance"], "moe/router_z": router["router_z"]}
 
 
-def _scores(params, graphdefs, batch: Batch, options: StepOptions):
-  """The policy's features and, per token, log π (under the rollout temperature, cut at the recorded sampling
-  thresholds, in rl and offline modes), entropy and the log of the kept mass; then a mixture of experts' router
-  statistics when rl mode weights them (`_with_router`; else None). `params` already merged and cast.
+@flax.struct.dataclass
+class _Scores:
+  """A forward pass's results per unshared token: log π, entropy and log kept mass [B, T] (`_token_scores`),
+  the hidden states it ran on (the shared layout's when the batch is shared), the router statistics or None."""
+  features: jax.Array
+  logp: jax.Array
+  entropy: jax.Array | None
+  log_kept: jax.Array | None
+  router: dict | None
+
+
+def _scores(params, graphdefs, batch: Batch, options: StepOptions) -> _Scores:
+  """The policy's scores of `batch` (`_token_scores`), with a mixture of experts' router statistics when rl mode
+  weights them (`_with_router`). `params` already merged and cast.
 
   Router replay: a mixture of experts sends each token to the experts the sampler recorded for it
   (`batch.expert_routes`), so π_θ is scored through the same experts μ was; the router keeps its gradient
-  through the weights it gives those experts (`models.MoE.route`). The reference policy routes itself."""
+  through the weights it gives those experts (`models.MoE.route`)."""
   o = options
   model = nnx.merge(graphdefs["policy"], params["policy"])
   router = o.mode == "rl" and bool(o.algo.moe_load_balance_coef or o.algo.moe_router_z_coef)
-  x_btd, _, *stats = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
-                                    remat=o.remat, attention=o.attention, routes=batch.expert_routes,
-                                    router_stats=router)
+  return _token_scores(model, batch, options, routes=True, router=router)
+
+
+def _token_scores(model, batch: Batch, options: StepOptions, *, routes: bool, router: bool = False,
+                  with_entropy: bool = True) -> _Scores:
+  """Per token, log π (under the rollout temperature, cut at the recorded sampling thresholds, in rl and offline
+  modes), entropy and the log of the kept mass. A shared batch (`batch.shared`) runs the model on its prefix
+  trees, where each slot scores the one token it predicts, and gathers the results back onto the batch's tokens;
+  off the loss mask they are 0."""
+  o = options
   scale = 1.0 if o.mode == "bc" else o.temperature
   # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
   # its recorded threshold (None: rollouts sampled from the whole distribution; behavior cloning never cuts).
-  thresholds_bt = None if o.mode == "bc" else batch.sampling_thresholds
-  return (x_btd,) + algos.next_token_stats(x_btd, model.unembed_weight(), batch.tokens, batch.loss_mask,
-                                           temperature=scale, chunk=o.logits_chunk,
-                                           thresholds_bt=thresholds_bt) + (stats[0] if stats else None,)
+  truncating = o.mode != "bc" and batch.sampling_thresholds is not None
+  shared = batch.shared
+  if shared is None:
+    x_btd, _, *stats = model.features(batch.tokens, positions_bt=batch.positions, segment_ids_bt=batch.segment_ids,
+                                      remat=o.remat, attention=o.attention,
+                                      routes=batch.expert_routes if routes else None, router_stats=router)
+    logp, entropy, kept = algos.next_token_stats(
+        x_btd, model.unembed_weight(), batch.tokens, batch.loss_mask, temperature=scale, chunk=o.logits_chunk,
+        with_entropy=with_entropy, thresholds_bt=batch.sampling_thresholds if truncating else None)
+    return _Scores(x_btd, logp, entropy, kept, stats[0] if stats else None)
+  if router:
+    raise ValueError("a shared-prefix batch cannot weigh router losses: they count each computed token once "
+                     "(train.shared_prefix: off with algo.moe_load_balance_coef or moe_router_z_coef)")
+  x_pld, _ = model.features(shared.tokens, positions_bt=shared.positions, segment_ids_bt=shared.segment_ids,
+                            segment_ends_bt=shared.segment_ends, remat=o.remat, attention=o.attention,
+                            routes=shared.routes if routes else None)
+  per_slot = algos.next_token_stats(
+      x_pld, model.unembed_weight(), shared.targets, shared.target_mask, temperature=scale, chunk=o.logits_chunk,
+      with_entropy=with_entropy, thresholds_bt=shared.thresholds if truncating else None, targets_bt=shared.targets)
+  logp, entropy, kept = (None if x is None else jnp.where(batch.loss_mask, shared.unshare(x, shared.predictor), 0.0)
+                         for x in per_slot)
+  return _Scores(x_pld, logp, entropy, kept, None)
 
 
-def _with_value(params, graphdefs, x_btd, metrics, loss, value_targets, value_normalizer, algo):
-  """PPO: adds the value loss on the same features."""
+def _with_value(params, graphdefs, scores: _Scores, batch: Batch, metrics, loss, value_targets, value_normalizer,
+                algo):
+  """PPO: adds the value loss on the same features (a shared batch's: each token's value read at its slot)."""
   if value_targets is not None:
-    values_bt = nnx.merge(graphdefs["value"], params["value"])(x_btd).astype(jnp.float32)
+    values = nnx.merge(graphdefs["value"], params["value"])(scores.features).astype(jnp.float32)
+    values_bt = values if batch.shared is None else batch.shared.unshare(values, batch.shared.slot)
     vloss, vmetrics = algos.value_loss(values_bt, value_targets.old_values, value_targets.returns,
                                        value_targets.mask, value_normalizer, clip_eps=algo.value_clip_eps)
     loss = loss + algo.value_coef * vloss
@@ -335,7 +368,7 @@ def make_logprob_fn(graphdefs: dict[str, nnx.GraphDef], options: StepOptions,
     params = policy_params(params, options.lora_scale)
     if options.compute_dtype is not None:
       params = cast_floating(params, options.compute_dtype)
-    logp_bt = _scores(params, graphdefs, batch, options)[1]
+    logp_bt = _scores(params, graphdefs, batch, options).logp
     return jnp.where(batch.loss_mask, logp_bt, 0.0)
 
   return jax.jit(logprobs)
