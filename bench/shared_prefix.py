@@ -40,6 +40,10 @@ def _memory_gib(step, state, prepared) -> float:
   return (m.argument_size_in_bytes + m.temp_size_in_bytes) / 2**30
 
 
+def _shape(batch) -> str:
+  return "x".join(map(str, (batch.tokens if batch.shared is None else batch.shared.tokens).shape))
+
+
 def _slots(batch) -> int:
   layout = batch.tokens if batch.shared is None else batch.shared.tokens
   return int(layout.shape[0] * layout.shape[1])
@@ -63,6 +67,9 @@ def bench(config_name: str, group_size: int, rounds: int, overrides: list[str]) 
       prepared = {name: learner.prepare_batch(r, initial, trajectories) for name, r in runs.items()}
       times: dict[str, list[float]] = {name: [] for name in runs}
       memory = {name: _memory_gib(run.steps.rl, jax.tree.map(jnp.array, initial), prepared[name]) for name in runs}
+      print(f"  G={group_size}: {len(trajectories)} trajectories rolled out in {rollout_s:.0f} s; unshared "
+            f"{_shape(prepared['unshared'].batch)}, shared {_shape(prepared['shared'].batch)}; compiled step memory "
+            f"{memory['unshared']:.2f} / {memory['shared']:.2f} GiB", flush=True)
       for _ in range(rounds + 1):  # the first round compiles
         for name, r in runs.items():
           fresh = jax.tree.map(jnp.array, initial)

@@ -12,7 +12,7 @@ Shape letters: B rows, T bucket length, N trajectories, S steps (turns).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import flax.struct
 import numpy as np
@@ -20,15 +20,12 @@ import numpy as np
 from jaxagent import buckets as buckets_lib
 from jaxagent.trajectory import PAD_ROLE, Trajectory
 
-if TYPE_CHECKING:
-  from jaxagent.shared_prefix import SharedPrefix
-
 DEFAULT_BUCKETS: tuple[int, ...] = buckets_lib.BATCH
 
 
 @flax.struct.dataclass
 class Batch:
-  """A training batch; a pytree (every leaf leads with `[B, T]`).
+  """A training batch; a pytree (every leaf leads with `[B, T]`, but `shared`'s packed ones: `[P, L]`).
 
   Attributes:
     tokens: int32[B, T] the recorded token stream; `pad_id` at padding.
@@ -61,7 +58,7 @@ class Batch:
   sampling_thresholds: np.ndarray | None = None
   proximal_logprobs: np.ndarray | None = None
   expert_routes: np.ndarray | None = None
-  shared: "SharedPrefix | None" = None
+  shared: Any = None  # a `jaxagent.shared_prefix.SharedPrefix` (which imports this module)
 
   @property
   def shape(self) -> tuple[int, int]:

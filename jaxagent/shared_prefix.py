@@ -17,7 +17,7 @@ ancestors', by position. The per-slot results (log-probs, entropy, kept mass, va
 the unshared batch, where the losses run unchanged: loss masks, advantages, behavior log-probs and every loss
 term map one to one.
 
-Sharing works on blocks of `chunk_rows` consecutive unshared rows, each packed into `packed_rows` rows of its
+Sharing works on blocks of `block_rows` consecutive unshared rows, each packed into `packed_rows` rows of its
 own: a block lies inside one micro-batch, one process and one device's rows, so the gather never crosses them.
 Shape letters: B/T the unshared batch, P/L the packed one (`P = blocks x packed_rows`), M sparse layers, k.
 """
@@ -35,9 +35,6 @@ import numpy as np
 
 from jaxagent import assembly, buckets as buckets_lib
 
-SHARED_PREFIX_MODES = ("auto", "off", "on")
-
-
 @flax.struct.dataclass
 class SharedPrefix:
   """A batch's sequences as prefix trees (a pytree; the packed leaves lead with [P, L], the maps with [B, T]).
@@ -53,7 +50,7 @@ class SharedPrefix:
     routes: int16[P, L, M, k] the recorded experts of the input token, or None.
     slot: int32[B, T] where unshared token (b, t) is: a flat index into its block's packed rows; -1 at padding.
     predictor: int32[B, T] the slot whose hidden state predicts token (b, t); -1 for a sequence's first token.
-    chunk_rows / packed_rows: unshared and packed rows of a block (static).
+    block_rows / packed_rows: unshared and packed rows of a block (static).
   """
   tokens: np.ndarray
   positions: np.ndarray
@@ -65,14 +62,14 @@ class SharedPrefix:
   predictor: np.ndarray
   thresholds: np.ndarray | None = None
   routes: np.ndarray | None = None
-  chunk_rows: int = flax.struct.field(pytree_node=False, default=1)
+  block_rows: int = flax.struct.field(pytree_node=False, default=1)
   packed_rows: int = flax.struct.field(pytree_node=False, default=1)
 
   def unshare(self, packed_pl: jax.Array, index_bt: jax.Array) -> jax.Array:
     """Per-slot values [P, L] -> per unshared token [B, T] (`index_bt`: `slot` or `predictor`; 0 where -1).
     Works on any micro-batch slice: blocks never straddle one."""
     b, t = index_bt.shape
-    blocks = b // self.chunk_rows
+    blocks = b // self.block_rows
     flat = packed_pl.reshape(blocks, -1)
     index = index_bt.reshape(blocks, -1)
     out = jnp.take_along_axis(flat, jnp.maximum(index, 0), axis=1)
@@ -178,7 +175,7 @@ class PrefixTrees:
   them out). Every process finds its own rows' trees; the packed shape is agreed from `largest` and
   `rows_needed`."""
   blocks: list[_Block]
-  chunk_rows: int
+  block_rows: int
 
   @property
   def largest(self) -> int:
@@ -206,19 +203,19 @@ def _sequences(segment_ids: np.ndarray) -> list[tuple[int, int]]:
   return out
 
 
-def prefix_trees(batch: assembly.Batch, chunk_rows: int) -> PrefixTrees:
-  """The prefix trees of each block of `chunk_rows` consecutive rows of `batch` (numpy)."""
+def prefix_trees(batch: assembly.Batch, block_rows: int) -> PrefixTrees:
+  """The prefix trees of each block of `block_rows` consecutive rows of `batch` (numpy)."""
   rows = batch.tokens.shape[0]
-  if chunk_rows < 1 or rows % chunk_rows:
-    raise ValueError(f"chunk_rows={chunk_rows}: must divide the batch's {rows} rows")
+  if block_rows < 1 or rows % block_rows:
+    raise ValueError(f"block_rows={block_rows}: must divide the batch's {rows} rows")
   blocks = []
-  for first in range(0, rows, chunk_rows):
+  for first in range(0, rows, block_rows):
     trie, sequences = _Trie(), []
-    for row in range(first, first + chunk_rows):
+    for row in range(first, first + block_rows):
       for start, stop in _sequences(batch.segment_ids[row]):
         sequences.append((row, start, trie.insert(_keys(batch, row, start, stop), row, start)))
     blocks.append(_Block(trie, trie.trees(), sequences))
-  return PrefixTrees(blocks, chunk_rows)
+  return PrefixTrees(blocks, block_rows)
 
 
 def pack(batch: assembly.Batch, trees: PrefixTrees, *, length: int, packed_rows: int) -> SharedPrefix:
@@ -266,7 +263,7 @@ def pack(batch: assembly.Batch, trees: PrefixTrees, *, length: int, packed_rows:
       mask = batch.loss_mask[r, start + 1:start + len(path)]
       local = slots[:-1][mask]
       out["target_mask"][j * packed_rows + local // length, local % length] = True
-  return SharedPrefix(**out, slot=slot, predictor=predictor, chunk_rows=trees.chunk_rows, packed_rows=packed_rows)
+  return SharedPrefix(**out, slot=slot, predictor=predictor, block_rows=trees.block_rows, packed_rows=packed_rows)
 
 
 def measure(trees: PrefixTrees, batch_shape: tuple[int, int], *, length: int, packed_rows: int,

@@ -22,7 +22,7 @@ LAYERS = (
                      "jaxagent.buckets", "jaxagent.algos", "jaxagent.multihost")),
     ("config", ("jaxagent.config",)),
     ("records", ("jaxagent.trajectory", "jaxagent.trajectory_store", "jaxagent.trajectory_render", "jaxagent.chat", "jaxagent.assembly",
-                 "jaxagent.data", "jaxagent.weights", "jaxagent.sharding", "jaxagent.distributed")),
+                 "jaxagent.shared_prefix", "jaxagent.data", "jaxagent.weights", "jaxagent.sharding", "jaxagent.distributed")),
     ("rollout", ("jaxagent.rollout",)),
     ("tasks", ("jaxagent.tasks",)),
     ("train", ("jaxagent.train",)),

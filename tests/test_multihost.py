@@ -138,3 +138,25 @@ def test_callback_transport_on_two_processes_equals_host_loop(tmp_path):
     assert r["exchanges"] > 4
     pids.append({t["pid"] for t in r["callback"]})
   assert pids[0] and pids[1] and not pids[0] & pids[1]  # each process stepped only its own env workers
+
+
+def test_two_processes_share_prefixes_in_one_packed_shape_with_the_unshared_update():
+  """train.shared_prefix on two processes whose prefix trees differ: both pack to one shape (the largest tree and
+  the fullest block on either), the token counts are summed over both, and the shared update's metrics equal
+  the unshared update's."""
+  launched = subprocess.run(
+      [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "1", "--timeout", "300",
+       "--module", "tests._shared_prefix_processes"],
+      env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
+  lines = [json.loads(line.split(" ", 1)[1]) for line in launched.stdout.splitlines()
+           if line.startswith("[p") and '"packed_shape"' in line]
+  by_process = {r["process"]: r for r in lines}
+  assert sorted(by_process) == [0, 1]
+  assert by_process[0]["packed_shape"] == by_process[1]["packed_shape"]
+  computed, unshared = by_process[0]["tokens"]
+  assert by_process[1]["tokens"] == [computed, unshared] and 0 < computed < unshared
+  for r in by_process.values():
+    assert r["shared"]["loss_tokens"] > 0
+    for key, value in r["unshared"].items():
+      np.testing.assert_allclose(r["shared"][key], value, rtol=1e-5, atol=1e-5, err_msg=key)

@@ -106,7 +106,7 @@ def test_sequences_that_share_nothing_pack_to_their_own_segments():
 
 
 def test_blocks_must_divide_the_rows():
-  with pytest.raises(ValueError, match="chunk_rows=3: must divide the batch's 8 rows"):
+  with pytest.raises(ValueError, match="block_rows=3: must divide the batch's 8 rows"):
     shared_prefix.prefix_trees(_batch(), 3)
 
 

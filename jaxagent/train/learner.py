@@ -161,17 +161,18 @@ def prepare_batch(run: Run, state: TrainState, trajectories: Sequence[tr.Traject
     value_normalizer = float(vmask.sum())
   normalizer = algos.loss_normalizer(batch.loss_mask, batch.segment_ids, aggregation=cfg.algo.aggregation,
                                      norm_length=cfg.algo.norm_length, allow_empty=True)
+  batch, tokens = share_prefixes(run, batch)
   sums = multihost.host_sums({"normalizer": float(normalizer), "value_normalizer": value_normalizer,
                               "excluded": int((~infrastructure_ok).sum()),
-                              "variance_filtered": int((infrastructure_ok & ~kept).sum())})
-  batch, sharing = share_prefixes(run, batch)
+                              "variance_filtered": int((infrastructure_ok & ~kept).sum()), **tokens})
   batch = run.policy.layout.to_global(batch)
   if run.steps.logprob_fn is not None:  # decoupled PPO: π_prox, the parameters this update starts from
     batch = batch.replace(proximal_logprobs=run.steps.logprob_fn(state.params, batch))
   return Prepared(batch=batch, normalizer=float(sums["normalizer"]),
                   value_targets=None if value_targets is None else run.policy.layout.to_global(value_targets),
                   value_normalizer=float(sums["value_normalizer"]),
-                  stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums["excluded"]), **_step_stats(adv), **sharing,
+                  stats={metrics_lib.EXCLUDED_TRAJECTORIES: int(sums["excluded"]), **_step_stats(adv),
+                         **{k: int(sums[k]) for k in tokens},
                          **({"variance_filter/dropped_trajectories": int(sums["variance_filtered"])}
                             if cfg.tasks.variance_filter < 1.0 else {})},
                   estimate=adv,
@@ -190,27 +191,26 @@ def share_block_rows(run: Run, rows: int) -> int:
 
 def share_prefixes(run: Run, batch: Batch) -> tuple[Batch, dict[str, int]]:
   """`batch` with its prefix trees attached when `train.shared_prefix` says to share (on, or auto and the
-  padded tokens computed shrink by more than `train.shared_prefix_min_saving`), and the tokens computed vs
-  unshared (summed over processes; equal when not shared). Every process takes the same decision and shape."""
+  padded tokens computed shrink by more than `train.shared_prefix_min_saving` over all processes), and this
+  process's tokens computed vs unshared (equal when not shared). Every process takes the same decision and
+  shape."""
   cfg = run.config
   real = int((batch.segment_ids != 0).sum())
   router = bool(cfg.algo.moe_load_balance_coef or cfg.algo.moe_router_z_coef)  # counts tokens: never shared
+  unshared = {metrics_lib.TOKENS_COMPUTED: real, metrics_lib.TOKENS_UNSHARED: real}
   if cfg.train.shared_prefix == "off" or router:
-    tokens = int(multihost.host_sum(np.asarray(real, np.int64)))
-    return batch, {metrics_lib.TOKENS_COMPUTED: tokens, metrics_lib.TOKENS_UNSHARED: tokens}
+    return batch, unshared
   trees = shared_prefix.prefix_trees(batch, share_block_rows(run, batch.tokens.shape[0]))
   largest = int(multihost.host_max(np.asarray(max(trees.largest, 1), np.int64)))
-  length = buckets_lib.fit(largest, shared_prefix.packed_lengths(batch.tokens.shape[1] * trees.chunk_rows))
+  length = buckets_lib.fit(largest, shared_prefix.packed_lengths(batch.tokens.shape[1] * trees.block_rows))
   packed_rows = int(multihost.host_max(np.asarray(max(trees.rows_needed(length), 1), np.int64)))
   sharing = shared_prefix.measure(trees, batch.tokens.shape, length=length, packed_rows=packed_rows,
                                   real_tokens=real)
-  sums = multihost.host_sums(dataclasses.asdict(sharing))
-  total = shared_prefix.Sharing(**{k: int(v) for k, v in sums.items()})
-  share = cfg.train.shared_prefix == "on" or total.saving > cfg.train.shared_prefix_min_saving
-  if share:
-    batch = batch.replace(shared=shared_prefix.pack(batch, trees, length=length, packed_rows=packed_rows))
-  computed = total.tokens_computed if share else total.tokens_unshared
-  return batch, {metrics_lib.TOKENS_COMPUTED: computed, metrics_lib.TOKENS_UNSHARED: total.tokens_unshared}
+  total = shared_prefix.Sharing(**{k: int(v) for k, v in multihost.host_sums(dataclasses.asdict(sharing)).items()})
+  if cfg.train.shared_prefix == "auto" and total.saving <= cfg.train.shared_prefix_min_saving:
+    return batch, unshared
+  batch = batch.replace(shared=shared_prefix.pack(batch, trees, length=length, packed_rows=packed_rows))
+  return batch, {metrics_lib.TOKENS_COMPUTED: sharing.tokens_computed, metrics_lib.TOKENS_UNSHARED: real}
 
 
 def _step_stats(adv: algos.AdvantageOutput) -> dict[str, float]:
