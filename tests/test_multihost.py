@@ -99,19 +99,26 @@ def test_named_host_sums_read_back_by_name_with_the_values_dtype():
   assert multihost.host_sums({}) == {}
 
 
+def _json_lines_by_process(module: str, key: str, *, timeout: int) -> dict[int, dict]:
+  """Runs `module` as 2 processes x 1 device (launch/local.py) and returns each process's JSON line holding
+  `key`, by its "process"."""
+  launched = subprocess.run(
+      [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "1", "--timeout", str(timeout),
+       "--module", module],
+      env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=2 * timeout + 60)
+  assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
+  lines = [json.loads(line.split(" ", 1)[1]) for line in launched.stdout.splitlines()
+           if line.startswith("[p") and f'"{key}"' in line]
+  by_process = {r["process"]: r for r in lines}
+  assert sorted(by_process) == [0, 1]
+  return by_process
+
+
 def test_two_processes_pick_the_bucket_of_the_longest_trajectory_on_either():
   """train.batch_length=bucket: process 0 alone would pad to 96, process 1 to 192; both must pad to 192 (one
   update program, one global batch). Values alone would not show a disagreement: on CPU each process would
   compile its own T and the gradient sum would still agree (tests/_batch_length.py)."""
-  launched = subprocess.run(
-      [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "1", "--timeout", "120",
-       "--module", "tests._batch_length"],
-      env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
-  lines = [json.loads(line.split(" ", 1)[1]) for line in launched.stdout.splitlines()
-           if line.startswith("[p") and '"batch_length"' in line]
-  by_process = {r["process"]: r for r in lines}
-  assert sorted(by_process) == [0, 1]
+  by_process = _json_lines_by_process("tests._batch_length", "batch_length", timeout=120)
   assert (by_process[0]["local_bucket"], by_process[1]["local_bucket"]) == (96, 192)
   assert by_process[0]["batch_length"] == by_process[1]["batch_length"] == 192
 
@@ -144,15 +151,7 @@ def test_two_processes_share_prefixes_in_one_packed_shape_with_the_unshared_upda
   """train.shared_prefix on two processes whose prefix trees differ: both pack to one shape (the largest tree and
   the fullest block on either), the token counts are summed over both, and the shared update's metrics equal
   the unshared update's."""
-  launched = subprocess.run(
-      [sys.executable, "launch/local.py", "-n", "2", "--devices-per-process", "1", "--timeout", "300",
-       "--module", "tests._shared_prefix_processes"],
-      env=_processes.cpu_env(1), cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
-  lines = [json.loads(line.split(" ", 1)[1]) for line in launched.stdout.splitlines()
-           if line.startswith("[p") and '"packed_shape"' in line]
-  by_process = {r["process"]: r for r in lines}
-  assert sorted(by_process) == [0, 1]
+  by_process = _json_lines_by_process("tests._shared_prefix_processes", "packed_shape", timeout=300)
   assert by_process[0]["packed_shape"] == by_process[1]["packed_shape"]
   computed, unshared = by_process[0]["tokens"]
   assert by_process[1]["tokens"] == [computed, unshared] and 0 < computed < unshared

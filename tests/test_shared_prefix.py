@@ -155,6 +155,7 @@ CASES = {
     "grpo-kl-seq-mean": (AlgoConfig(name="grpo", advantage="grpo", kl_coef=0.1, aggregation="seq-mean-token-mean",
                                     entropy_coef=0.01), {}),
     "ppo-value": (AlgoConfig(name="ppo", advantage="gae"), {}),
+    "ppo-value-kl": (AlgoConfig(name="ppo", advantage="gae", kl_coef=0.1), {}),
     "grpo-lora-remat-chunked": (AlgoConfig(name="grpo", advantage="grpo"),
                                 dict(lora=True, remat="full", logits_chunk=8)),
     "tis": (AlgoConfig(name="grpo", advantage="grpo", loss="tis"), dict(thresholds=False)),

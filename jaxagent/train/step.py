@@ -126,8 +126,9 @@ def _loss(params, graphdefs, batch: Batch, normalizer, value_targets: ValueTarge
   ref_logp_bt = None
   if ref_params is not None:  # the reference routes itself
     ref = nnx.merge(graphdefs["policy"], jax.lax.stop_gradient(ref_params))
-    scores = _token_scores(ref, batch, dataclasses.replace(options, remat="none"), routes=False, with_entropy=False)
-    ref_logp_bt = jax.lax.stop_gradient(scores.logp)
+    ref_scores = _token_scores(ref, batch, dataclasses.replace(options, remat="none"), routes=False,
+                               with_entropy=False)
+    ref_logp_bt = jax.lax.stop_gradient(ref_scores.logp)
   decoupled = algo.loss == "decoupled_ppo"
   if decoupled and batch.proximal_logprobs is None:
     raise ValueError("algo.loss='decoupled_ppo' needs the batch's proximal_logprobs (make_logprob_fn)")
