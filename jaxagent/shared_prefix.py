@@ -25,7 +25,6 @@ Shape letters: B/T the unshared batch, P/L the packed one (`P = blocks x packed_
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import flax.struct
@@ -70,6 +69,9 @@ class SharedPrefix:
     Works on any micro-batch slice: blocks never straddle one."""
     b, t = index_bt.shape
     blocks = b // self.block_rows
+    if b % self.block_rows or packed_pl.shape[0] != blocks * self.packed_rows:
+      raise ValueError(f"{b} unshared rows and {packed_pl.shape[0]} packed rows are not whole blocks of "
+                       f"{self.block_rows} and {self.packed_rows}: slice a shared batch only between blocks")
     flat = packed_pl.reshape(blocks, -1)
     index = index_bt.reshape(blocks, -1)
     out = jnp.take_along_axis(flat, jnp.maximum(index, 0), axis=1)
@@ -78,16 +80,24 @@ class SharedPrefix:
 
 @dataclasses.dataclass(frozen=True)
 class Sharing:
-  """What sharing a batch saves, before it is chosen: real tokens and padded slots, shared and unshared."""
+  """What sharing a batch saves, before it is chosen: real tokens, padded slots (rows x length) and attention
+  scores (rows x length²: the packed rows are longer), shared and unshared."""
   tokens_unshared: int
   tokens_computed: int
   slots_unshared: int
   slots_computed: int
+  scores_unshared: int
+  scores_computed: int
 
   @property
   def saving(self) -> float:
     """The fraction of the padded batch's slots that sharing does not compute."""
     return 1.0 - self.slots_computed / max(self.slots_unshared, 1)
+
+  def worth_it(self, min_saving: float) -> bool:
+    """Sharing saves more than `min_saving` of the slots and its attention scores are no more than the unshared
+    batch's (a tree's row can be many times longer than a trajectory: its [L, L] scores grow quadratically)."""
+    return self.saving > min_saving and self.scores_computed <= self.scores_unshared
 
 
 @dataclasses.dataclass
@@ -213,6 +223,9 @@ def prefix_trees(batch: assembly.Batch, block_rows: int) -> PrefixTrees:
     trie, sequences = _Trie(), []
     for row in range(first, first + block_rows):
       for start, stop in _sequences(batch.segment_ids[row]):
+        if not np.array_equal(batch.positions[row, start:stop], np.arange(stop - start)):
+          raise ValueError(f"row {row}: the sequence at columns {start}:{stop} does not count its positions from 0 "
+                           "(assembled batches do); a tree slot's position is its depth")
         sequences.append((row, start, trie.insert(_keys(batch, row, start, stop), row, start)))
     blocks.append(_Block(trie, trie.trees(), sequences))
   return PrefixTrees(blocks, block_rows)
@@ -269,11 +282,18 @@ def pack(batch: assembly.Batch, trees: PrefixTrees, *, length: int, packed_rows:
 def measure(trees: PrefixTrees, batch_shape: tuple[int, int], *, length: int, packed_rows: int,
             real_tokens: int) -> Sharing:
   """What packing `trees` at (`packed_rows` per block, `length`) computes against the unshared `batch_shape`."""
-  return Sharing(tokens_unshared=real_tokens, tokens_computed=trees.tokens,
-                 slots_unshared=math.prod(batch_shape), slots_computed=len(trees.blocks) * packed_rows * length)
+  rows, t = batch_shape
+  packed = len(trees.blocks) * packed_rows
+  return Sharing(tokens_unshared=real_tokens, tokens_computed=trees.tokens, slots_unshared=rows * t,
+                 slots_computed=packed * length, scores_unshared=rows * t * t, scores_computed=packed * length**2)
 
 
 def packed_lengths(limit: int) -> tuple[int, ...]:
   """The packed rows' lengths a run compiles for (as the update batch's: `buckets.batch_lengths`), up to
-  `limit` (the context length times a block's rows: the largest tree a block can hold)."""
+  `limit`: the batch's length times a block's rows, the most tokens a block holds."""
   return buckets_lib.batch_lengths(limit)
+
+
+def packed_rows_for(needed: int) -> int:
+  """The packed rows per block a run compiles for: `needed` rounded up to a power of two (few shapes)."""
+  return 1 << max(needed - 1, 0).bit_length()

@@ -12,7 +12,7 @@ A tree of segments (shared-prefix packing, no cache) generalises it: segments ar
 preorder and each key also carries the end of its segment's subtree (`segment_ends`, exclusive), so a query in
 segment s sees key j iff `segment[j] <= s < segment_end[j]` (its own segment or an ancestor's), `segment[j] != 0`
 and `position[j] <= position[i]`; a sliding window also counts positions. With `segment_end = segment + 1` (no
-segment has a descendant) this is the rule above.
+segment has a descendant) and positions that advance with slots within a segment, this is the rule above.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from jaxagent import trajectory as tr
 from jaxagent.rollout import sampler as sampler_lib
 from jaxagent.rollout.actors import ScriptedActions
 from jaxagent.train import learner, loop, resume, rollouts
+from jaxagent.train import metrics as metrics_lib
 from jaxagent.train import run as run_lib
 from tests import test_envs_plugin
 from tests.test_train import _COMPILES, ROOT, TINY, _config
@@ -60,7 +61,9 @@ def test_infrastructure_failures_are_recorded_but_never_trained_or_grouped(tmp_p
   # Group 0 has only solved members left: no signal (it would have been "varied" with the fault counted).
   adv = np.asarray(prepared.estimate.advantages)
   assert not adv[:4].any() and adv[4:6, 0].min() > 0 > adv[6:8, 0].max()
-  assert prepared.stats == {"excluded_trajectories": 1}
+  tokens = int((batch.segment_ids > 0).sum())
+  assert prepared.stats == {"excluded_trajectories": 1, metrics_lib.TOKENS_COMPUTED: tokens,
+                            metrics_lib.TOKENS_UNSHARED: tokens}  # train.shared_prefix off: every token computed
   spread = {"reward_std_within_group": pytest.approx(0.25), "zero_variance_group_fraction": 0.5}
   assert learner.group_statistics(run, trajs, prepared.estimate) == spread
   compiles = len(_COMPILES)

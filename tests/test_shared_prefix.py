@@ -228,3 +228,26 @@ def test_unquoted_on_and_off_in_yaml_name_the_modes():
   assert load("tiny_cpu", ["train.shared_prefix=on"]).train.shared_prefix == "on"
   with pytest.raises(ConfigError, match=r"train.shared_prefix='sometimes': not one of \['auto', 'off', 'on'\]"):
     load("tiny_cpu", ["train.shared_prefix=sometimes"])
+
+
+def test_sequences_must_count_positions_from_zero():
+  batch = _batch()
+  shifted = batch.replace(positions=np.where(batch.segment_ids > 0, batch.positions + 3, 0).astype(np.int32))
+  with pytest.raises(ValueError, match="row 0: the sequence at columns 0:12 does not count its positions from 0"):
+    shared_prefix.prefix_trees(shifted, BLOCK)
+
+
+def test_a_slice_across_blocks_is_refused():
+  shared = _shared(_batch()).shared
+  with pytest.raises(ValueError, match="6 unshared rows and .* packed rows are not whole blocks of 4"):
+    shared.unshare(jnp.asarray(shared.tokens[:1]), jnp.asarray(shared.slot[:6]))
+
+
+def test_auto_shares_only_when_slots_shrink_and_attention_scores_do_not_grow():
+  sharing = lambda slots, scores: shared_prefix.Sharing(tokens_unshared=0, tokens_computed=0,
+                                                        slots_unshared=16 * 384, slots_computed=slots,
+                                                        scores_unshared=16 * 384**2, scores_computed=scores)
+  assert sharing(2 * 768, 2 * 768**2).worth_it(0.2)            # the budget recipe's batches
+  assert not sharing(int(0.85 * 16 * 384), 100).worth_it(0.2)   # saves only 15 % of the slots
+  assert not sharing(1 * 4096, 1 * 4096**2).worth_it(0.2)       # one long row: fewer slots, 7x the scores
+  assert [shared_prefix.packed_rows_for(n) for n in (0, 1, 2, 3, 5, 8)] == [1, 1, 2, 4, 8, 8]

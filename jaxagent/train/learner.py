@@ -190,10 +190,10 @@ def share_block_rows(run: Run, rows: int) -> int:
 
 
 def share_prefixes(run: Run, batch: Batch) -> tuple[Batch, dict[str, int]]:
-  """`batch` with its prefix trees attached when `train.shared_prefix` says to share (on, or auto and the
-  padded tokens computed shrink by more than `train.shared_prefix_min_saving` over all processes), and this
-  process's tokens computed vs unshared (equal when not shared). Every process takes the same decision and
-  shape."""
+  """`batch` with its prefix trees attached when `train.shared_prefix` says to share (on, or auto and
+  `Sharing.worth_it` over all processes: the padded slots shrink by more than `train.shared_prefix_min_saving`
+  and the attention scores do not grow), and this process's tokens computed vs unshared (equal when not shared).
+  Every process takes the same decision and shape."""
   cfg = run.config
   real = int((batch.segment_ids != 0).sum())
   router = bool(cfg.algo.moe_load_balance_coef or cfg.algo.moe_router_z_coef)  # counts tokens: never shared
@@ -203,11 +203,12 @@ def share_prefixes(run: Run, batch: Batch) -> tuple[Batch, dict[str, int]]:
   trees = shared_prefix.prefix_trees(batch, share_block_rows(run, batch.tokens.shape[0]))
   largest = int(multihost.host_max(np.asarray(max(trees.largest, 1), np.int64)))
   length = buckets_lib.fit(largest, shared_prefix.packed_lengths(batch.tokens.shape[1] * trees.block_rows))
-  packed_rows = int(multihost.host_max(np.asarray(max(trees.rows_needed(length), 1), np.int64)))
+  packed_rows = shared_prefix.packed_rows_for(int(multihost.host_max(np.asarray(trees.rows_needed(length),
+                                                                                np.int64))))
   sharing = shared_prefix.measure(trees, batch.tokens.shape, length=length, packed_rows=packed_rows,
                                   real_tokens=real)
   total = shared_prefix.Sharing(**{k: int(v) for k, v in multihost.host_sums(dataclasses.asdict(sharing)).items()})
-  if cfg.train.shared_prefix == "auto" and total.saving <= cfg.train.shared_prefix_min_saving:
+  if cfg.train.shared_prefix == "auto" and not total.worth_it(cfg.train.shared_prefix_min_saving):
     return batch, unshared
   batch = batch.replace(shared=shared_prefix.pack(batch, trees, length=length, packed_rows=packed_rows))
   return batch, {metrics_lib.TOKENS_COMPUTED: sharing.tokens_computed, metrics_lib.TOKENS_UNSHARED: real}

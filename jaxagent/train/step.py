@@ -179,8 +179,8 @@ def _token_scores(model, batch: Batch, options: StepOptions, *, routes: bool, ro
                   with_entropy: bool = True) -> _Scores:
   """Per token, log π (under the rollout temperature, cut at the recorded sampling thresholds, in rl and offline
   modes), entropy and the log of the kept mass. A shared batch (`batch.shared`) runs the model on its prefix
-  trees, where each slot scores the one token it predicts, and gathers the results back onto the batch's tokens;
-  off the loss mask they are 0."""
+  trees, where each slot scores the one token it predicts, and gathers the results back onto the batch's tokens
+  (0 off the loss mask, where no loss reads them)."""
   o = options
   scale = 1.0 if o.mode == "bc" else o.temperature
   # Truncated sampling (top-k / top-p): each token is scored under the distribution it was drawn from, cut at
