@@ -1,7 +1,8 @@
 """Shared-prefix packing: the tokens that several sequences of a batch hold in common, computed once.
 
 Every trajectory of a GRPO group repeats its task's prompt, and a branch (`rollout.branch`) repeats its parent's
-history up to the branch point. `share` lays the sequences of an assembled `Batch` out as prefix trees: a token
+history up to the branch point. `prefix_trees` finds the prefix trees of an assembled `Batch` and `pack` lays
+them out (`jaxagent.train.learner.share_prefixes` decides whether an update uses them): a token
 that several sequences hold at the same position after the same history is one slot, then each continues on its
 own. What counts as shared is decided by tokens alone (never by text): slot t of a sequence is keyed by its
 input token, the token it predicts (t + 1's; none at the end), and what the model's computation there reads
@@ -161,6 +162,8 @@ class _Trie:
 
 
 def _keys(batch: assembly.Batch, row: int, start: int, stop: int) -> list[bytes]:
+  """Each slot's key of the sequence at `row`, columns [start, stop): input token, predicted token (-1 at the
+  end), the predicted token's recorded sampling threshold, the input token's recorded expert routes."""
   tokens = batch.tokens[row, start:stop]
   nxt = np.append(tokens[1:], -1).astype(np.int64)
   parts = [np.stack([tokens.astype(np.int64), nxt], axis=1).view(np.uint8).reshape(stop - start, -1)]
