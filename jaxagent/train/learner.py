@@ -201,10 +201,11 @@ def share_prefixes(run: Run, batch: Batch) -> tuple[Batch, dict[str, int]]:
   if cfg.train.shared_prefix == "off" or router:
     return batch, unshared
   trees = shared_prefix.prefix_trees(batch, share_block_rows(run, batch.tokens.shape[0]))
-  largest = int(multihost.host_max(np.asarray(max(trees.largest, 1), np.int64)))
-  length = buckets_lib.fit(largest, shared_prefix.packed_lengths(batch.tokens.shape[1] * trees.block_rows))
-  packed_rows = shared_prefix.packed_rows_for(int(multihost.host_max(np.asarray(trees.rows_needed(length),
-                                                                                np.int64))))
+  # One collective for the shape: the largest tree on any process, and the fullest block's rows at each length.
+  lengths = shared_prefix.packed_lengths(batch.tokens.shape[1] * trees.block_rows)
+  most = multihost.host_max(np.asarray([trees.largest] + [trees.rows_needed(n) for n in lengths], np.int64))
+  length = buckets_lib.fit(max(int(most[0]), 1), lengths)
+  packed_rows = shared_prefix.packed_rows_for(int(most[1 + lengths.index(length)]))
   sharing = shared_prefix.measure(trees, batch.tokens.shape, length=length, packed_rows=packed_rows,
                                   real_tokens=real)
   total = shared_prefix.Sharing(**{k: int(v) for k, v in multihost.host_sums(dataclasses.asdict(sharing)).items()})
