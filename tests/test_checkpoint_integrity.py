@@ -94,8 +94,12 @@ def flip_array_data_files(step_dir: Path, nbytes: int = 4096) -> list[Path]:
 
   How the async writer spreads arrays over data files varies with load: flipping only large files (or only "the
   largest") can hit nothing but b-tree nodes the merged root no longer reads, and the step restores intact
-  (seen once in CI under load)."""
-  files = [p for p in (step_dir / "state").glob("ocdbt.process_*/d/*") if p.is_file() and p.stat().st_size >= 2]
+  (seen once in CI under load). Data files live under each process's `ocdbt.process_*/d/` and also under the
+  merged root's own `d/` (where a large leaf sometimes lands: missing that directory let a damaged step restore
+  intact in CI)."""
+  state = step_dir / "state"
+  files = [p for p in [*state.glob("d/*"), *state.glob("ocdbt.process_*/d/*")]
+           if p.is_file() and p.stat().st_size >= 2]
   assert files, step_dir
   for path in files:
     data = bytearray(path.read_bytes())
