@@ -6,6 +6,8 @@ Public API:
   Termination, Outcome (str enums: the one vocabulary of episode ends) and TERMINATIONS, OUTCOMES, OUTCOME_CODES
   get(name), names(), register(spec), check_name(name), is_valid_name(name), UnknownEnvError
   (names: built-ins, `jaxagent.envs` entry points of installed packages, or `package.module:ATTR`)
+  agent_spec(name, agent=, tasks=, tools=, verifier=): an agent written against the OpenAI chat API, as an env
+  (envs/gateway.py)
 """
 
 from envs._api import (ACTION_SYNTAXES, CANCELLED, COMPLETED, CONTEXT_EXHAUSTED, ENV_API_VERSION, ENV_ERROR,
@@ -17,7 +19,9 @@ from envs._api import (ACTION_SYNTAXES, CANCELLED, COMPLETED, CONTEXT_EXHAUSTED,
 from envs._registry import (ENTRY_POINT_GROUP, UnknownEnvError, check_name, get, is_valid_name, names,
                             register)
 from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)
+from envs.gateway import AgentEnv, agent_spec  # noqa: F401
 from envs.builtin import calculator as _calculator
+from envs.builtin import calculator_agent as _calculator_agent
 from envs.builtin import code_repair as _code_repair
 from envs.builtin import database as _database
 from envs.builtin import faults as _faults
@@ -27,6 +31,6 @@ from envs.builtin import sokoban as _sokoban
 from envs.builtin import swe as _swe
 from envs.builtin import terminal as _terminal
 
-for _m in (_calculator, _guess, _gridworld, _sokoban, _terminal, _faults, _code_repair, _swe, _database):
+for _m in (_calculator, _calculator_agent, _guess, _gridworld, _sokoban, _terminal, _faults, _code_repair, _swe, _database):
   register(_m.SPEC)
 del _m

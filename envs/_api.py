@@ -98,6 +98,11 @@ class Env(abc.ABC):
   def _step(self, call: Call) -> StepResult:
     """Run a parsed call; raise InvalidAction for refused calls, EnvError for tool faults."""
 
+  def _parse(self, action_text: str) -> Call:
+    """The action text as a call: the parser's (`ParseError` / `InvalidAction` go to the invalid-action rule).
+    An env that takes free text (an agent over the gateway) reads it otherwise."""
+    return self.parser.parse(action_text)
+
   def state_key(self) -> str | None:
     """The anchor state the episode is in, as text: what an action's consequences depend on (e.g. gridworld's
     position), not how the episode got there. Two steps of one task group from equal keys are compared by GiGPO
@@ -147,7 +152,7 @@ class Env(abc.ABC):
     info: dict[str, Any] = dict(turn=self.turn, action=action_text[:256])
     call: Call | None = None
     try:
-      call = self.parser.parse(action_text)
+      call = self._parse(action_text)
       result = self._step(call)
     except (ParseError, InvalidAction) as e:
       result = self.invalid_action.apply(e)
@@ -253,6 +258,9 @@ class EnvSpec:
     timeouts: `timeouts() -> {"action_timeout_s": s, "reset_timeout_s": s}`, the wall-clock limits this env's steps
       and resets need on this machine (measured, e.g. from a test suite's timed run); a pool whose own limit is
       lower raises it to this and logs it. None: the pool's limits as configured.
+    site_packages: its workers import installed packages beyond the standard library and msgpack (an agent's
+      `openai` client): a bubblewrap worker gets the trainer's site-packages bound read-only (still no network,
+      no writes); a docker image must have them installed.
   """
   name: str
   description: str
@@ -267,6 +275,7 @@ class EnvSpec:
   probes: Callable[..., dict[str, list[str]]] | None = None
   data_dirs: Callable[[], Mapping[str, Path]] | None = None
   timeouts: Callable[[], Mapping[str, float]] | None = None
+  site_packages: bool = False
 
   def __post_init__(self):
     for attr, args, kwargs, expected in _CALLS:

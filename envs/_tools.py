@@ -183,11 +183,14 @@ class ActionParser:
   Attributes:
     tools: `Tool`s, or bare names (a tool whose line argument is the string parameter "arg").
     version: recorded with checkpoints (a policy depends on it); `with_syntax("json")` sets `json-v1`.
+    free_text: the env takes any text as an action (an agent over the gateway: a reply without a tool call is
+      its answer), so its scripted actions are written as the model's replies, not as `NAME ARG` lines.
   """
   tools: tuple[Tool | str, ...]
   max_chars: int = 256
   version: str = "line-v1"
   syntax: str = "line"
+  free_text: bool = False
 
   def __post_init__(self):
     tools = tuple(t if isinstance(t, Tool) else Tool.with_arg(t, "", "arg") for t in self.tools)

@@ -58,6 +58,7 @@ class Outcome(str, enum.Enum):
   INVALID_ACTION_CONTINUED = "invalid_action_continued"      # not done: refused call answered with an error
   PARSER_REJECTED_CONTINUED = "parser_rejected_continued"    # not done: non-action answered with an error
   REPLAY_DIVERGED = "replay_diverged"                        # done, env_error: a replay answered differently
+  HISTORY_REWRITTEN = "history_rewritten"  # done, env_error: an agent's request did not extend the record
 
   def __str__(self) -> str:
     return self.value

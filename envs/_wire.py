@@ -73,15 +73,21 @@ class Observation:
   `state_key`: the anchor state this observation shows (a short stable hash of the env state that matters for
   what comes next, `Env.state_key`), or None when the env does not say. Steps of one task group that start from
   the same key form a GiGPO step group (docs/design.md §2.6).
+
+  `system`: a first observation's own system message, which replaces the configured one in the prompt (an agent
+  over the gateway brings its own); None: the configured one. Later observations never carry one.
   """
   text: str
   truncated: bool = False
   original_size: int = 0
   state_key: str | None = None
+  system: str | None = None
 
   def __post_init__(self):
     if self.state_key is not None and not isinstance(self.state_key, str):
       raise TypeError(f"Observation.state_key={self.state_key!r}: must be a str or None")
+    if self.system is not None and not isinstance(self.system, str):
+      raise TypeError(f"Observation.system: must be a str or None, got {type(self.system).__name__}")
 
   @classmethod
   def capped(cls, text: str, max_bytes: int, state_key: str | None = None) -> "Observation":
@@ -91,13 +97,18 @@ class Observation:
     return cls(raw[:max_bytes].decode("utf-8", errors="ignore"), True, len(raw), state_key)
 
   def to_wire(self) -> dict[str, Any]:
-    return dict(text=self.text, truncated=self.truncated, original_size=self.original_size,
+    wire = dict(text=self.text, truncated=self.truncated, original_size=self.original_size,
                 state_key=self.state_key)
+    if self.system is not None:
+      wire["system"] = self.system
+    return wire
 
   @classmethod
   def from_wire(cls, d: Mapping[str, Any]) -> "Observation":
     key = d.get("state_key")  # absent from a worker older than state keys
-    return cls(str(d["text"]), bool(d["truncated"]), int(d["original_size"]), None if key is None else str(key))
+    system = d.get("system")
+    return cls(str(d["text"]), bool(d["truncated"]), int(d["original_size"]), None if key is None else str(key),
+               None if system is None else str(system))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,7 @@ def import_roots(module: str | None) -> list[tuple[str, str]]:
 
 
 def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tuple[str, str]] = (),
-                  data_dirs: Mapping[str, str | os.PathLike] | None = None) -> list[str]:
+                  data_dirs: Mapping[str, str | os.PathLike] | None = None, site_packages: bool = False) -> list[str]:
   """bubblewrap: no network, read-only root of system dirs + the interpreter + envs/, private /tmp.
 
   Nothing else of the host filesystem (home, the repo, datasets, eval answers) exists inside. `user_modules`
@@ -75,7 +75,8 @@ def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tup
   /opt/userN on PYTHONPATH; nothing else of their sys.path entry is visible, so such a package can use the
   standard library, msgpack and `envs` only (for more, use the docker pool with an image that has them, or
   sandbox='none'). `data_dirs` ({VARIABLE: directory}, `EnvSpec.data_dirs`) are bound read-only at the same path,
-  each VARIABLE set to its directory.
+  each VARIABLE set to its directory. `site_packages` (`EnvSpec.site_packages`: an agent's `openai` client) binds
+  this interpreter's site-packages read-only at the same paths, on PYTHONPATH after the env's own packages.
   """
   import msgpack
   python = os.path.realpath(sys.executable)
@@ -90,6 +91,11 @@ def bwrap_command(sock_dir: str, argv: Sequence[str], user_modules: Sequence[tup
   for var, path in dict(data_dirs or {}).items():
     path = os.path.realpath(path)
     cmd += ["--ro-bind", path, path, "--setenv", var, path]
+  if site_packages:
+    import site
+    for path in dict.fromkeys(os.path.realpath(p) for p in site.getsitepackages() if os.path.isdir(p)):
+      cmd += ["--ro-bind", path, path]
+      pythonpath.append(path)
   cmd += ["--setenv", "PYTHONPATH", os.pathsep.join(pythonpath), "--setenv", "HOME", "/tmp",
           "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
           "--chdir", "/tmp", "--remount-ro", "/", python]
@@ -176,6 +182,7 @@ class LocalWorker(Worker):
     except Exception:  # the worker reports an unknown env when it starts
       spec = None
     self.data_dirs = {k: str(v) for k, v in (spec.data_dirs() if spec and spec.data_dirs else {}).items()}
+    self.site_packages = bool(spec and spec.site_packages)
     self.proc: subprocess.Popen | None = None
     self.dir = tempfile.mkdtemp(prefix=f"envw{index}-")
 
@@ -185,7 +192,7 @@ class LocalWorker(Worker):
       os.unlink(sock)
     argv = ["-m", "envs.server", self.env_ref, "--episode-sandbox", "bwrap" if self.sandbox else "none", "--socket"]
     if self.sandbox:
-      cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"], self.roots, self.data_dirs)
+      cmd = bwrap_command(self.dir, argv + ["/run/jaxagent/w.sock"], self.roots, self.data_dirs, self.site_packages)
       env = None
     else:
       cmd = [sys.executable] + argv + [sock]

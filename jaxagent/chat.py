@@ -56,8 +56,9 @@ class ChatFormat(abc.ABC):
   has_reasoning: bool = False   # sampled actions may open with a private reasoning span
 
   @abc.abstractmethod
-  def prompt(self, text: str) -> tr.TokenStream:
-    """A new stream holding the prompt for the first observation `text`, ready for the first action."""
+  def prompt(self, text: str, system: str | None = None) -> tr.TokenStream:
+    """A new stream holding the prompt for the first observation `text`, ready for the first action; `system`:
+    the episode's own system message in place of the configured one (`Observation.system`)."""
 
   @abc.abstractmethod
   def observation(self, text: str, role: tr.Role = tr.Role.TOOL, after: Sequence[int] = ()) -> Frame:
@@ -105,7 +106,10 @@ class ControlTokenChat(ChatFormat):
     # <|tool|> body <|eot|> <|assistant|>
     self.frame_length = max_observation_tokens + 3
 
-  def prompt(self, text: str) -> tr.TokenStream:
+  def prompt(self, text: str, system: str | None = None) -> tr.TokenStream:
+    """No system role here: an episode's own system message goes before the text, a blank line between."""
+    if system:
+      text = f"{system}\n\n{text}"
     stream, role = tr.TokenStream(), tr.Role.PROMPT
     stream.control(self.BOS, role, self.tokenizer)
     stream.control(self.USER, role, self.tokenizer)
@@ -210,6 +214,7 @@ class TemplateChat(ChatFormat):
         system_prompt = f"{system_prompt}\n\n{block}" if system_prompt else block
       self.tools = None if ignores_tools or not tools else tools
       self.tools_in_system_prompt = ignores_tools
+      self._tools_block = block if ignores_tools else None
       self.system_prompt = system_prompt
       self._base = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + user
       before, after = _split(self._render(self._base, self.tools, True), _USER, "the user message")
@@ -232,6 +237,7 @@ class TemplateChat(ChatFormat):
                           f"{type(e).__name__}: {e}") from None
     encode = tokenizer.encode_template
     self._prompt_head, self._prompt_tail = encode(before), encode(after)
+    self._prompt_frames: dict[str, tuple[list[int], list[int]]] = {}  # an episode's own system message -> both
     self._frame_head, self._frame_tail = encode(self._frame_head_text), encode(frame_tail)
     # The template's end-of-turn: the first token it writes after an assistant's content, when that is one
     # special token (Qwen <|im_end|>, Llama 3 <|eot_id|>). The policy stops on it or on an eos id.
@@ -257,11 +263,25 @@ class TemplateChat(ChatFormat):
     return self.tokenizer.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                       **self.kwargs)
 
-  def prompt(self, text: str) -> tr.TokenStream:
+  def _prompt_frame(self, system: str | None) -> tuple[list[int], list[int]]:
+    """The prompt's template tokens before and after the first observation, for the configured system prompt
+    (None) or an episode's own (the tools block added where the template has no place for tools)."""
+    if system is None:
+      return self._prompt_head, self._prompt_tail
+    if system not in self._prompt_frames:
+      content = f"{system}\n\n{self._tools_block}" if self._tools_block else system
+      rendered = self._render([{"role": "system", "content": content}, {"role": "user", "content": _USER}],
+                              self.tools, True)
+      before, after = _split(rendered, _USER, "the user message")
+      self._prompt_frames[system] = (self.tokenizer.encode_template(before), self.tokenizer.encode_template(after))
+    return self._prompt_frames[system]
+
+  def prompt(self, text: str, system: str | None = None) -> tr.TokenStream:
+    head, tail = self._prompt_frame(system)
     stream, role = tr.TokenStream(), tr.Role.PROMPT
-    stream.template(self._prompt_head, role)
+    stream.template(head, role)
     stream.text(text, role, self.tokenizer)
-    stream.template(self._prompt_tail, role)
+    stream.template(tail, role)
     return stream
 
   def observation(self, text: str, role: tr.Role = tr.Role.TOOL, after: Sequence[int] = ()) -> Frame:

@@ -177,7 +177,7 @@ def test_snapshot_is_an_optional_capability_answered_over_the_wire():
 def test_one_vocabulary_of_terminations_and_outcomes():
   assert tuple(t.value for t in envs.Termination) == envs.TERMINATIONS
   assert envs.OUTCOMES == ("ok",) + envs.TERMINATIONS + (
-      "worker_crash", "invalid_action_continued", "parser_rejected_continued", "replay_diverged")
+      "worker_crash", "invalid_action_continued", "parser_rejected_continued", "replay_diverged", "history_rewritten")
   assert tuple(o.value for o in envs.Outcome) == envs.OUTCOMES
   assert [envs.OUTCOME_CODES[o] for o in envs.Outcome] == list(range(len(envs.OUTCOMES)))
   assert envs.COMPLETED is envs.Termination.COMPLETED and envs.ENV_ERROR is envs.Termination.ENV_ERROR

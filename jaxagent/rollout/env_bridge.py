@@ -8,7 +8,7 @@ only its own rows; outside `shard_map` the callback would gather the whole batch
 Outcome codes (int32) are `envs.OUTCOME_CODES`:
   0 ok, 1 completed, 2 max_turns, 3 context_exhausted, 4 turn_budget_exhausted, 5 invalid_action,
   6 parser_rejected, 7 env_error, 8 env_timeout, 9 retries_exhausted, 10 cancelled, 11 worker_crash,
-  12 invalid_action_continued, 13 parser_rejected_continued.
+  12 invalid_action_continued, 13 parser_rejected_continued, 14 replay_diverged, 15 history_rewritten.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class Scheduler:
         for key, value in turn.reward_components.items():
           ep.components[key] = ep.components.get(key, 0.0) + float(value) * self.engine.gamma ** k
     else:
-      ep.stream, ep.first_text = self.chat.prompt(obs.text), obs.text
+      ep.stream, ep.first_text = self.chat.prompt(obs.text, obs.system), obs.text
     ep.state_key = obs.state_key
     ep.prompt = tuple(ep.stream.tokens(0, len(ep.stream)))
     ep.state, ep.since = EpisodeState.FEEDING, ep.answered

@@ -60,8 +60,9 @@ def set_reference(run: Run, state: TrainState) -> TrainState:
 
 
 def scripted_action(run: Run, line: str) -> str:
-  """A scripted action (written `NAME ARG`) in the run's action syntax (a JSON call for `json`)."""
-  if run.interface.syntax == "line":
+  """A scripted action (written `NAME ARG`) in the run's action syntax (a JSON call for `json`); an env that
+  takes free text (`ActionParser.free_text`) writes its scripts as the model's replies already."""
+  if run.interface.syntax == "line" or run.interface.env_info.parser.free_text:
     return line
   text = run.interface.action_parser.format(run.interface.env_info.parser.parse(line))
   # A demonstration the env would refuse is an error here, not a silent BC target.

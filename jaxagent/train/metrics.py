@@ -47,6 +47,7 @@ ZERO_VARIANCE_GROUP_FRACTION = "zero_variance_group_fraction"
 EXCLUDED_TRAJECTORIES = "excluded_trajectories"                 # infrastructure failures, never trained
 TOKENS_COMPUTED = "update/tokens_computed"                      # what the update's model ran on (shared once)
 TOKENS_UNSHARED = "update/tokens_unshared"                      # the batch's tokens, each trajectory's own
+HISTORY_REWRITTEN = "episodes/history_rewritten"                # an agent's history broke the record (gateway)
 ENV_INTERACTIONS, ACTION_TOKENS, DEVICE_SECONDS, WALL_SECONDS = (
     "env_interactions", "action_tokens", "device_seconds", "wall_seconds")
 # Cumulative x-axes of docs/design.md §2.11, in subplot order.

@@ -72,6 +72,8 @@ def policy_metrics(run: Run, sample: Sequence[tr.Trajectory], prepared: learner.
          **learner.group_statistics(run, sample, prepared.estimate if grouped else None),
          **prepared.stats, **{k: float(v) for k, v in update.items()},
          **termination_metrics(counts["terminations"])}
+  if counts.get("history_rewritten"):
+    out[metrics_lib.HISTORY_REWRITTEN] = int(counts["history_rewritten"])
   # Reward components: this process's rows (their names come from the env and may differ between processes,
   # so they are not gathered); the task identification likewise.
   for key in sorted({k for t in sample for k in t.reward.components}):

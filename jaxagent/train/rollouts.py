@@ -123,10 +123,13 @@ TERMINATIONS = tuple(t.value for t in envs.Termination)
 
 
 def episode_counts(trajectories: Sequence[tr.Trajectory], **extra) -> dict[str, Any]:
-  """How `trajectories` (this process's) ended, per `TERMINATIONS` name, and `extra` counts, each summed over
-  every process in one collective."""
+  """How `trajectories` (this process's) ended, per `TERMINATIONS` name, how many of them at a gateway break
+  (`history_rewritten`, an env_error), and `extra` counts, each summed over every process in one collective."""
+  rewritten = sum(bool(t.turns) and t.turns[-1].outcome == envs.Outcome.HISTORY_REWRITTEN.value
+                  for t in trajectories)
   counts = multihost.host_sums({"terminations": np.asarray([sum(t.termination.value == n for t in trajectories)
-                                                            for n in TERMINATIONS]), **extra})
+                                                            for n in TERMINATIONS]),
+                                "history_rewritten": rewritten, **extra})
   return {**counts, "terminations": dict(zip(TERMINATIONS, (int(c) for c in counts["terminations"])))}
 
 

@@ -1,0 +1,77 @@
+"""The gateway's cost per model call, against the plain env path, in one run.
+
+    .venv/bin/python bench/gateway.py [--episodes 200] [--kinds inprocess local]
+
+The same calculator episodes (reset, one calc call, the answer) played two ways:
+  env      the calculator env: the action text is parsed and stepped in the worker;
+  gateway  the calculator task as an OpenAI-client ReAct agent (envs/builtin/calculator_agent.py): each action
+           answers the agent's pending chat-completions request over the worker's loopback HTTP, the agent's
+           `openai` client parses it, runs the tool and sends its next request, which the env checks (the
+           extension rule) and returns as the observation.
+through a pool of each `--kind` (inprocess: threads in this process, the env's own cost; local: a worker
+process, what training sees). Printed: median and p90 microseconds per step (an action in, the observation out)
+and per reset, and the gateway / env ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import envs  # noqa: E402
+from envs.builtin import calculator  # noqa: E402
+
+
+def _episodes(kind: str, env: str, n: int) -> dict[str, list[float]]:
+  tasks = calculator.tasks("train", n, seed=0)
+  times: dict[str, list[float]] = {"reset": [], "step": []}
+  syntax = "json" if env == "calculator_agent" else "line"
+  cfg = envs.pool.PoolConfig(env=env, kind=kind, num_workers=1, action_syntax=syntax)
+  with envs.pool.Pool(cfg, num_slots=1) as pool:
+    for i, task in enumerate(tasks):
+      q = task.payload["question"]
+      calc = (json.dumps({"name": "calc", "arguments": {"expression": q}}) if syntax == "json" else f"calc {q}")
+      answer = str(calculator.safe_eval(q)) if syntax == "json" else f"answer {calculator.safe_eval(q)}"
+      start = time.perf_counter()
+      pool.reset(0, task, i)
+      times["reset"].append(time.perf_counter() - start)
+      for action in (calc, answer):
+        start = time.perf_counter()
+        result = pool.step(0, action)
+        times["step"].append(time.perf_counter() - start)
+      if not (result.done and result.verdict is not None and result.verdict.passed):
+        raise RuntimeError(f"{env} via {kind}: the scripted episode did not pass: {result}")
+  return times
+
+
+def _us(xs: list[float], q: float) -> float:
+  xs = sorted(xs[len(xs) // 10:]) or sorted(xs)  # the first tenth warms up (imports, the gateway's first start)
+  return 1e6 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--episodes", type=int, default=200)
+  ap.add_argument("--kinds", nargs="+", default=["inprocess", "local"], choices=["inprocess", "local"])
+  args = ap.parse_args(argv)
+  print(f"{'pool':10s} {'path':8s} {'step p50 us':>12s} {'step p90 us':>12s} {'reset p50 us':>13s}")
+  for kind in args.kinds:
+    result = {}
+    for env, label in (("calculator", "env"), ("calculator_agent", "gateway")):
+      t = _episodes(kind, env, args.episodes)
+      result[label] = t
+      print(f"{kind:10s} {label:8s} {_us(t['step'], 0.5):12.0f} {_us(t['step'], 0.9):12.0f} "
+            f"{_us(t['reset'], 0.5):13.0f}")
+    ratio = statistics.median(result["gateway"]["step"]) / statistics.median(result["env"]["step"])
+    extra = _us(result["gateway"]["step"], 0.5) - _us(result["env"]["step"], 0.5)
+    print(f"{kind:10s} gateway / env per step: {ratio:.1f}x (+{extra:.0f} us per model call)")
+
+
+if __name__ == "__main__":
+  main()
