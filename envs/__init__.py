@@ -18,7 +18,7 @@ from envs._api import (ACTION_SYNTAXES, CANCELLED, COMPLETED, CONTEXT_EXHAUSTED,
                        Termination, Tool, Verdict, Verifier, source_version)
 from envs._registry import (ENTRY_POINT_GROUP, UnknownEnvError, check_name, get, is_valid_name, names,
                             register)
-from envs import pool  # noqa: E402  (no jax; gives envs.pool.Pool)
+from envs import mcp_tools, pool  # noqa: E402, F401  (no jax; gives envs.pool.Pool)
 from envs.gateway import AgentEnv, agent_spec  # noqa: F401
 from envs.builtin import calculator as _calculator
 from envs.builtin import calculator_agent as _calculator_agent

@@ -12,6 +12,7 @@ from typing import Any, Literal, Mapping
 
 from envs._api import ACTION_SYNTAXES, INVALID_ACTION_RULES
 from envs.perturb import Perturbation
+from envs.mcp_tools import check_servers
 
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,10 @@ class PoolConfig(WorkerConfig):
   # tool faults injected by the worker around the env (envs.perturb.Perturbation's fields; None: none)
   perturb: Mapping[str, Any] | None = None
   score_heldout: bool = False  # also score episodes with the env's held-out verifier (evaluation only)
+  # MCP servers whose tools each episode offers beside the env's (`mcp:stdio:<command>`, envs/mcp_tools.py) and
+  # their tools' version as the trainer listed them (the worker refuses other tools)
+  tools: tuple[str, ...] = ()
+  tools_version: str | None = None
 
   def __post_init__(self):
     super().__post_init__()
@@ -106,6 +111,11 @@ class PoolConfig(WorkerConfig):
       raise _invalid(self, "action_syntax", f"not one of {ACTION_SYNTAXES}")
     if self.perturb is not None:
       object.__setattr__(self, "perturb", Perturbation.from_dict(self.perturb).to_dict() or None)
+    object.__setattr__(self, "tools", tuple(self.tools))
+    try:
+      check_servers(self.tools)
+    except ValueError as e:
+      raise _invalid(self, "tools", str(e)) from None
 
   @classmethod
   def from_workers(cls, workers: WorkerConfig, **episode_fields: Any) -> "PoolConfig":
@@ -126,6 +136,10 @@ class PoolConfig(WorkerConfig):
       opts["perturb"] = dict(self.perturb)
     if self.score_heldout:
       opts["score_heldout"] = True
+    if self.tools:
+      opts["tools"] = list(self.tools)
+      if self.tools_version is not None:
+        opts["tools_version"] = self.tools_version
     return opts
 
 

@@ -182,7 +182,8 @@ class LocalWorker(Worker):
     except Exception:  # the worker reports an unknown env when it starts
       spec = None
     self.data_dirs = {k: str(v) for k, v in (spec.data_dirs() if spec and spec.data_dirs else {}).items()}
-    self.site_packages = bool(spec and spec.site_packages)
+    # An agent's openai client or an MCP server's `mcp` import installed packages.
+    self.site_packages = bool(spec and spec.site_packages) or bool(getattr(cfg, "tools", ()))
     self.proc: subprocess.Popen | None = None
     self.dir = tempfile.mkdtemp(prefix=f"envw{index}-")
 

@@ -24,12 +24,13 @@ from typing import Any, Mapping
 
 from envs import _protocol as P
 from envs import _sandbox
+from envs import mcp_tools
 from envs import perturb as perturb_lib
 from envs._api import Env, InvalidActionRule, Task
 from envs._registry import UnknownEnvError, get
 
 RESET_OPTIONS = {"max_turns": int, "invalid_action": str, "penalty": float, "max_obs_bytes": int,
-                 "action_syntax": str, "perturb": dict, "score_heldout": bool}
+                 "action_syntax": str, "perturb": dict, "score_heldout": bool, "tools": list, "tools_version": str}
 MAX_INSTANCES = 4096
 
 
@@ -128,8 +129,11 @@ class Host:
         kwargs["invalid_action"] = InvalidActionRule(kwargs.pop("invalid_action", "error_observation"),
                                                      kwargs.pop("penalty", 0.1))
       perturb, heldout = kwargs.pop("perturb", None), kwargs.pop("score_heldout", False)
+      tools, tools_version = kwargs.pop("tools", None), kwargs.pop("tools_version", None)
+      mcp_tools.check_servers(tools)
       env = self.spec.make(**kwargs)
       env.episode_sandbox, env.score_heldout = self.episode_sandbox, heldout
+      env = mcp_tools.wrap(env, tools, tools_version)  # MCP servers' tools beside the env's (they start here)
       env = perturb_lib.wrap(env, perturb)  # the env under test is never edited: its tools are wrapped
     except (ValueError, TypeError) as e:
       raise RequestError("bad_args", f"options: {e}") from None

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, TypeVar,
 import yaml
 
 import envs
+import envs.mcp_tools
 import envs.perturb
 import envs.pool
 import models
@@ -333,6 +334,9 @@ class EnvConfig:
   options: dict[str, Any] | None = field(None, help="keyword arguments of the task generator (e.g. max_operand)")
   demo_options: dict[str, Any] | None = field(None, help="keyword arguments of the scripted demonstrations "
                                               "(e.g. style: direct for calculator)")
+  tools: tuple[str, ...] = field((), check=envs.mcp_tools.check_servers, help="MCP servers whose tools every "
+                                "episode offers beside the env's: 'mcp:stdio:<command ...>' (envs/mcp_tools.py; JSON "
+                                "actions)")
   perturb: dict[str, Any] | None = field(None, check=_check_perturb, help="tool faults the env workers inject "
                                          "around the env (envs/perturb.py: latency, transient_p, down_tool, "
                                          "implicit_p, truncate_fraction); evaluation suites set it per condition")

@@ -229,7 +229,7 @@ def test_worker_config_is_a_yaml_loadable_section_and_pool_config_extends_it():
   assert typing.get_args(hints["sandbox"]) == pool_lib.SANDBOXES == ("auto", "bwrap", "none")
   episode = [f.name for f in dataclasses.fields(PoolConfig)][len(hints):]
   assert episode == ["env", "max_turns", "invalid_action", "penalty", "action_syntax", "perturb",
-                     "score_heldout"] and issubclass(PoolConfig, WorkerConfig)
+                     "score_heldout", "tools", "tools_version"] and issubclass(PoolConfig, WorkerConfig)
 
   workers = WorkerConfig(kind="inprocess", num_workers=2, action_timeout_s=3.0, addresses=("unix:/x",))
   cfg = PoolConfig.from_workers(workers, env="faults", max_turns=5)

@@ -186,12 +186,20 @@ class EnvInfo:
   tools: tuple[dict, ...]         # the tools' JSON schemas, for the chat template
   parser: envs.ActionParser       # as the env declares it (line syntax: demonstrations are written in it)
   versions: dict[str, str]        # what a trained policy depends on besides the env's code (parser, verifier)
+  tools_version: str | None = None  # the MCP servers' tools as listed here (`env.tools`); None without them
 
 
-def _env_info(spec: envs.EnvSpec, max_turns: int) -> EnvInfo:
-  env = spec.make(max_turns=max_turns)
+def _env_info(spec: envs.EnvSpec, max_turns: int, tool_servers: Sequence[str] = ()) -> EnvInfo:
+  """The env's tools and versions, its `env.tools` MCP servers' tools beside them (each server started once,
+  here, to list them)."""
   try:
-    return EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser, versions=env.versions())
+    env = envs.mcp_tools.wrap(spec.make(max_turns=max_turns), tool_servers)
+  except envs.EnvError as e:
+    raise config_lib.ConfigError(f"env.tools: {e}") from None
+  try:
+    mcp = env.parser.version.rpartition("+mcp-")[2] if tool_servers else None
+    return EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser, versions=env.versions(),
+                   tools_version=mcp)
   finally:
     env.close()
 
@@ -300,11 +308,15 @@ def build_interface(cfg: Config) -> Interface:
         f"set model.tokenizer={cfg.model.path!r}")
   tokenizer = models.load_tokenizer(cfg.model.tokenizer)
   env_spec = envs.get(cfg.env.name)
-  env_info = _env_info(env_spec, cfg.env.max_turns)
+  env_info = _env_info(env_spec, cfg.env.max_turns, cfg.env.tools)
   chat = _make_chat(cfg, tokenizer, env_info.tools)
   syntax = cfg.env.action_syntax
   if syntax == "auto":
     syntax = "json" if isinstance(chat, TemplateChat) else "line"
+  if cfg.env.tools and syntax != "json":
+    raise config_lib.ConfigError(
+        f"env.tools={list(cfg.env.tools)} with env.action_syntax resolving to {syntax!r}: MCP tools take JSON "
+        "arguments; use a model with a chat template (model.chat_format=auto) and env.action_syntax=auto or json")
   elif (syntax == "json") != isinstance(chat, TemplateChat):
     # A template shows the tools' JSON schemas and asks for <tool_call>{json}; control tokens show none.
     raise config_lib.ConfigError(
@@ -590,7 +602,8 @@ def _build_rollout(cfg: Config, io: Interface, policy: Policy, global_rows: int)
         f"sharded over (mesh axes {batch_axes}), or every device would hold every slot's KV cache")
   pool = envs.pool.Pool(envs.pool.PoolConfig.from_workers(
       cfg.env.pool, env=cfg.env.name, max_turns=cfg.env.max_turns, invalid_action=cfg.env.invalid_action,
-      action_syntax=io.syntax, perturb=cfg.env.perturb, score_heldout=cfg.env.score_heldout), num_slots=slots)
+      action_syntax=io.syntax, perturb=cfg.env.perturb, score_heldout=cfg.env.score_heldout,
+      tools=tuple(cfg.env.tools), tools_version=io.env_info.tools_version), num_slots=slots)
   if replays_routes(cfg, policy.model.config) and cfg.rollout.env_transport == "callback":
     raise config_lib.ConfigError(f"rollout.env_transport=callback with a mixture of experts: {ROUTES_NEED_HOST_LOOP}")
   engine = RolloutEngine(pool, io.env_spec, io.chat, EpisodeRules(
