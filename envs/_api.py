@@ -261,6 +261,8 @@ class EnvSpec:
     site_packages: its workers import installed packages beyond the standard library and msgpack (an agent's
       `openai` client): a bubblewrap worker gets the trainer's site-packages bound read-only (still no network,
       no writes); a docker image must have them installed.
+    network: the env is a client of a server elsewhere (an OpenEnv server's): its workers need the network, so a
+      local pool runs them unsandboxed under sandbox='auto' and refuses 'bwrap' and docker.
   """
   name: str
   description: str
@@ -276,6 +278,7 @@ class EnvSpec:
   data_dirs: Callable[[], Mapping[str, Path]] | None = None
   timeouts: Callable[[], Mapping[str, float]] | None = None
   site_packages: bool = False
+  network: bool = False
 
   def __post_init__(self):
     for attr, args, kwargs, expected in _CALLS:

@@ -22,6 +22,7 @@ import threading
 import warnings
 
 from envs._api import EnvAPIError, EnvSpec
+from envs import openenv_bridge
 
 ENTRY_POINT_GROUP = "jaxagent.envs"
 
@@ -82,7 +83,8 @@ def names() -> list[str]:
 
 
 def _valid() -> str:
-  return f"registered names are {names()}, or 'package.module:ATTR' naming an EnvSpec"
+  return (f"registered names are {names()}, or 'package.module:ATTR' naming an EnvSpec, or "
+          f"'{openenv_bridge.PREFIX}http://HOST:PORT' (an OpenEnv server)")
 
 
 def _import_spec(name: str) -> EnvSpec:
@@ -118,6 +120,11 @@ def get(name: str) -> EnvSpec:
     raise UnknownEnvError(f"environment {name!r}: must be a str; {_valid()}")
   if name in _REGISTRY:
     return _REGISTRY[name]
+  if name.startswith(openenv_bridge.PREFIX):
+    try:
+      return openenv_bridge.client_spec(name)
+    except ValueError as e:
+      raise UnknownEnvError(str(e)) from None
   if ":" in name:
     return _import_spec(name)
   _load_entry_points()
@@ -152,4 +159,4 @@ def worker_name(name: str) -> str:
 def module_of(name: str) -> str | None:
   """The module a worker must import to build `name` (None for the built-ins, which live in `envs`)."""
   ref = worker_name(name)
-  return ref.partition(":")[0] if ":" in ref else None
+  return ref.partition(":")[0] if ":" in ref and not ref.startswith(openenv_bridge.PREFIX) else None

@@ -180,6 +180,11 @@ class Pool:
         raise ValueError(f"addresses (env.pool.addresses) has {len(cfg.addresses)} entries for "
                          f"num_workers={cfg.num_workers}")
       return RemoteWorker(cfg, i)
+    from envs._registry import get
+    if get(cfg.env).network and (cfg.kind == "docker" or cfg.sandbox == "bwrap"):
+      raise RuntimeError(f"env {cfg.env!r} is a client of a server over the network, which a "
+                         f"{'docker container' if cfg.kind == 'docker' else 'bubblewrap sandbox'} cuts; use "
+                         "env.pool.kind=inprocess or local with env.pool.sandbox=auto or none")
     if cfg.kind == "docker":
       if i == 0:
         import docker
@@ -187,7 +192,8 @@ class Pool:
         self.sandboxed = True
       return DockerWorker(cfg, i, self._docker)
     if i == 0:
-      want = cfg.sandbox != "none"
+      # A network client (an OpenEnv server's) runs unconfined: its own code is ours, the server runs elsewhere.
+      want = cfg.sandbox != "none" and not get(cfg.env).network
       self.sandboxed = want and bwrap_available()
       if cfg.sandbox == "bwrap" and not self.sandboxed:
         raise RuntimeError("sandbox='bwrap' (env.pool.sandbox) but bubblewrap is not installed or cannot create "

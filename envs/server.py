@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_args(args: argparse.Namespace) -> int:
   """`serve` with the arguments `add_serve_args` defines; 2 (and the reason on stderr) if it cannot start."""
+  if args.openenv:
+    return _serve_openenv(args)
   try:
     serve(args.env, socket_path=args.socket, tcp=args.tcp, threads=args.threads, max_inflight=args.max_inflight,
           max_episodes=args.max_episodes, allow_any_address=args.allow_any_address,
@@ -300,6 +302,25 @@ def serve_args(args: argparse.Namespace) -> int:
   except (_sandbox.SandboxUnavailable, ValueError) as e:
     print(f"envs.server: error: {e}", file=sys.stderr)
     return 2
+  return 0
+
+
+def _serve_openenv(args: argparse.Namespace) -> int:
+  """`--openenv`: the env behind OpenEnv's HTTP/WebSocket server (envs/openenv_bridge.py) at --tcp."""
+  from envs import openenv_bridge
+  host, _, port = (args.tcp or "127.0.0.1:8000").rpartition(":")
+  try:
+    if not port.isdigit():
+      raise ValueError(f"--tcp {args.tcp!r}: expected HOST:PORT")
+    if host not in ("127.0.0.1", "localhost", "::1") and not args.allow_any_address:
+      raise ValueError(f"--tcp {args.tcp!r}: not a loopback address (--allow-any-address to bind it anyway)")
+    spec = get(args.env)
+    openenv_bridge.make_app(spec)  # fails here, before binding, without openenv-core
+  except (ValueError, UnknownEnvError, openenv_bridge.EnvError) as e:
+    print(f"envs.server: error: {e}", file=sys.stderr)
+    return 2
+  print(f"serving {spec.name} as an OpenEnv server at http://{host}:{port}", flush=True)
+  openenv_bridge.serve(spec, host, int(port), max_turns=args.max_turns, max_sessions=min(args.max_episodes, 256))
   return 0
 
 
@@ -318,6 +339,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                       help="envs that run programs (terminal, code_repair): bwrap gives every episode its own "
                       "sandbox (required: fail at start without it), none runs them unconfined, auto is bwrap "
                       "where it works")
+  parser.add_argument("--openenv", action="store_true", help="serve the env as an OpenEnv server (HTTP and "
+                      "WebSocket, openenv-core's own) at --tcp (default 127.0.0.1:8000) instead of the worker protocol")
+  parser.add_argument("--max-turns", type=int, default=8, help="--openenv: the env's turn limit per episode")
   parser.add_argument("--allow-any-address", action="store_true", help="--tcp may bind a non-loopback address "
                       "(only for a server alone in its network namespace, e.g. a Kubernetes pod)")
 
