@@ -321,7 +321,7 @@ class AgentEnv(Env):
 
   def __init__(self, agent: Callable[[Task, Any], Any], tools: Sequence[Tool] = (), verifier: Verifier | None = None,
                agent_timeout_s: float = 60.0, **kwargs):
-    self.parser = ActionParser(tools=tuple(tools), syntax="json", version=GATEWAY_VERSION, free_text=True)
+    self.parser = ActionParser(tools=tuple(tools), version=GATEWAY_VERSION, free_text=True)  # any text: a reply
     super().__init__(**{k: v for k, v in kwargs.items() if k != "action_syntax"})
     self.agent = agent
     self.verifier = verifier
