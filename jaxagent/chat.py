@@ -269,9 +269,14 @@ class TemplateChat(ChatFormat):
     if system is None:
       return self._prompt_head, self._prompt_tail
     if system not in self._prompt_frames:
+      if len(self._prompt_frames) >= 64:  # agents bring one or a few: a bound, not an eviction policy
+        self._prompt_frames.clear()
       content = f"{system}\n\n{self._tools_block}" if self._tools_block else system
-      rendered = self._render([{"role": "system", "content": content}, {"role": "user", "content": _USER}],
-                              self.tools, True)
+      try:
+        rendered = self._render([{"role": "system", "content": content}, {"role": "user", "content": _USER}],
+                                self.tools, True)
+      except Exception as e:  # jinja's raise_exception: a template without a system role
+        raise TemplateError(f"the chat template refuses a system message ({type(e).__name__}: {e})") from None
       before, after = _split(rendered, _USER, "the user message")
       self._prompt_frames[system] = (self.tokenizer.encode_template(before), self.tokenizer.encode_template(after))
     return self._prompt_frames[system]

@@ -264,3 +264,17 @@ def test_an_openai_client_agent_trains_two_grpo_iterations_through_the_gateway(t
     assert np.isfinite(t.behavior_logprobs[t.loss_mask]).all()
   lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [x["iteration"] for x in lines if "loss" in x] == [1, 2]
+
+
+def test_an_episodes_own_system_message_frames_its_prompt(smollm2_dir):
+  """SmolLM2's template has no place for tools: the tools block follows the episode's own system message too."""
+  import models
+  from jaxagent.chat import make_chat
+  chat = make_chat(models.HFTokenizer(smollm2_dir), "template", tools=[t.schema() for t in calculator_agent.TOOLS],
+                   system_prompt="configured")
+  decode = lambda stream: chat.tokenizer.decode(stream.tokens(0, len(stream)))
+  own, configured = decode(chat.prompt("2*3", system="Be brief.")), decode(chat.prompt("2*3"))
+  assert own.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "calc"' in own
+  assert configured.startswith("<|im_start|>system\nconfigured\n\n# Tools")
+  assert own.endswith("<|im_start|>user\n2*3<|im_end|>\n<|im_start|>assistant\n") and own.endswith(
+      configured[configured.index("<|im_start|>user"):])

@@ -181,7 +181,13 @@ class Scheduler:
         for key, value in turn.reward_components.items():
           ep.components[key] = ep.components.get(key, 0.0) + float(value) * self.engine.gamma ** k
     else:
-      ep.stream, ep.first_text = self.chat.prompt(obs.text, obs.system), obs.text
+      try:
+        ep.stream, ep.first_text = self.chat.prompt(obs.text, obs.system), obs.text
+      except ValueError as e:  # an episode's own system message the template cannot frame (TemplateError)
+        ep.stream = self.chat.prompt("")
+        ep.provenance["reset_error"] = str(e)
+        self._end(ep, envs.Termination.ENV_ERROR)
+        return
     ep.state_key = obs.state_key
     ep.prompt = tuple(ep.stream.tokens(0, len(ep.stream)))
     ep.state, ep.since = EpisodeState.FEEDING, ep.answered
