@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,7 +77,7 @@ def main(argv=None) -> None:
             f"{_us(t['reset'], 0.5):13.0f}")
     for path in result:
       if path != "env":
-        ratio = statistics.median(result[path]["step"]) / statistics.median(result["env"]["step"])
+        ratio = _us(result[path]["step"], 0.5) / _us(result["env"]["step"], 0.5)
         extra = _us(result[path]["step"], 0.5) - _us(result["env"]["step"], 0.5)
         print(f"{kind:10s} {path} / env per step: {ratio:.1f}x (+{extra:.0f} us per call)")
 
