@@ -360,7 +360,7 @@ class AgentEnv(Env):
       return self.episode.events.get(timeout=self.agent_timeout_s)
     except queue.Empty:
       raise EnvError(f"the agent neither called the model nor returned within {self.agent_timeout_s:g} s "
-                     f"(env.options.agent_timeout_s)") from None
+                     f"(agent_spec(agent_timeout_s=...))") from None
 
   def _answer(self, status: int, body: dict) -> None:
     pending, self.episode.pending = self.episode.pending, None
