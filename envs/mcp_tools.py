@@ -193,6 +193,7 @@ class McpToolsEnv(Env):
       raise EnvError(f"the MCP servers list other tools than when the run was built ({version} != "
                      f"{self.expected}): the prompt shows those")
     inner = self.inner.parser
+    self.tools_version = version  # what the trainer hands the workers to compare (`expected`)
     self.parser = dataclasses.replace(inner, tools=(*inner.tools, *mcp), version=f"{inner.version}+mcp-{version}")
 
   def versions(self) -> dict[str, str]:

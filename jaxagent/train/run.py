@@ -197,9 +197,8 @@ def _env_info(spec: envs.EnvSpec, max_turns: int, tool_servers: Sequence[str] = 
   except envs.EnvError as e:
     raise config_lib.ConfigError(f"env.tools: {e}") from None
   try:
-    mcp = env.parser.version.rpartition("+mcp-")[2] if tool_servers else None
     return EnvInfo(tools=tuple(t.schema() for t in env.parser.tools), parser=env.parser, versions=env.versions(),
-                   tools_version=mcp)
+                   tools_version=getattr(env, "tools_version", None))
   finally:
     env.close()
 
