@@ -6,7 +6,7 @@ CONFIG ?= tiny_cpu
 # pytest-xdist workers for `make test`: auto = one per core; TEST_WORKERS=0 runs in this process (for -s, --pdb).
 TEST_WORKERS ?= auto
 
-.PHONY: run test lint install install-test clean
+.PHONY: run test lint docs install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(VENV)/.installed-test
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check
+
+# docs/config.md from the config tree (tests/test_config_reference.py fails when it is stale).
+docs: $(VENV)/.installed
+	$(BIN)/python -m jaxagent.config_reference docs/config.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -20,7 +20,7 @@ PACKAGES = ("envs", "models", "jaxagent")
 LAYERS = (
     ("foundations", ("envs", "models", "jaxagent.__init__", "jaxagent.seeds", "jaxagent.mesh_rules",
                      "jaxagent.buckets", "jaxagent.algos", "jaxagent.multihost")),
-    ("config", ("jaxagent.config",)),
+    ("config", ("jaxagent.config", "jaxagent.config_reference")),
     ("records", ("jaxagent.trajectory", "jaxagent.trajectory_store", "jaxagent.trajectory_render", "jaxagent.chat", "jaxagent.assembly",
                  "jaxagent.shared_prefix", "jaxagent.data", "jaxagent.weights", "jaxagent.sharding", "jaxagent.distributed")),
     ("rollout", ("jaxagent.rollout",)),

@@ -1,0 +1,45 @@
+"""docs/config.md is what `jaxagent.config_reference` generates from the config tree (`make docs` rewrites it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxagent import config as config_lib
+from jaxagent import config_reference
+
+
+def test_docs_config_md_is_current():
+  written = config_reference.OUTPUT.read_text()
+  assert written == config_reference.markdown(), (
+      "docs/config.md is stale: run `make docs` (python -m jaxagent.config_reference docs/config.md) and commit it")
+
+
+def _leaf_paths(data, prefix=""):
+  for name, value in data.items():
+    path = f"{prefix}.{name}" if prefix else name
+    if isinstance(value, dict) and value:
+      yield from _leaf_paths(value, path)
+    else:
+      yield path
+
+
+def test_the_reference_lists_every_key_of_the_config_tree_once():
+  listed = [k.path for k in config_reference.keys()]
+  assert len(listed) == len(set(listed))
+  # Every key of a default config (list items aside: they are shown as key[].field) is listed, and no other.
+  defaults = config_lib.to_dict(config_lib.Config())
+  expected = {p for p in _leaf_paths(defaults)} - {"curriculum.stages"}
+  assert {p for p in listed if "[]" not in p} == expected
+  stage_fields = {f.name for f in dataclasses.fields(config_lib.StageConfig)}
+  assert {p.split("[].")[1].split(".")[0] for p in listed if p.startswith("curriculum.stages[].")} == stage_fields
+
+
+def test_each_key_says_its_default_and_its_bounds():
+  by_path = {k.path: k for k in config_reference.keys()}
+  assert by_path["run.seed"].default == "0" and by_path["run.seed"].valid == ">= 0"
+  assert by_path["rollout.schedule"].default == "'continuous'"
+  assert "'lockstep'" in by_path["rollout.schedule"].type
+  assert by_path["model.path"].type == "string | null"
+  assert "decode slots" in by_path["rollout.slots"].help
+  # A nested record without help metadata takes its class docstring's Attributes: text.
+  assert "Qwen3" in by_path["model.init.qk_norm"].help
