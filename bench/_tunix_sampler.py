@@ -1,7 +1,7 @@
 """Runs inside a venv with google-tunix: times tunix's `vanilla` sampler on the tiny config's shape.
 
 Prints one JSON line: {"decode_tok_s": ..., "prefill_s": ..., "total_s": ...}. Used by bench/sampler.py.
-The model is tunix's own Llama3 with the same shape as launch/configs/tiny_cpu.yaml (random weights),
+The model is tunix's own Llama3 with the same shape as jaxagent/configs/tiny_cpu.yaml (random weights),
 a byte tokenizer, prompts of `--prompt` tokens (BOS + bytes), `--new` sampled tokens at temperature 1 (EOS forbidden so
 every row generates exactly `--new` tokens, as ours does).
 """

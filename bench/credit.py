@@ -3,7 +3,7 @@
     .venv/bin/python bench/credit.py [--recipe sokoban_cpu|gridworld_cpu --iterations 40 --seeds 0 1
                                       --advantages gigpo grpo --root DIR --set KEY=VALUE]
 
-Per seed: one behavior-cloning cold start (the recipe's, e.g. `launch/configs/sokoban_cpu.yaml`: 120 BC steps on
+Per seed: one behavior-cloning cold start (the recipe's, e.g. `jaxagent/configs/sokoban_cpu.yaml`: 120 BC steps on
 BFS solutions, then its held-out success), copied once per estimator and resumed for `--iterations` rl iterations (B=8 x G=8,
 the recipe's model, optimizer and env; the copies share the cold start's optimizer state and RNG, so the
 estimator is the only difference), then 200 held-out episodes with Wilson intervals (the run's own final eval).

@@ -7,7 +7,7 @@ With tunix, each batch size alternates `--rounds` measurements of ours and of tu
 on a shared 2-core machine wanders by tens of percent). `decode_vs_tunix` is best round against best round;
 every round's own ratio and their median are printed next to it.
 
-The model is the `model.init` of launch/configs/tiny_cpu.yaml with random weights.
+The model is the `model.init` of jaxagent/configs/tiny_cpu.yaml with random weights.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 
 def _add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
   parser.add_argument("config", nargs=None if required else "?",
-                      help="YAML file, or the name of a config in launch/configs/")
+                      help="YAML file, or the name of a config in jaxagent/configs/")
   parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config value, e.g. --set generate.max_new_tokens=8 (repeatable)")
 
@@ -355,7 +355,7 @@ def _add_evaluation_verbs(sub) -> None:
   p.add_argument("--checkpoint", required=True, help="run directory (or its checkpoints/)")
   p.add_argument("--split", default=None, choices=("train", "tune", "eval"))
   p.add_argument("--episodes", type=int, default=None, help="held-out episodes (per condition with --suite)")
-  p.add_argument("--suite", help="a suite YAML or a shipped one in launch/suites/ (release)")
+  p.add_argument("--suite", help="a suite YAML or a shipped one in jaxagent/suites/ (release)")
   p.add_argument("--gate", help="with --suite: a YAML of gates (`gates: ['clean.success >= 0.2', ...]`); exit 1 "
                  "when one fails")
   p.add_argument("--out", help="with --suite: where the report and episodes go (default RUN/evals)")

@@ -27,7 +27,7 @@ from jaxagent import algos
 from jaxagent.mesh_rules import RULE_TABLES
 
 T = TypeVar("T")
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "launch" / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -1009,7 +1009,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 
 def resolve_path(name_or_path: str | Path) -> Path:
-  """A YAML path, or the name of a shipped config in `launch/configs/` (with or without `.yaml`)."""
+  """A YAML path, or the name of a shipped config in `jaxagent/configs/` (with or without `.yaml`)."""
   path = Path(name_or_path)
   if path.is_file():
     return path

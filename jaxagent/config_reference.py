@@ -23,7 +23,7 @@ OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 HEADER = """# Configuration reference
 
 Every key of a run's config, generated from `jaxagent/config.py` by `make docs` (a test fails when this file is
-stale: edit the code's help text, not this page). A YAML recipe (`launch/configs/*.yaml`) lists only what it
+stale: edit the code's help text, not this page). A YAML recipe (`jaxagent/configs/*.yaml`) lists only what it
 changes; `--set key=value` overrides one key (values parse as YAML); `jaxagent config NAME --set ...` prints the
 resolved config and validates it. Keys of list items are shown as `key[].field`.
 """

@@ -153,7 +153,7 @@ def test_kubernetes_manifests_deploy_the_server_the_remote_pool_reaches():
 @pytest.mark.slow
 def test_a_remote_pool_of_two_loopback_servers_trains_from_yaml_alone(servers, tmp_path):
   addresses = [servers("calculator"), servers("calculator")]
-  config = yaml.safe_load((ROOT / "launch" / "configs" / "tiny_cpu.yaml").read_text())
+  config = yaml.safe_load((ROOT / "jaxagent" / "configs" / "tiny_cpu.yaml").read_text())
   config["env"]["pool"] = {"kind": "remote", "num_workers": 2, "addresses": addresses}
   config["run"].update(root=str(tmp_path / "runs"))
   config["train"].update(iterations=3, bc_steps=20, eval_episodes=16, eval_every=0, plots=False)

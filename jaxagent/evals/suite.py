@@ -1,4 +1,4 @@
-"""Evaluation suites: what a release evaluation runs (YAML, `launch/suites/<name>.yaml`), and gates on its results.
+"""Evaluation suites: what a release evaluation runs (YAML, `jaxagent/suites/<name>.yaml`), and gates on its results.
 
 A suite is a list of named conditions over the same held-out tasks and env seeds, plus pass^k and exploit probes:
 
@@ -36,7 +36,7 @@ import yaml
 import envs.perturb
 from jaxagent.config import ConfigError
 
-SUITE_DIR = Path(__file__).resolve().parent.parent.parent / "launch" / "suites"
+SUITE_DIR = Path(__file__).resolve().parent.parent / "suites"
 SPLITS = ("train", "tune", "eval")
 
 
@@ -164,7 +164,7 @@ def _read_yaml(path: Path) -> Any:
 
 
 def load(name_or_path: str | Path) -> Suite:
-  """A suite YAML: a path, or the name of a shipped suite in `launch/suites/`."""
+  """A suite YAML: a path, or the name of a shipped suite in `jaxagent/suites/`."""
   path = Path(name_or_path)
   if not path.is_file():
     path = SUITE_DIR / f"{Path(name_or_path).stem}.yaml"

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("plan", help="compile every program of a run's RL iteration for a TPU topology on this host "
                      "(libtpu, no TPU): per-device HBM, FLOPs, collectives, roofline time; exit 1 if it does not "
                      "fit")
-  p.add_argument("config", help="YAML file, or the name of a config in launch/configs/")
+  p.add_argument("config", help="YAML file, or the name of a config in jaxagent/configs/")
   p.add_argument("--topology", required=True, help="a TPU slice: v5p-64 (accelerator type) or v5p:2x4x4 (chip grid)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config value (repeatable)")

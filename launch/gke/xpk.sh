@@ -2,7 +2,7 @@
 # TPU pod training through xpk (https://github.com/AI-Hypercomputer/xpk), which creates the JobSet for us.
 #
 #   CLUSTER=my-cluster PROJECT=my-project ZONE=us-east5-b IMAGE=us-docker.pkg.dev/my-project/jaxagent/trainer:tpu \
-#     launch/gke/xpk.sh launch/configs/tiny_cpu.yaml --set train.iterations=100
+#     launch/gke/xpk.sh jaxagent/configs/tiny_cpu.yaml --set train.iterations=100
 #
 # TPU_TYPE (default v5litepod-16) and NUM_SLICES (default 1) pick the hardware; with NUM_SLICES > 1 the config's
 # mesh.dcn.* sizes span the slices. jaxagent.distributed auto-detects the TPU pod (jax.distributed.initialize()).

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Multi-host TPU VM (no Kubernetes): run the same jaxagent program on every worker of a TPU VM slice.
 #
-#   TPU_NAME=my-v5e-16 ZONE=us-east5-b PROJECT=my-project launch/tpu_vm/train.sh launch/configs/tiny_cpu.yaml \
+#   TPU_NAME=my-v5e-16 ZONE=us-east5-b PROJECT=my-project launch/tpu_vm/train.sh jaxagent/configs/tiny_cpu.yaml \
 #     --set train.iterations=100
 #
 # SETUP=1 first copies this checkout to every worker and installs it with jax[tpu]. jaxagent.distributed detects
