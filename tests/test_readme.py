@@ -8,6 +8,7 @@ code is loaded through `jaxagent.config` on top of `tiny_cpu`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 import shlex
@@ -365,3 +366,75 @@ def test_readme_and_docs_name_no_session_issue_number_or_machine_image():
   for path in [README, *sorted((REPO / "docs").glob("*.md"))]:
     found = [(n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), 1) if _HISTORY.search(line)]
     assert not found, f"{path.relative_to(REPO)} speaks of its history: {found[:5]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Every `jaxagent ...` command the README and the guide show parses.
+
+_SHELL_OPERATORS = frozenset({"&&", "||", ";", "|", "&"})
+COMMAND_PAGES = (README, REPO / "docs" / "guide.md")
+
+
+def jaxagent_commands(text: str) -> list[list[str]]:
+  """The argv (without `jaxagent`) of every command in shell code blocks of `text` that starts with `jaxagent`:
+  continuation lines joined, comments dropped, commands split at `&&`, `;`, `|` and `&`. Inline code in prose
+  names a verb (`jaxagent eval --split train` is a mention, not a whole command): its leading verb words with
+  `--help`, which parses only if the verb exists."""
+  sources = [b.body for b in blocks(text) if b.lang in ("bash", "sh", "shell", "console", "")]
+  out = []
+  for span in inline_spans(text):
+    if span.startswith("jaxagent "):
+      words = span.split()[1:]
+      verbs = list(itertools.takewhile(lambda w: re.fullmatch(r"[a-z][a-z-]*", w), words))
+      out.append(verbs[:2] + ["--help"])
+  for body in sources:
+    for line in body.replace("\\\n", " ").splitlines():
+      line = re.sub(r"^\$ ", "", line.strip())
+      try:
+        words = shlex.split(line, comments=True)
+      except ValueError:  # an unbalanced quote in prose-like text: not a command
+        continue
+      command: list[str] = []
+      for word in words + [";"]:
+        if word in _SHELL_OPERATORS:
+          if command[:1] == ["jaxagent"]:
+            out.append(command[1:])
+          command = []
+        else:
+          command.append(word)
+  return out
+
+
+def parse_problem(argv: list[str]) -> str | None:
+  """What argparse says of `jaxagent argv` (None: it parses)."""
+  import contextlib
+  import io
+
+  from jaxagent import cli
+  err = io.StringIO()
+  try:
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+      cli.build_parser().parse_args(argv)
+  except SystemExit as e:
+    if e.code:
+      return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {e.code}"
+  return None
+
+
+@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: p.name)
+def test_every_jaxagent_command_shown_parses(page):
+  commands = jaxagent_commands(page.read_text())
+  assert len(commands) >= 5, f"{page.name}: found only {commands}"
+  bad = [(" ".join(argv), problem) for argv in commands if (problem := parse_problem(argv))]
+  assert not bad, f"{page.relative_to(REPO)}: commands the CLI rejects: {bad}"
+
+
+def test_a_command_the_cli_rejects_is_caught():
+  text = "```bash\njaxagent train tiny_cpu --no-such-flag 1   # a comment\njaxagent envs list && jaxagent evall\n```\n"
+  commands = jaxagent_commands(text)
+  assert commands == [["train", "tiny_cpu", "--no-such-flag", "1"], ["envs", "list"], ["evall"]]
+  assert jaxagent_commands("`jaxagent envs chek --pool local` and `jaxagent eval`") == [
+      ["envs", "chek", "--help"], ["eval", "--help"]]
+  assert parse_problem(["envs", "chek", "--help"]) and parse_problem(["eval", "--help"]) is None
+  assert "--no-such-flag" in parse_problem(commands[0])
+  assert parse_problem(commands[1]) is None and "evall" in parse_problem(commands[2])
