@@ -29,7 +29,8 @@ from jaxagent import config as config_lib
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 REFERENCE = REPO / "docs" / "reference.md"
-EXAMPLE_HEADING = "## Write your own environment"
+DOC_PAGES = ("guide.md", "reference.md", "results.md")
+EXAMPLE_HEADING = "## Your own environment"
 EXAMPLE_ENV = "mypkg.myenv:SPEC"
 SECTIONS = tuple(f.name for f in dataclasses.fields(config_lib.Config))
 BASE = "tiny_cpu"
@@ -241,8 +242,9 @@ def write_example(root: Path, text: str) -> Path:
 
 @pytest.fixture(scope="module")
 def readme() -> str:
-  """The README and the reference moved out of it (docs/reference.md): every config key either shows loads."""
-  return README.read_text() + "\n" + REFERENCE.read_text()
+  """The README and the pages it leads to (docs/guide.md, reference.md, results.md): every config key any of
+  them shows loads."""
+  return "\n".join(p.read_text() for p in (README, *(REPO / "docs" / n for n in DOC_PAGES)))
 
 
 @pytest.fixture
@@ -353,8 +355,43 @@ def test_every_design_section_the_code_cites_exists_in_docs_design():
   missing = {s: str(p) for s, p in cited.items() if s not in headings}
   assert not missing, f"cited sections that docs/design.md lacks: {missing}"
   assert "../shared" not in README.read_text()
-  for link in ("docs/design.md", "docs/reference.md"):  # the README points at both
-    assert f"]({link})" in README.read_text() and (REPO / link).is_file()
+  for link in ("docs/design.md", "docs/guide.md", "docs/config.md", "docs/results.md"):  # the README leads to each
+    assert f"]({link}" in README.read_text() and (REPO / link).is_file()
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+  """The anchors GitHub gives a page's headings (code blocks' `# comment` lines are no headings)."""
+  prose = _FENCE.sub("", text)
+  return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+          for h in re.findall(r"^#{1,6} (.+)$", prose, re.MULTILINE)}
+
+
+def broken_links(page: Path) -> list[str]:
+  """Relative links of `page` whose file or heading anchor does not exist."""
+  out = []
+  for target in _LINK.findall(_FENCE.sub("", page.read_text())):
+    if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+      continue
+    path, _, anchor = target.partition("#")
+    file = (page.parent / path).resolve() if path else page
+    if not file.exists():
+      out.append(f"{target}: no file {path}")
+    elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file.read_text()):
+      out.append(f"{target}: no heading #{anchor} in {file.name}")
+  return out
+
+
+def test_every_link_of_the_readme_and_docs_reaches_a_file_and_heading(tmp_path):
+  pages = [README, *sorted((REPO / "docs").glob("*.md"))]
+  bad = {p.relative_to(REPO).as_posix(): b for p in pages if (b := broken_links(p))}
+  assert not bad, bad
+  text = "# Top\n## A `b` (c): d\n[x](#a-b-c-d) [y](#nowhere) [z](no_such_file.md)\n"
+  page = tmp_path / "probe.md"
+  page.write_text(text)
+  assert broken_links(page) == ["#nowhere: no heading #nowhere in probe.md", "no_such_file.md: no file no_such_file.md"]
 
 
 # The project speaks of itself alone: its measurements carry a date, a machine and a command, never the work
