@@ -33,9 +33,11 @@ test: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check
 
-# docs/config.md from the config tree (tests/test_config_reference.py fails when it is stale).
+# docs/config.md and docs/cli.md from the config tree and the CLI's parser (tests/test_config_reference.py fails
+# when either is stale).
 docs: $(VENV)/.installed
 	$(BIN)/python -m jaxagent.config_reference docs/config.md
+	$(BIN)/python -m jaxagent.cli_reference docs/cli.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -1,11 +1,12 @@
-"""docs/config.md is what `jaxagent.config_reference` generates from the config tree (`make docs` rewrites it)."""
+"""docs/config.md and docs/cli.md are what `jaxagent.config_reference` and `jaxagent.cli_reference` generate from the
+config tree and the CLI's parser (`make docs` rewrites both)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jaxagent import config as config_lib
-from jaxagent import config_reference
+from jaxagent import cli_reference, config_reference
 
 
 def test_docs_config_md_is_current():
@@ -43,3 +44,20 @@ def test_each_key_says_its_default_and_its_bounds():
   assert "decode slots" in by_path["rollout.slots"].help
   # A nested record without help metadata takes its class docstring's Attributes: text.
   assert "Qwen3" in by_path["model.init.qk_norm"].help
+
+
+def test_docs_cli_md_is_current():
+  assert cli_reference.OUTPUT.read_text() == cli_reference.markdown(), (
+      "docs/cli.md is stale: run `make docs` (python -m jaxagent.cli_reference docs/cli.md) and commit it")
+
+
+def test_the_cli_reference_has_every_verb_and_argument():
+  text = cli_reference.markdown()
+  paths = [path for path, _, _ in cli_reference.verbs()]
+  assert {"train", "eval", "envs check", "envs serve", "tasks generate", "plan"} <= set(paths)
+  for path in paths:
+    assert f"## `jaxagent {path}`" in text
+  train = text.split("## `jaxagent train`")[1].split("\n## ")[0]
+  assert "`--resume RUN_DIR`" in train and "`--run-dir DIR`" in train and "`--set KEY=VALUE`" in train
+  sft = text.split("## `jaxagent sft`")[1].split("\n## ")[0]
+  assert "| `--steps STEPS` |  | `100` |" in sft and "`--split {train,tune,eval}`" in sft

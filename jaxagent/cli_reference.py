@@ -1,0 +1,87 @@
+"""The CLI reference, docs/cli.md, generated from the argument parser (`jaxagent.cli.build_parser`): every verb with
+its usage, what it does, and each argument with its default. `make docs` writes it; tests/test_config_reference.py
+fails when the file differs from what this module generates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from jaxagent import cli
+
+OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+PROG_WIDTH = 100  # usage lines are wrapped at this width, whatever the terminal that generates the page
+HEADER = """# Command-line reference
+
+Every `jaxagent` verb, generated from its argument parser by `make docs` (a test fails when this file is stale:
+edit the parser's help text, not this page). `jaxagent VERB --help` prints the same. Verbs that take a config
+accept a recipe name (`jaxagent/configs/`) or a YAML path and any number of `--set key=value` overrides; every key:
+[config.md](config.md).
+"""
+
+
+class _FixedWidth(argparse.HelpFormatter):
+  def __init__(self, prog: str):
+    super().__init__(prog, width=PROG_WIDTH, max_help_position=40)
+
+
+def verbs(parser: argparse.ArgumentParser | None = None, prefix: str = "") -> Iterator[tuple[str, str,
+                                                                                              argparse.ArgumentParser]]:
+  """(verb path, help, parser) of every verb and sub-verb, in the parser's order."""
+  parser = parser or cli.build_parser()
+  for action in parser._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      helps = {c.dest: c.help or "" for c in action._choices_actions}
+      for name, sub in action.choices.items():
+        path = f"{prefix}{name}"
+        yield path, helps.get(name, ""), sub
+        yield from verbs(sub, path + " ")
+
+
+def _cell(text: str) -> str:
+  return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _arguments(parser: argparse.ArgumentParser) -> list[str]:
+  rows = []
+  for action in parser._actions:
+    if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+      continue
+    name = ", ".join(action.option_strings) or action.metavar or action.dest
+    if action.option_strings and action.nargs != 0:
+      choices = "{" + ",".join(map(str, action.choices)) + "}" if action.choices else None
+      name += f" {action.metavar or choices or action.dest.upper()}"
+    empty = action.default in (None, argparse.SUPPRESS, False, [], ()) or action.nargs == 0
+    default = "" if empty else f"`{action.default}`"
+    help_text = (action.help or "") % {"default": action.default} if action.help else ""
+    required = "required" if action.required or not action.option_strings and action.nargs not in ("?", "*") else ""
+    rows.append(f"| `{_cell(name)}` | {required} | {default} | {_cell(help_text)} |\n")
+  return rows
+
+
+def markdown() -> str:
+  """docs/cli.md as it should read: one section per verb, its usage and a table of its arguments."""
+  out = [HEADER]
+  for path, help_text, parser in verbs():
+    parser.formatter_class = _FixedWidth
+    out.append(f"\n## `jaxagent {path}`\n\n{' '.join(help_text.split())}\n")
+    out.append(f"\n```text\n{parser.format_usage().strip()}\n```\n")
+    rows = _arguments(parser)
+    if rows:
+      out.append("\n| argument | | default | what |\n|---|---|---|---|\n")
+      out.extend(rows)
+  return "".join(out)
+
+
+def main(argv: list[str]) -> int:
+  target = Path(argv[0]) if argv else OUTPUT
+  target.write_text(markdown())
+  print(f"wrote {target} ({len(list(verbs()))} verbs)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
