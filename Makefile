@@ -33,11 +33,10 @@ test: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check
 
-# docs/config.md and docs/cli.md from the config tree and the CLI's parser (tests/test_config_reference.py fails
+# docs/config.md and docs/cli.md from the config tree and the CLI's parser (tests/test_reference_pages.py fails
 # when either is stale).
 docs: $(VENV)/.installed
-	$(BIN)/python -m jaxagent.config_reference docs/config.md
-	$(BIN)/python -m jaxagent.cli_reference docs/cli.md
+	$(BIN)/python -m jaxagent.reference_pages docs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

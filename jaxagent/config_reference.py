@@ -1,6 +1,6 @@
 """The config reference, docs/config.md, generated from the config tree: every key with its type, default, valid
-values and help text. `make docs` (`python -m jaxagent.config_reference docs/config.md`) writes it;
-tests/test_config_reference.py fails when the file differs from what this module generates.
+values and help text. `make docs` writes it (`jaxagent/reference_pages.py`); tests/test_reference_pages.py fails
+when the file differs from what this module generates.
 
 A field's help comes from its `config.field(help=...)`; a field of a dataclass that has none (the model
 architecture, `models.ModelConfig`) from its class docstring's `Attributes:` section.
@@ -11,15 +11,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any, Iterator
 
 from jaxagent import config as config_lib
 
-OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+PAGE = "config.md"  # under docs/
 HEADER = """# Configuration reference
 
 Every key of a run's config, generated from `jaxagent/config.py` by `make docs` (a test fails when this file is
@@ -139,14 +137,3 @@ def markdown() -> str:
     for key in keys(cls, section.name):
       out.append(f"| `{key.path}` | {_cell(key.type)} | `{key.default}` | {_cell(key.valid)} | {_cell(key.help)} |\n")
   return "".join(out)
-
-
-def main(argv: list[str]) -> int:
-  target = Path(argv[0]) if argv else OUTPUT
-  target.write_text(markdown())
-  print(f"wrote {target} ({len(list(keys()))} keys)")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))

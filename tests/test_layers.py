@@ -28,7 +28,7 @@ LAYERS = (
     ("train", ("jaxagent.train",)),
     ("plan", ("jaxagent.plan",)),
     ("evals", ("jaxagent.evals",)),
-    ("cli", ("jaxagent.cli", "jaxagent.cli_reference", "jaxagent.inspect_cli", "jaxagent.demo", "jaxagent.__main__", "jaxagent.tasks.cli",
+    ("cli", ("jaxagent.cli", "jaxagent.reference_pages", "jaxagent.inspect_cli", "jaxagent.demo", "jaxagent.__main__", "jaxagent.tasks.cli",
              "jaxagent.plan.cli", "envs.cli")),
 )
 # The foundations import nothing of each other but these (envs never imports JAX, models or jaxagent).

@@ -1,6 +1,7 @@
-"""The CLI reference, docs/cli.md, generated from the argument parser (`jaxagent.cli.build_parser`): every verb with
-its usage, what it does, and each argument with its default. `make docs` writes it; tests/test_config_reference.py
-fails when the file differs from what this module generates.
+"""The generated reference pages and the command that writes them (`make docs`: `python -m jaxagent.reference_pages
+docs`): docs/config.md from the config tree (`jaxagent.config_reference`) and docs/cli.md from the argument parser
+(`jaxagent.cli.build_parser`: every verb with its usage, what it does, and each argument with its default).
+tests/test_reference_pages.py fails when a page differs from what is generated.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from jaxagent import cli
+from jaxagent import cli, config_reference
 
-OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+CLI_PAGE = "cli.md"
 PROG_WIDTH = 100  # usage lines are wrapped at this width, whatever the terminal that generates the page
 HEADER = """# Command-line reference
 
@@ -76,10 +78,16 @@ def markdown() -> str:
   return "".join(out)
 
 
+def pages() -> dict[str, str]:
+  """File name under docs/ -> its text as it should read."""
+  return {config_reference.PAGE: config_reference.markdown(), CLI_PAGE: markdown()}
+
+
 def main(argv: list[str]) -> int:
-  target = Path(argv[0]) if argv else OUTPUT
-  target.write_text(markdown())
-  print(f"wrote {target} ({len(list(verbs()))} verbs)")
+  docs = Path(argv[0]) if argv else DOCS
+  for name, text in pages().items():
+    (docs / name).write_text(text)
+    print(f"wrote {docs / name}")
   return 0
 
 
