@@ -1,11 +1,14 @@
 """The package as a user installs it: `python -m build` makes a wheel and an sdist; the wheel installs in a clean
 venv (its dependencies from the index, nothing of this checkout on the path) and runs `jaxagent --version`,
-`jaxagent config` on a shipped recipe and `jaxagent demo`."""
+`jaxagent config` on a shipped recipe and `jaxagent demo`. Both steps reach PyPI (the build's setuptools, the
+wheel's dependencies): with no route to it they skip, saying so, except in CI (JAXAGENT_REQUIRE_MODELS=1, the
+flag of every test that fetches from PyPI), where they fail; any other failure fails."""
 
 from __future__ import annotations
 
 import email.parser
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -17,16 +20,32 @@ import pytest
 import jaxagent
 from jaxagent import config as config_lib
 from jaxagent.evals import suite as suite_lib
+from tests.conftest import _fetched
 
 REPO = Path(__file__).resolve().parents[1]
+# What pip prints when it has no route to the index (it retries, naming the connection error).
+_NO_ROUTE = re.compile(r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
+                       r"ConnectTimeoutError")
+
+
+def _from_index(what: str, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+  """Runs `cmd`, which installs from the package index, and asserts it succeeded; no route to the index skips
+  (outside CI) through conftest's rule for fetched things."""
+  def run():
+    r = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    if r.returncode and _NO_ROUTE.search(r.stdout + r.stderr):
+      raise RuntimeError(f"no route to the package index: {_NO_ROUTE.search(r.stdout + r.stderr).group(0)}")
+    return r
+  r = _fetched(what, run, "JAXAGENT_REQUIRE_MODELS", "the package index (PyPI) must be reachable")
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return r
 
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
   out = tmp_path_factory.mktemp("dist")
-  r = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)], capture_output=True,
-                     text=True, timeout=600)
-  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  _from_index("the wheel build's setuptools", [sys.executable, "-m", "build", "--outdir", str(out), str(REPO)],
+              timeout=600)
   return out
 
 
@@ -57,9 +76,8 @@ def test_the_wheel_holds_the_packages_and_their_data_and_no_tests_benches_or_run
 def test_the_wheel_installs_in_a_clean_venv_and_runs_the_demo(dist, tmp_path):
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-  pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                        "--disable-pip-version-check", str(_wheel(dist))], capture_output=True, text=True, timeout=900)
-  assert pip.returncode == 0, pip.stderr[-3000:]
+  _from_index("the wheel's dependencies", [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                                            "--disable-pip-version-check", str(_wheel(dist))], timeout=900)
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
   env.update(JAX_PLATFORMS="cpu")
   work = tmp_path / "work"  # not this checkout: the installed package alone
