@@ -119,9 +119,10 @@ def keys(cls: type = config_lib.Config, prefix: str = "") -> Iterator[Key]:
               " ".join(help_text.split()))
 
 
-def _cell(text: str) -> str:
-  """Text for a table cell: a `|` would end the cell and `<name>` would read as an HTML tag."""
-  return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+def table_cell(text: str) -> str:
+  """Text for a markdown table cell (of either generated page): one line, a `|` would end the cell and `<name>`
+  would read as an HTML tag."""
+  return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def markdown() -> str:
@@ -135,5 +136,6 @@ def markdown() -> str:
       out.append(" ".join(doc.split()) + "\n")
     out.append("\n| key | type | default | valid | what |\n|---|---|---|---|---|\n")
     for key in keys(cls, section.name):
-      out.append(f"| `{key.path}` | {_cell(key.type)} | `{key.default}` | {_cell(key.valid)} | {_cell(key.help)} |\n")
+      cells = (f"`{key.path}`", table_cell(key.type), f"`{key.default}`", table_cell(key.valid), table_cell(key.help))
+      out.append("| " + " | ".join(cells) + " |\n")
   return "".join(out)

@@ -43,10 +43,6 @@ def verbs(parser: argparse.ArgumentParser | None = None, prefix: str = "") -> It
         yield from verbs(sub, path + " ")
 
 
-def _cell(text: str) -> str:
-  return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
-
-
 def _arguments(parser: argparse.ArgumentParser) -> list[str]:
   rows = []
   for action in parser._actions:
@@ -58,9 +54,10 @@ def _arguments(parser: argparse.ArgumentParser) -> list[str]:
       name += f" {action.metavar or choices or action.dest.upper()}"
     empty = action.default in (None, argparse.SUPPRESS, False, [], ()) or action.nargs == 0
     default = "" if empty else f"`{action.default}`"
-    help_text = (action.help or "") % {"default": action.default} if action.help else ""
+    help_text = action.help or ""  # (no help here uses argparse's %(default)s expansion)
     required = "required" if action.required or not action.option_strings and action.nargs not in ("?", "*") else ""
-    rows.append(f"| `{_cell(name)}` | {required} | {default} | {_cell(help_text)} |\n")
+    cells = (f"`{config_reference.table_cell(name)}`", required, default, config_reference.table_cell(help_text))
+    rows.append("| " + " | ".join(cells) + " |\n")
   return rows
 
 
