@@ -15,6 +15,8 @@ import types
 import typing
 from typing import Any, Iterator
 
+import yaml
+
 from jaxagent import config as config_lib
 
 PAGE = "config.md"  # under docs/
@@ -40,7 +42,7 @@ class Key:
 def _type_text(tp: Any) -> str:
   origin, args = typing.get_origin(tp), typing.get_args(tp)
   if origin is typing.Literal:
-    return " | ".join(repr(a) if isinstance(a, str) else str(a) for a in args)
+    return " | ".join(_value_text(a) for a in args)
   if origin in (typing.Union, types.UnionType):
     return " | ".join("null" if a is type(None) else _type_text(a) for a in args)
   if origin is tuple:
@@ -54,15 +56,8 @@ def _type_text(tp: Any) -> str:
 
 
 def _value_text(value: Any) -> str:
-  if value is None:
-    return "null"
-  if isinstance(value, bool):
-    return str(value).lower()
-  if isinstance(value, (tuple, list)):
-    return "[" + ", ".join(_value_text(v) for v in value) + "]"
-  if isinstance(value, str):
-    return repr(value) if value else "''"
-  return repr(value)
+  """A value as YAML writes it (what a recipe or `--set` takes, and what `jaxagent config` prints)."""
+  return yaml.safe_dump(config_lib.to_dict(value), default_flow_style=True, width=1 << 16).removesuffix("...\n").strip()
 
 
 def _valid_text(metadata: typing.Mapping[str, Any]) -> str:

@@ -40,8 +40,9 @@ def test_the_reference_lists_every_key_of_the_config_tree_once():
 def test_each_key_says_its_default_and_its_bounds():
   by_path = {k.path: k for k in config_reference.keys()}
   assert by_path["run.seed"].default == "0" and by_path["run.seed"].valid == ">= 0"
-  assert by_path["rollout.schedule"].default == "'continuous'"
-  assert "'lockstep'" in by_path["rollout.schedule"].type
+  assert by_path["rollout.schedule"].default == "continuous"  # as YAML writes it (and `jaxagent config` prints)
+  assert by_path["rollout.schedule"].type == "continuous | lockstep"
+  assert by_path["model.lora_targets"].default == "[q, k, v, o]" and by_path["train.plots"].default == "true"
   assert by_path["model.path"].type == "string | null"
   assert "decode slots" in by_path["rollout.slots"].help
   # A nested record without help metadata takes its class docstring's Attributes: text.
