@@ -355,7 +355,8 @@ def test_every_design_section_the_code_cites_exists_in_docs_design():
   missing = {s: str(p) for s, p in cited.items() if s not in headings}
   assert not missing, f"cited sections that docs/design.md lacks: {missing}"
   assert "../shared" not in README.read_text()
-  for link in ("docs/design.md", "docs/guide.md", "docs/config.md", "docs/results.md"):  # the README leads to each
+  for link in ("docs/design.md", "docs/guide.md", "docs/reference.md", "docs/config.md", "docs/cli.md",
+               "docs/results.md"):  # the README leads to each
     assert f"]({link}" in README.read_text() and (REPO / link).is_file()
 
 
